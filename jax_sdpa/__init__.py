@@ -1,0 +1,47 @@
+r"""jax_sdpa: scaled dot-product attention, ``softmax(Q Kᵀ / √d_k) V``, as pure JAX functions.
+
+One function per step of the formula (:func:`raw_scores`, :func:`scale_scores`,
+:func:`softmax_weights`, :func:`weighted_sum`), composed for one head by :func:`attention`, and
+``jax.vmap``-ed over heads and batch by :func:`dot_product_attention`, a drop-in for
+``jax.nn.dot_product_attention`` and a flax ``attention_fn``.
+"""
+
+from jax_sdpa._attention import attention as attention
+from jax_sdpa._dot_product import dot_product_attention as dot_product_attention
+from jax_sdpa._dot_product import dot_product_attention_weights as dot_product_attention_weights
+from jax_sdpa._masks import AndMask as AndMask
+from jax_sdpa._masks import CausalMask as CausalMask
+from jax_sdpa._masks import LengthMask as LengthMask
+from jax_sdpa._masks import LocalWindowMask as LocalWindowMask
+from jax_sdpa._masks import MaskRule as MaskRule
+from jax_sdpa._masks import SegmentMask as SegmentMask
+from jax_sdpa._masks import materialize_mask as materialize_mask
+from jax_sdpa._steps import default_scale as default_scale
+from jax_sdpa._steps import dropout_weights as dropout_weights
+from jax_sdpa._steps import raw_scores as raw_scores
+from jax_sdpa._steps import scale_scores as scale_scores
+from jax_sdpa._steps import soft_cap_scores as soft_cap_scores
+from jax_sdpa._steps import softmax_weights as softmax_weights
+from jax_sdpa._steps import weighted_sum as weighted_sum
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AndMask",
+    "CausalMask",
+    "LengthMask",
+    "LocalWindowMask",
+    "MaskRule",
+    "SegmentMask",
+    "attention",
+    "default_scale",
+    "dot_product_attention",
+    "dot_product_attention_weights",
+    "dropout_weights",
+    "materialize_mask",
+    "raw_scores",
+    "scale_scores",
+    "soft_cap_scores",
+    "softmax_weights",
+    "weighted_sum",
+)

@@ -1,0 +1,558 @@
+r"""Batched, multi-head attention: the single-head composition ``jax.vmap``-ed over heads and batch.
+
+Shape letters (as ``jax.nn.dot_product_attention``)::
+
+    B = batch size (any number of leading batch axes is accepted; also none: TNH)
+    T = query length                S = key/value length
+    N = query heads                 K = key/value heads, G = N // K query heads share one
+    H = query/key features (d_k)    V = value features (d_v)
+
+Query head ``n`` uses key/value head ``n // G`` (GQA; MQA when ``K = 1``): the query is reshaped
+to ``(T, K, G, H)`` and vmapped twice, so keys and values are never copied ``G`` times.
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float
+
+from jax_sdpa import _checks
+from jax_sdpa._attention import attention_head
+from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule, SegmentMask
+from jax_sdpa._steps import default_scale, dropout_weights
+
+__all__ = ["dot_product_attention", "dot_product_attention_weights"]
+
+Implementation = Literal["xla", "cudnn"]
+CausalAlignment = Literal["top_left", "bottom_right"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Everything static about one call: hashable, so it can key ``jax.jit``'s cache."""
+
+    scale: float
+    soft_cap: float | None
+    dropout_rate: float
+    precision: Any
+    output: Literal["attention", "attention_and_weights", "weights"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """Checked and normalised arguments of one call."""
+
+    query: Array
+    key: Array
+    value: Array
+    bias: Array | None
+    mask: Array | None
+    rule: MaskRule | None
+    dropout_rngs: Array | None
+    batch_shape: tuple[int, ...]
+
+
+def _split_leading(x: Array | None) -> tuple[Array | None, int | None]:
+    """Drops a broadcast (size-1) leading axis for ``in_axes=None``, else maps over axis 0."""
+    if x is None or x.shape[0] == 1:
+        return (None if x is None else x[0]), None
+    return x, 0
+
+
+def _over_heads(head: Callable, query, key, value, bias, mask, rule, rngs):
+    """Maps ``head`` over query heads: ``(T, N, H)`` query, ``(S, K, ·)`` keys → ``(N, ...)``."""
+    seq, heads, _ = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+
+    def grouped(x):  # (N, ...) → (K, G, ...); a broadcast head axis stays broadcast
+        x, axis = _split_leading(x)
+        return (x, None) if axis is None else (x.reshape(kv_heads, groups, *x.shape[1:]), 0)
+
+    (bias, b_ax), (mask, m_ax), (rngs, r_ax) = grouped(bias), grouped(mask), grouped(rngs)
+    per_group = jax.vmap(head, in_axes=(1, None, None, b_ax, m_ax, None, r_ax))
+    per_kv_head = jax.vmap(per_group, in_axes=(1, 1, 1, b_ax, m_ax, None, r_ax))
+    out = per_kv_head(query.reshape(seq, kv_heads, groups, -1), key, value, bias, mask, rule, rngs)
+    return jax.tree.map(lambda x: x.reshape(heads, *x.shape[2:]), out)
+
+
+def _over_batch(head: Callable, query, key, value, bias, mask, rule, rngs):
+    """Maps :func:`_over_heads` over every leading batch axis, one ``jax.vmap`` per axis."""
+    if query.ndim == 3:
+        return _over_heads(head, query, key, value, bias, mask, rule, rngs)
+    (bias, b_ax), (mask, m_ax), (rngs, r_ax) = map(_split_leading, (bias, mask, rngs))
+    inner = functools.partial(_over_batch, head)
+    return jax.vmap(inner, in_axes=(0, 0, 0, b_ax, m_ax, 0, r_ax))(
+        query, key, value, bias, mask, rule, rngs
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _run(query, key, value, bias, mask, rule, rngs, *, config: _Config):
+    """The jitted batched computation: ``(out, logsumexp, weights)``, heads moved into place."""
+    head = functools.partial(
+        attention_head,
+        scale=config.scale,
+        soft_cap=config.soft_cap,
+        dropout_rate=config.dropout_rate,
+        precision=config.precision,
+    )
+    if config.output == "weights":
+        head = functools.partial(_dropped_weights_head, head, config.dropout_rate)
+    out, lse, weights = _over_batch(head, query, key, value, bias, mask, rule, rngs)
+    if config.output == "weights":
+        return weights
+    # (..., N, T, V) → (..., T, N, V) and (..., N, T) → (..., T, N), the layout of jax.nn.
+    out = jnp.moveaxis(out, -3, -2)
+    lse = lax.stop_gradient(jnp.moveaxis(lse, -2, -1))
+    return out, lse, (weights if config.output == "attention_and_weights" else None)
+
+
+def _dropped_weights_head(head, rate, query, key, value, bias, mask, rule, rng):
+    """The weights after dropout, as flax's ``dot_product_attention_weights`` returns them."""
+    out, lse, weights = head(query, key, value, bias, mask, rule, None)
+    if rng is not None:
+        weights = dropout_weights(weights, rng, rate=rate)
+    return out, lse, weights
+
+
+def _static_float(name: str, value) -> float:
+    """A Python number (static under ``jax.jit``), e.g. ``scale``."""
+    if isinstance(value, (bool, str)):
+        raise TypeError(f"`{name}` must be a Python float; got {type(value).__name__}.")
+    try:
+        return float(value)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` must be a Python float (a static value); got {type(value).__name__}."
+        ) from None
+
+
+def _squeeze_leading_ones(x: Array, ndim: int) -> Array:
+    """Drops extra leading size-1 axes (e.g. a 4-D mask for unbatched TNH inputs)."""
+    extra = x.ndim - ndim
+    if extra > 0 and all(s == 1 for s in x.shape[:extra]):
+        return x.reshape(x.shape[extra:])
+    return x
+
+
+def _prepare(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    *,
+    is_causal,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    local_window_size,
+    causal_alignment,
+    query_segment_ids,
+    key_value_segment_ids,
+    dropout_rng,
+    dropout_rate,
+    broadcast_dropout,
+    deterministic,
+    dtype,
+) -> _Inputs:
+    """Checks every argument (raising on the first problem) and puts them in canonical form."""
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    if dtype is not None:
+        query, key, value = query.astype(dtype), key.astype(dtype), value.astype(dtype)
+    layout = {
+        "query": "(batch, q_seq, heads, d_k)",
+        "key": "(batch, kv_seq, kv_heads, d_k)",
+        "value": "(batch, kv_seq, kv_heads, d_v)",
+    }
+    for name, x in zip(layout, (query, key, value), strict=True):
+        if x.ndim < 3:
+            raise ValueError(
+                f"`{name}` must have rank 4 {layout[name]} or rank 3 without batch; "
+                f"got shape {x.shape}."
+            )
+        _checks.check_float(name, x)
+    _checks.check_same_dtype(("query", "key", "value"), (query, key, value))
+    batch_shape = query.shape[:-3]
+    for name, x in (("key", key), ("value", value)):
+        _checks.check_equal("batch shape", ("query", name), (batch_shape, x.shape[:-3]))
+    *_, seq_q, heads, d_k = query.shape
+    *_, seq_kv, kv_heads, _ = key.shape
+    _checks.check_equal("feature size d_k", ("query", "key"), (d_k, key.shape[-1]))
+    _checks.check_equal("length kv_seq", ("key", "value"), (seq_kv, value.shape[-3]))
+    _checks.check_equal("number of heads kv_heads", ("key", "value"), (kv_heads, value.shape[-2]))
+    if heads % kv_heads:
+        raise ValueError(
+            f"The number of query heads must be a multiple of the key/value heads; got "
+            f"{heads} query heads and {kv_heads} key/value heads."
+        )
+
+    logits_shape = (*batch_shape, heads, seq_q, seq_kv)
+    logits_what = f"({'batch, ' * len(batch_shape)}heads, q_seq, kv_seq)"
+
+    def per_logit(name, x):  # bias / mask → rank len(batch) + 3, each axis 1 or full
+        x = _squeeze_leading_ones(jnp.asarray(x), len(logits_shape))
+        _checks.check_broadcastable(name, x, logits_shape, logits_what)
+        return x.reshape((1,) * (len(logits_shape) - x.ndim) + x.shape)
+
+    if bias is not None:
+        bias = per_logit("bias", bias)
+        _checks.check_float("bias", bias)
+    if mask is not None:
+        mask = per_logit("mask", mask)
+        mask = mask if mask.dtype == bool else mask != 0  # flax masks are float: nonzero = keep
+
+    _checks.check_choice("causal_alignment", causal_alignment, ("top_left", "bottom_right"))
+    offset = 0 if causal_alignment == "top_left" else seq_kv - seq_q
+    rules: list[MaskRule] = []
+    if is_causal:
+        rules.append(CausalMask(offset))
+    if local_window_size is not None:
+        window = (
+            (local_window_size, local_window_size)
+            if isinstance(local_window_size, int)
+            else tuple(local_window_size)
+        )
+        if len(window) != 2 or any(not isinstance(w, int) or w < 0 for w in window):
+            raise ValueError(
+                "`local_window_size` must be a non-negative int or a pair (left, right) of them; "
+                f"got {local_window_size!r}."
+            )
+        rules.append(LocalWindowMask(*window, offset=offset))
+
+    def per_batch(name, x, seq=None):  # lengths: batch_shape; segment ids: batch_shape + (seq,)
+        extra = () if seq is None else (seq,)
+        x = _squeeze_leading_ones(jnp.asarray(x), len(batch_shape) + len(extra))
+        dims = ["batch"] * bool(batch_shape) + ["seq"] * bool(extra)
+        _checks.check_shape(name, x, (*batch_shape, *extra), f"({', '.join(dims)})")
+        _checks.check_integer(name, x)
+        return x
+
+    if query_seq_lengths is not None or key_value_seq_lengths is not None:
+        rules.append(
+            LengthMask(
+                None
+                if query_seq_lengths is None
+                else per_batch("query_seq_lengths", query_seq_lengths),
+                None
+                if key_value_seq_lengths is None
+                else per_batch("key_value_seq_lengths", key_value_seq_lengths),
+            )
+        )
+    if query_segment_ids is not None or key_value_segment_ids is not None:
+        if key_value_segment_ids is None and seq_q == seq_kv:
+            key_value_segment_ids = query_segment_ids
+        if query_segment_ids is None or key_value_segment_ids is None:
+            raise ValueError(
+                "`query_segment_ids` and `key_value_segment_ids` must both be given when "
+                f"q_seq != kv_seq; got q_seq {seq_q} and kv_seq {seq_kv}."
+            )
+        rules.append(
+            SegmentMask(
+                per_batch("query_segment_ids", query_segment_ids, seq_q),
+                per_batch("key_value_segment_ids", key_value_segment_ids, seq_kv),
+            )
+        )
+    rule = AndMask(tuple(rules)) if rules else None
+
+    _checks.check_range("dropout_rate", dropout_rate, 0.0, 1.0)
+    rngs = None
+    if dropout_rate > 0 and not deterministic:
+        if dropout_rng is None:
+            raise ValueError(
+                "`dropout_rng` must be a PRNG key when `dropout_rate` > 0 and `deterministic` is "
+                f"False; got None (dropout_rate={dropout_rate})."
+            )
+        if broadcast_dropout:  # one mask for every batch element and head, as flax
+            rngs = jnp.reshape(dropout_rng, (1,) * (len(batch_shape) + 1) + jnp.shape(dropout_rng))
+        else:
+            count = math.prod(batch_shape) * heads
+            rngs = jax.random.split(dropout_rng, count)
+            rngs = rngs.reshape(*batch_shape, heads, *rngs.shape[1:])
+    return _Inputs(query, key, value, bias, mask, rule, rngs, batch_shape)
+
+
+def dot_product_attention(
+    query: Float[Array, "*batch q_seq heads d_k"],
+    key: Float[Array, "*batch kv_seq kv_heads d_k"],
+    value: Float[Array, "*batch kv_seq kv_heads d_v"],
+    bias: Float[Array, "..."] | None = None,
+    mask: Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Array | None = None,
+    key_value_seq_lengths: Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Implementation | None = None,
+    return_residual: bool = False,
+    causal_alignment: CausalAlignment = "top_left",
+    logits_soft_cap: float | None = None,
+    query_segment_ids: Array | None = None,
+    key_value_segment_ids: Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: lax.PrecisionLike = None,
+    module: Any = None,
+    force_fp32_for_softmax: bool = False,
+    qk_attn_weights_einsum: Callable | None = None,
+    attn_weights_value_einsum: Callable | None = None,
+) -> Float[Array, "*batch q_seq heads d_v"] | tuple[Array, Array]:
+    r"""Scaled dot-product attention over heads and batch; a drop-in for ``jax.nn``'s.
+
+    .. math:: \mathrm{Attention}(Q, K, V) = \mathrm{softmax}\Big(
+        \text{scale} \cdot Q K^\top + \text{bias}\Big)_{\text{mask}} V
+
+    computed for each head by :func:`jax_sdpa.attention`'s steps, ``jax.vmap``-ed over heads and
+    batch. Every call that ``jax.nn.dot_product_attention`` accepts means the same here, with one
+    documented difference: a query with no allowed key (fully masked, padded, or a bias row of
+    −∞) outputs **zeros** with zero gradients, as PyTorch, FlashAttention and FlexAttention do,
+    where ``jax.nn`` outputs the mean of the values (or NaN for the −∞ bias row).
+
+    Args:
+        query: ``(B, T, N, H)``, or ``(T, N, H)``, or any number of leading batch axes.
+        key: ``(B, S, K, H)`` with ``N % K == 0`` (GQA: query head ``n`` uses key/value head
+            ``n // (N // K)``).
+        value: ``(B, S, K, V)``; ``V`` may differ from ``H``.
+        bias: Additive bias broadcastable to ``(B, N, T, S)`` (rank ≤ 4 is left-padded), added
+            to the scaled scores.
+        mask: Mask broadcastable to ``(B, N, T, S)``; ``True`` (or nonzero, as flax) = may attend.
+        scale: Factor on ``Q Kᵀ``; ``None`` means ``1/√H``.
+        is_causal: Query ``i`` attends keys ``j <= i`` (shifted by ``S - T`` when
+            ``causal_alignment="bottom_right"``).
+        query_seq_lengths: ``(B,)`` integers; queries at or past the length output 0.
+        key_value_seq_lengths: ``(B,)`` integers; keys at or past the length are masked.
+        local_window_size: ``(left, right)`` inclusive window around the diagonal, or an int for
+            both.
+        implementation: ``None`` or ``"xla"`` for the dense computation; ``"cudnn"`` hands the call
+            to ``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU.
+        return_residual: Also return the log-sum-exp of each row's scores, shape ``(B, T, N)``, in
+            at least float32 (``jax.nn`` returns it in the input dtype); −∞ for a row with no key.
+        causal_alignment: ``"top_left"`` (``jax.nn``, PyTorch) or ``"bottom_right"`` (the last
+            query sees the last key: KV-cache decoding, FlashAttention). Shifts the window too.
+        logits_soft_cap: If set, scores become ``cap · tanh(scores / cap)`` before the bias.
+        query_segment_ids: ``(B, T)`` integers for packed sequences: a query sees only keys with
+            the same id.
+        key_value_segment_ids: ``(B, S)``; defaults to ``query_segment_ids`` when ``S == T``.
+        broadcast_dropout: Use one dropout mask for every batch element and head (flax).
+        dropout_rng: PRNG key for dropout.
+        dropout_rate: Probability of dropping an attention weight, in ``[0, 1)``.
+        deterministic: If True, no dropout (flax's evaluation mode).
+        dtype: Cast ``query``, ``key`` and ``value`` to this dtype first (flax's ``dtype``).
+        precision: ``jax.lax`` precision of the two matrix products.
+        module: A flax module; if given, the weights ``(B, N, T, S)`` are sown into its
+            intermediates as ``"attention_weights"`` (flax's ``sow_weights=True``).
+        force_fp32_for_softmax: Accepted for flax; the softmax always runs in at least float32.
+        qk_attn_weights_einsum: Accepted for flax; must be None (custom einsums are not supported).
+        attn_weights_value_einsum: Accepted for flax; must be None.
+
+    Returns:
+        The output with the query's shape but ``V`` features, in the input dtype; with
+        ``return_residual``, the pair ``(out, logsumexp)``.
+
+    Raises:
+        ValueError: On shapes that do not fit together, or values out of range.
+        TypeError: On non-float inputs, mixed dtypes, or non-integer lengths and segment ids.
+
+    Examples:
+        >>> import jax
+        >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 5, 4, 8))
+        >>> dot_product_attention(q, k, v, is_causal=True).shape
+        (2, 5, 4, 8)
+    """
+    for name, fn in (
+        ("qk_attn_weights_einsum", qk_attn_weights_einsum),
+        ("attn_weights_value_einsum", attn_weights_value_einsum),
+    ):
+        if fn is not None:
+            raise ValueError(
+                f"`{name}` must be None: jax_sdpa computes its own products; got {fn!r}."
+            )
+    del force_fp32_for_softmax  # always true here
+    if implementation == "cudnn":
+        return _cudnn(
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            scale=scale,
+            is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size,
+            return_residual=return_residual,
+            beyond_jax_nn={
+                "causal_alignment": causal_alignment != "top_left",
+                "logits_soft_cap": logits_soft_cap is not None,
+                "query_segment_ids": query_segment_ids is not None,
+                "key_value_segment_ids": key_value_segment_ids is not None,
+                "dropout_rate": dropout_rate > 0 and not deterministic,
+                "module": module is not None,
+                "dtype": dtype is not None,
+            },
+        )
+    _checks.check_choice("implementation", implementation, (None, "xla", "cudnn"))
+    inputs = _prepare(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        causal_alignment=causal_alignment,
+        query_segment_ids=query_segment_ids,
+        key_value_segment_ids=key_value_segment_ids,
+        dropout_rng=dropout_rng,
+        dropout_rate=dropout_rate,
+        broadcast_dropout=broadcast_dropout,
+        deterministic=deterministic,
+        dtype=dtype,
+    )
+    config = _Config(
+        scale=default_scale(inputs.query.shape[-1])
+        if scale is None
+        else _static_float("scale", scale),
+        soft_cap=_soft_cap(logits_soft_cap),
+        dropout_rate=float(dropout_rate),
+        precision=precision,
+        output="attention" if module is None else "attention_and_weights",
+    )
+    out, lse, weights = _run(
+        inputs.query,
+        inputs.key,
+        inputs.value,
+        inputs.bias,
+        inputs.mask,
+        inputs.rule,
+        inputs.dropout_rngs,
+        config=config,
+    )
+    if module is not None:
+        _sow(module, weights)
+    return (out, lse) if return_residual else out
+
+
+def _soft_cap(cap) -> float | None:
+    if cap is None:
+        return None
+    cap = _static_float("logits_soft_cap", cap)
+    if not cap > 0:
+        raise ValueError(f"`logits_soft_cap` must be positive; got {cap}.")
+    return cap
+
+
+def _sow(module, weights: Array) -> None:
+    """Stores the weights where flax's own attention puts them (linen or nnx)."""
+    from flax import nnx  # only reached with a flax module, so flax is installed
+
+    if isinstance(module, nnx.Module):
+        module.sow(nnx.Intermediate, "attention_weights", weights)
+    else:
+        module.sow("intermediates", "attention_weights", weights)
+
+
+def dot_product_attention_weights(
+    query: Float[Array, "*batch q_seq heads d_k"],
+    key: Float[Array, "*batch kv_seq kv_heads d_k"],
+    bias: Float[Array, "..."] | None = None,
+    mask: Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Array | None = None,
+    key_value_seq_lengths: Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    causal_alignment: CausalAlignment = "top_left",
+    logits_soft_cap: float | None = None,
+    query_segment_ids: Array | None = None,
+    key_value_segment_ids: Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: lax.PrecisionLike = None,
+    module: Any = None,
+) -> Float[Array, "*batch heads q_seq kv_seq"]:
+    """The attention weights of :func:`dot_product_attention`, shape ``(B, N, T, S)``.
+
+    Same arguments and meaning; as flax's ``dot_product_attention_weights``, dropout (if active)
+    is applied to the returned weights, and ``module`` sows them before dropout. Rows with no
+    allowed key are all zero.
+
+    Examples:
+        >>> import jax
+        >>> q, k = jax.random.normal(jax.random.key(0), (2, 1, 5, 4, 8))
+        >>> w = dot_product_attention_weights(q, k, is_causal=True)
+        >>> w.shape, bool(abs(w.sum(-1) - 1).max() < 1e-6)
+        ((1, 4, 5, 5), True)
+    """
+    query, key = jnp.asarray(query), jnp.asarray(key)
+    inputs = _prepare(
+        query,
+        key,
+        key[..., :0],
+        bias,
+        mask,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        causal_alignment=causal_alignment,
+        query_segment_ids=query_segment_ids,
+        key_value_segment_ids=key_value_segment_ids,
+        dropout_rng=dropout_rng,
+        dropout_rate=dropout_rate,
+        broadcast_dropout=broadcast_dropout,
+        deterministic=deterministic,
+        dtype=dtype,
+    )
+    config = _Config(
+        scale=default_scale(inputs.query.shape[-1])
+        if scale is None
+        else _static_float("scale", scale),
+        soft_cap=_soft_cap(logits_soft_cap),
+        dropout_rate=float(dropout_rate),
+        precision=precision,
+        output="weights",
+    )
+    args = (inputs.query, inputs.key, inputs.value, inputs.bias, inputs.mask, inputs.rule)
+    weights = _run(*args, inputs.dropout_rngs, config=config)
+    if module is not None:  # flax sows the weights before dropout
+        dropped = inputs.dropout_rngs is not None
+        _sow(module, _run(*args, None, config=config) if dropped else weights)
+    return weights
+
+
+def _cudnn(query, key, value, bias, mask, *, beyond_jax_nn: dict[str, bool], **kwargs):
+    """``implementation="cudnn"``: jax.nn's fused cuDNN kernel, where a GPU has it."""
+    backend = jax.default_backend()
+    if backend != "gpu":
+        raise ValueError(
+            f"`implementation='cudnn'` needs a CUDA GPU with cuDNN; JAX's backend is {backend!r}. "
+            "Use implementation=None or 'xla'."
+        )
+    used = [name for name, on in beyond_jax_nn.items() if on]
+    if used:
+        raise ValueError(
+            f"`implementation='cudnn'` supports only jax.nn's arguments; got {', '.join(used)}."
+        )
+    for name in ("query_seq_lengths", "key_value_seq_lengths"):
+        if kwargs[name] is not None:
+            kwargs[name] = jnp.asarray(kwargs[name], jnp.int32)
+    return jax.nn.dot_product_attention(
+        query, key, value, bias, mask, implementation="cudnn", **kwargs
+    )

@@ -1,0 +1,206 @@
+r"""Attention masks as rules on positions: which key ``kv_idx`` may query ``q_idx`` attend?
+
+A rule is a small pytree with ``rule(q_idx, kv_idx) -> bool`` (``True`` = may attend, as in
+``jax.nn`` and PyTorch). The same rule is evaluated on the whole ``(T, S)`` grid by the dense
+implementation and block by block by the memory-efficient one, so a causal, windowed, padded or
+packed mask never has to exist as a ``(T, S)`` array. Each rule also says which range of keys a
+block of queries can possibly see (``kv_range``) and the converse (``q_range``), which lets the
+blocked implementation skip blocks that are wholly masked.
+
+Array fields (sequence lengths, segment ids) are pytree leaves, so rules can be ``jax.vmap``-ed
+over the batch; integer fields (offsets, window sizes) are static.
+
+Every rule answers ``rule(q_idx, kv_idx)`` for broadcasting integer arrays of positions::
+
+    >>> import jax.numpy as jnp
+    >>> CausalMask()(jnp.arange(3)[:, None], jnp.arange(3)[None, :])
+    Array([[ True, False, False],
+           [ True,  True, False],
+           [ True,  True,  True]], dtype=bool)
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Integer
+
+__all__ = [
+    "AndMask",
+    "CausalMask",
+    "LengthMask",
+    "LocalWindowMask",
+    "MaskRule",
+    "SegmentMask",
+    "materialize_mask",
+]
+
+Index = int | Integer[Array, ""]
+_NO_LIMIT = 2**31 - 1
+
+
+def _rule(cls: type) -> type:
+    """Makes ``cls`` a frozen dataclass pytree: array fields are leaves, the rest static."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    fields = dataclasses.fields(cls)
+    data = [f.name for f in fields if f.metadata.get("leaf", False)]
+    meta = [f.name for f in fields if not f.metadata.get("leaf", False)]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def _leaf(default: Any = None) -> Any:
+    return dataclasses.field(default=default, metadata={"leaf": True})
+
+
+class MaskRule:
+    """Base of the mask rules: a predicate on (query position, key position) pairs."""
+
+    def __call__(
+        self, q_idx: Integer[Array, "..."], kv_idx: Integer[Array, "..."]
+    ) -> Bool[Array, "..."]:
+        """``True`` where query ``q_idx`` may attend key ``kv_idx`` (arrays broadcast)."""
+        raise NotImplementedError
+
+    def kv_range(self, q_lo: Index, q_hi: Index) -> tuple[Index, Index]:
+        """A half-open range of keys that contains every key queries ``[q_lo, q_hi)`` may see."""
+        return 0, _NO_LIMIT
+
+    def q_range(self, kv_lo: Index, kv_hi: Index) -> tuple[Index, Index]:
+        """A half-open range of queries that contains every query keys ``[kv_lo, kv_hi)`` serve."""
+        return 0, _NO_LIMIT
+
+    def __and__(self, other: "MaskRule") -> "AndMask":
+        return AndMask((self, other))
+
+
+@_rule
+class CausalMask(MaskRule):
+    r"""Query ``i`` sees keys ``j <= i + offset``.
+
+    ``offset = 0`` is the top-left alignment of ``jax.nn`` and PyTorch; ``offset = S - T`` aligns
+    the diagonal to the bottom-right corner, as when ``T`` new queries follow ``S - T`` cached keys
+    (KV-cache decoding, FlashAttention's convention).
+    """
+
+    offset: int = 0
+
+    def __call__(self, q_idx, kv_idx):
+        return kv_idx <= q_idx + self.offset
+
+    def kv_range(self, q_lo, q_hi):
+        return 0, q_hi + self.offset
+
+    def q_range(self, kv_lo, kv_hi):
+        return kv_lo - self.offset, _NO_LIMIT
+
+
+@_rule
+class LocalWindowMask(MaskRule):
+    r"""Query ``i`` sees keys ``i + offset - left <= j <= i + offset + right`` (both inclusive).
+
+    ``jax.nn``'s ``local_window_size=(left, right)``: with ``(3, 2)`` the query at position 6 sees
+    keys 3 to 8.
+    """
+
+    left: int
+    right: int
+    offset: int = 0
+
+    def __call__(self, q_idx, kv_idx):
+        centre = q_idx + self.offset
+        return (kv_idx >= centre - self.left) & (kv_idx <= centre + self.right)
+
+    def kv_range(self, q_lo, q_hi):
+        return q_lo + self.offset - self.left, q_hi + self.offset + self.right
+
+    def q_range(self, kv_lo, kv_hi):
+        return kv_lo - self.offset - self.right, kv_hi - self.offset + self.left
+
+
+@_rule
+class LengthMask(MaskRule):
+    """Padding: only the first ``q_length`` queries and ``kv_length`` keys take part.
+
+    A padded query (``i >= q_length``) sees no key at all, so its output is 0.
+    """
+
+    q_length: Integer[Array, ""] | None = _leaf()
+    kv_length: Integer[Array, ""] | None = _leaf()
+
+    def __call__(self, q_idx, kv_idx):
+        allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
+        if self.q_length is not None:
+            allowed = allowed & (q_idx < self.q_length)
+        if self.kv_length is not None:
+            allowed = allowed & (kv_idx < self.kv_length)
+        return allowed
+
+    def kv_range(self, q_lo, q_hi):
+        hi = _NO_LIMIT if self.kv_length is None else self.kv_length
+        if self.q_length is not None:
+            hi = jnp.where(q_lo < self.q_length, hi, 0)
+        return 0, hi
+
+    def q_range(self, kv_lo, kv_hi):
+        hi = _NO_LIMIT if self.q_length is None else self.q_length
+        if self.kv_length is not None:
+            hi = jnp.where(kv_lo < self.kv_length, hi, 0)
+        return 0, hi
+
+
+@_rule
+class SegmentMask(MaskRule):
+    """Packed sequences: a query sees only keys of the same segment id.
+
+    ``q_segment_ids`` has one id per query position, ``kv_segment_ids`` one per key position.
+    """
+
+    q_segment_ids: Integer[Array, " q_seq"] = _leaf()
+    kv_segment_ids: Integer[Array, " kv_seq"] = _leaf()
+
+    def __call__(self, q_idx, kv_idx):
+        return self.q_segment_ids[q_idx] == self.kv_segment_ids[kv_idx]
+
+
+@_rule
+class AndMask(MaskRule):
+    """Allowed where every one of ``rules`` allows; no rules at all allows everything."""
+
+    rules: tuple[MaskRule, ...] = _leaf(())
+
+    def __call__(self, q_idx, kv_idx):
+        shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
+        return functools.reduce(
+            jnp.logical_and, (rule(q_idx, kv_idx) for rule in self.rules), jnp.ones(shape, bool)
+        )
+
+    def kv_range(self, q_lo, q_hi):
+        return _intersect(rule.kv_range(q_lo, q_hi) for rule in self.rules)
+
+    def q_range(self, kv_lo, kv_hi):
+        return _intersect(rule.q_range(kv_lo, kv_hi) for rule in self.rules)
+
+
+def _intersect(ranges) -> tuple[Index, Index]:
+    lo, hi = 0, _NO_LIMIT
+    for r_lo, r_hi in ranges:
+        lo, hi = jnp.maximum(lo, r_lo), jnp.minimum(hi, r_hi)
+    return lo, hi
+
+
+def materialize_mask(
+    rule: MaskRule, q_len: int, kv_len: int, *, q_offset: Index = 0, kv_offset: Index = 0
+) -> Bool[Array, "q_len kv_len"]:
+    """Evaluates ``rule`` on a ``(q_len, kv_len)`` block of positions as a boolean array.
+
+    Examples:
+        >>> materialize_mask(LocalWindowMask(1, 0), 3, 3).astype(int)
+        Array([[1, 0, 0],
+               [1, 1, 0],
+               [0, 1, 1]], dtype=int32)
+    """
+    q_idx = q_offset + jnp.arange(q_len)[:, None]
+    kv_idx = kv_offset + jnp.arange(kv_len)[None, :]
+    return rule(q_idx, kv_idx)

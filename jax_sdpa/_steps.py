@@ -1,0 +1,318 @@
+r"""The steps of scaled dot-product attention, one head at a time.
+
+.. math:: \mathrm{Attention}(Q, K, V) = \mathrm{softmax}\Big(\frac{Q K^\top}{\sqrt{d_k}}\Big) V
+
+Each factor of the formula is one pure function here::
+
+    scores  = raw_scores(query, key)          # Q Kᵀ                       (T, S)
+    scores  = scale_scores(scores, scale)     # · 1/√d_k                   (T, S)
+    weights = softmax_weights(scores, mask)   # row-wise masked softmax    (T, S)
+    out     = weighted_sum(weights, value)    # weights · V                (T, d_v)
+
+Shape letters: ``T`` query length, ``S`` key/value length, ``d_k`` query/key features, ``d_v``
+value features. Nothing here is batched or jitted: batching is one ``jax.vmap`` in
+:func:`jax_sdpa.dot_product_attention`.
+
+The softmax is also written in its *block form* (``_masked``, ``_exp_scores``, ``_normalize``,
+``_logsumexp``) so that the memory-efficient implementation runs the very same arithmetic over
+key blocks instead of whole rows (Milakov & Gimelshein 2018; Rabe & Staats 2021).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.random import threefry2x32_p
+from jaxtyping import Array, Bool, Float, Integer, Key
+
+__all__ = [
+    "default_scale",
+    "dropout_weights",
+    "raw_scores",
+    "scale_scores",
+    "soft_cap_scores",
+    "softmax_weights",
+    "weighted_sum",
+]
+
+
+def accumulation_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype scores and sums are computed in: ``dtype`` promoted to at least float32."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def large_negative(dtype: jnp.dtype) -> Array:
+    """A finite stand-in for −∞, with headroom so that adding to it cannot overflow."""
+    return jnp.asarray(-0.7 * jnp.finfo(dtype).max, dtype)
+
+
+def raw_scores(
+    query: Float[Array, "q_seq d_k"],
+    key: Float[Array, "kv_seq d_k"],
+    *,
+    precision: lax.PrecisionLike = None,
+) -> Float[Array, "q_seq kv_seq"]:
+    r"""Dot products of every query with every key: :math:`s_{ij} = q_i \cdot k_j`.
+
+    .. math:: S = Q K^\top
+
+    Products are accumulated in at least float32 (float64 stays float64), whatever the input
+    dtype, so bfloat16 inputs lose no precision in the sum.
+
+    Args:
+        query: Queries, shape ``(T, d_k)``.
+        key: Keys, shape ``(S, d_k)``.
+        precision: Optional ``jax.lax`` precision for the matrix product.
+
+    Returns:
+        Raw scores of shape ``(T, S)`` in ``promote_types(query.dtype, float32)``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> raw_scores(jnp.array([[0.0, 2.0]]), jnp.eye(2))
+        Array([[0., 2.]], dtype=float32)
+
+    References:
+        Vaswani et al., Attention Is All You Need, 2017, eq. (1).
+    """
+    return jnp.einsum(
+        "td,sd->ts",
+        query,
+        key,
+        precision=precision,
+        preferred_element_type=accumulation_dtype(query.dtype),
+    )
+
+
+def default_scale(d_k: int) -> float:
+    r"""The scale of the paper, :math:`1/\sqrt{d_k}`.
+
+    With unit-variance queries and keys, :math:`q \cdot k` has variance :math:`d_k`; multiplying
+    by :math:`1/\sqrt{d_k}` brings it back to 1 so the softmax does not saturate as ``d_k`` grows.
+
+    Examples:
+        >>> default_scale(64)
+        0.125
+
+    References:
+        Vaswani et al., Attention Is All You Need, 2017, §3.2.1 and footnote 4.
+    """
+    return 1.0 / math.sqrt(d_k)
+
+
+def scale_scores(
+    scores: Float[Array, "q_seq kv_seq"], scale: float
+) -> Float[Array, "q_seq kv_seq"]:
+    r"""Multiplies the scores by ``scale``: :math:`s_{ij} \leftarrow \text{scale} \cdot s_{ij}`.
+
+    Args:
+        scores: Raw scores, shape ``(T, S)``.
+        scale: The factor, usually :func:`default_scale` of ``d_k``; ``1.0`` leaves the scores
+            unscaled.
+
+    Returns:
+        Scaled scores, same shape and dtype.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> scale_scores(jnp.array([[4.0, 8.0]]), default_scale(16))
+        Array([[1., 2.]], dtype=float32)
+    """
+    return scores * jnp.asarray(scale, scores.dtype)
+
+
+def soft_cap_scores(
+    scores: Float[Array, "q_seq kv_seq"], cap: float
+) -> Float[Array, "q_seq kv_seq"]:
+    r"""Squashes scores smoothly into ``(-cap, cap)``: :math:`s \leftarrow c \tanh(s / c)`.
+
+    An optional step between scaling and the softmax (Gemma 2); near zero it is the identity.
+
+    Args:
+        scores: Scaled scores, shape ``(T, S)``.
+        cap: The bound :math:`c > 0`.
+
+    Returns:
+        Capped scores, same shape and dtype.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> soft_cap_scores(jnp.array([[0.0, 1e6]]), 30.0)
+        Array([[ 0., 30.]], dtype=float32)
+
+    References:
+        Gemma Team, Gemma 2: Improving Open Language Models at a Practical Size, 2024.
+    """
+    cap = jnp.asarray(cap, scores.dtype)
+    return cap * jnp.tanh(scores / cap)
+
+
+def _masked(
+    scores: Float[Array, "q kv"], mask: Bool[Array, "#q #kv"] | None
+) -> tuple[Float[Array, "q kv"], Bool[Array, "q kv"]]:
+    """Which keys each query may attend, and the scores with the others replaced by a finite −∞.
+
+    A key is allowed where ``mask`` is True and its score is not −∞ (a −∞ bias masks a key
+    exactly). Using a finite fill keeps ``fill − fill = 0`` in fully masked rows, so no NaN is
+    ever formed, forward or backward.
+    """
+    allowed = scores != -jnp.inf
+    if mask is not None:
+        allowed = allowed & mask
+    return jnp.where(allowed, scores, large_negative(scores.dtype)), allowed
+
+
+def _exp_scores(
+    masked: Float[Array, "q kv"], allowed: Bool[Array, "q kv"], row_max: Float[Array, " q"]
+) -> Float[Array, "q kv"]:
+    r"""Un-normalised weights :math:`p_{ij} = m_{ij} \exp(s_{ij} - r_i)` for a given row shift."""
+    return jnp.where(allowed, jnp.exp(masked - row_max[:, None]), 0)
+
+
+def _normalize(x: Float[Array, "q ..."], denom: Float[Array, " q"]) -> Float[Array, "q ..."]:
+    """Divides each row by its softmax denominator; a row with denominator 0 (no key) stays 0."""
+    safe = jnp.where(denom > 0, denom, 1)
+    return x / safe.reshape(safe.shape + (1,) * (x.ndim - 1))
+
+
+def _logsumexp(row_max: Float[Array, " q"], denom: Float[Array, " q"]) -> Float[Array, " q"]:
+    r"""The log of the softmax denominator, :math:`\log \sum_j m_{ij} e^{s_{ij}}`; −∞ for no key."""
+    safe = jnp.where(denom > 0, denom, 1)
+    return jnp.where(denom > 0, row_max + jnp.log(safe), -jnp.inf)
+
+
+def softmax_with_logsumexp(
+    scores: Float[Array, "q_seq kv_seq"], mask: Bool[Array, "#q_seq #kv_seq"] | None = None
+) -> tuple[Float[Array, "q_seq kv_seq"], Float[Array, " q_seq"]]:
+    """:func:`softmax_weights` together with each row's log-sum-exp (−∞ for a row with no key)."""
+    masked, allowed = _masked(scores, mask)
+    # Subtracting the row max keeps exp() in range; the result does not depend on it.
+    row_max = lax.stop_gradient(masked.max(axis=-1))
+    p = _exp_scores(masked, allowed, row_max)
+    denom = p.sum(axis=-1)
+    return _normalize(p, denom), _logsumexp(row_max, denom)
+
+
+def softmax_weights(
+    scores: Float[Array, "q_seq kv_seq"], mask: Bool[Array, "#q_seq #kv_seq"] | None = None
+) -> Float[Array, "q_seq kv_seq"]:
+    r"""Turns scores into attention weights; each row with an allowed key sums to 1.
+
+    .. math:: w_{ij} = \frac{m_{ij}\, e^{s_{ij} - r_i}}{\sum_k m_{ik}\, e^{s_{ik} - r_i}},
+        \qquad r_i = \max_{k:\, m_{ik}} s_{ik}
+
+    Subtracting the row maximum :math:`r_i` changes nothing mathematically and keeps
+    :math:`e^{x}` from overflowing. Masked entries are exactly 0, and so is a whole row with no
+    allowed key (PyTorch, FlashAttention and FlexAttention do the same; ``jax.nn`` and flax give
+    such a row uniform weights instead). A score of −∞ counts as masked.
+
+    Args:
+        scores: Scaled scores, shape ``(T, S)``, any float dtype (computed in at least float32).
+        mask: Optional boolean mask broadcastable to ``(T, S)``; ``True`` means "may attend".
+
+    Returns:
+        Weights of shape ``(T, S)`` in ``promote_types(scores.dtype, float32)``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> softmax_weights(jnp.array([[0.0, 1.0]]))  # [1, e] / (1 + e)
+        Array([[0.26894143, 0.7310586 ]], dtype=float32)
+        >>> softmax_weights(jnp.array([[0.0, 1.0]]), jnp.array([[True, False]]))
+        Array([[1., 0.]], dtype=float32)
+
+    References:
+        Vaswani et al., Attention Is All You Need, 2017, eq. (1).
+    """
+    scores = scores.astype(accumulation_dtype(scores.dtype))
+    return softmax_with_logsumexp(scores, mask)[0]
+
+
+def _keep_bits(
+    seed: Integer[Array, "2"], q_idx: Integer[Array, "q 1"], kv_idx: Integer[Array, "1 kv"]
+) -> Integer[Array, "q kv"]:
+    """32 random bits per (query, key) position, a pure function of the seed and the position.
+
+    Counter-based (Threefry-2x32, Salmon et al. 2011): any block of the (T, S) grid can be drawn
+    on its own and equals the same block of the whole grid, so the dense and the blocked
+    implementations drop exactly the same weights.
+    """
+    q_idx, kv_idx = jnp.broadcast_arrays(q_idx.astype(jnp.uint32), kv_idx.astype(jnp.uint32))
+    return threefry2x32_p.bind(seed[0], seed[1], q_idx, kv_idx)[0]
+
+
+def dropout_weights(
+    weights: Float[Array, "q_seq kv_seq"],
+    rng: Key[Array, ""] | Integer[Array, "2"],
+    *,
+    rate: float,
+    q_offset: int | Integer[Array, ""] = 0,
+    kv_offset: int | Integer[Array, ""] = 0,
+) -> Float[Array, "q_seq kv_seq"]:
+    r"""Drops each weight with probability ``rate``, scaling the rest by :math:`1/(1-\text{rate})`.
+
+    .. math:: \tilde w_{ij} = \frac{z_{ij}}{1 - \text{rate}}\, w_{ij},
+        \qquad z_{ij} \sim \mathrm{Bernoulli}(1 - \text{rate})
+
+    Flax's semantics (dropout on the attention weights, expectation preserved). The mask
+    :math:`z` depends only on ``rng`` and the global position ``(q_offset + i, kv_offset + j)``,
+    so a block of the weights drawn with its offsets gets the same mask as the whole matrix.
+
+    Args:
+        weights: Weights (or un-normalised weights of a block), shape ``(T, S)``.
+        rng: A PRNG key (typed or raw ``uint32[2]``).
+        rate: Drop probability in ``[0, 1)``.
+        q_offset: Position of the first row in the full query sequence.
+        kv_offset: Position of the first column in the full key sequence.
+
+    Returns:
+        Dropped-out weights, same shape and dtype.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> w = dropout_weights(jnp.full((4, 4), 0.25), jax.random.key(0), rate=0.5)
+        >>> sorted(set(w.ravel().tolist()))  # survivors are doubled
+        [0.0, 0.5]
+    """
+    seed = jax.random.bits(rng, (2,), jnp.uint32)
+    q_idx = q_offset + jnp.arange(weights.shape[0])[:, None]
+    kv_idx = kv_offset + jnp.arange(weights.shape[1])[None, :]
+    keep_prob = 1.0 - rate
+    threshold = jnp.uint32(min(round(keep_prob * 2.0**32), 2**32 - 1))
+    keep = _keep_bits(seed, q_idx, kv_idx) < threshold
+    return jnp.where(keep, weights / jnp.asarray(keep_prob, weights.dtype), 0)
+
+
+def weighted_sum(
+    weights: Float[Array, "q_seq kv_seq"],
+    value: Float[Array, "kv_seq d_v"],
+    *,
+    precision: lax.PrecisionLike = None,
+) -> Float[Array, "q_seq d_v"]:
+    r"""Each output row is the weights' blend of the value rows: :math:`o_i = \sum_j w_{ij} v_j`.
+
+    .. math:: O = W V
+
+    The weights are cast to the value dtype (as ``jax.nn`` does, so low-precision inputs keep
+    fast matrix units) and the sum is accumulated in at least float32.
+
+    Args:
+        weights: Attention weights, shape ``(T, S)``.
+        value: Values, shape ``(S, d_v)``; ``d_v`` may differ from ``d_k``.
+        precision: Optional ``jax.lax`` precision for the matrix product.
+
+    Returns:
+        Output of shape ``(T, d_v)`` in ``promote_types(value.dtype, float32)``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> weighted_sum(jnp.array([[0.25, 0.75]]), jnp.array([[0.0, 4.0], [4.0, 0.0]]))
+        Array([[3., 1.]], dtype=float32)
+    """
+    return jnp.einsum(
+        "ts,sd->td",
+        weights.astype(value.dtype),
+        value,
+        precision=precision,
+        preferred_element_type=accumulation_dtype(value.dtype),
+    )
