@@ -10,7 +10,7 @@ once per block, so the two cannot drift apart.
 
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Bool, Float, Integer, Key
+from jaxtyping import Array, ArrayLike, Bool, Float, Integer, Key
 
 from jax_sdpa import _checks
 from jax_sdpa._masks import CausalMask, MaskRule, materialize_mask
@@ -89,12 +89,12 @@ def attention_head(
 
 
 def attention(
-    query: Float[Array, "q_seq d_k"],
-    key: Float[Array, "kv_seq d_k"],
-    value: Float[Array, "kv_seq d_v"],
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
-    bias: Float[Array, "#q_seq #kv_seq"] | None = None,
-    mask: Bool[Array, "#q_seq #kv_seq"] | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
     scale: float | None = None,
     is_causal: bool = False,
     return_weights: bool = False,

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Float
+from jaxtyping import Array, ArrayLike, Float
 
 from jax_sdpa import _checks
 from jax_sdpa._attention import attention_head
@@ -44,9 +44,14 @@ class _Config:
     output: Literal["attention", "attention_and_weights", "weights"]
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["query", "key", "value", "bias", "mask", "rule", "dropout_rngs"],
+    meta_fields=[],
+)
 @dataclasses.dataclass(frozen=True)
 class _Inputs:
-    """Checked and normalised arguments of one call."""
+    """Checked and normalised arguments of one call (a pytree, so it can enter ``jax.jit``)."""
 
     query: Array
     key: Array
@@ -55,7 +60,6 @@ class _Inputs:
     mask: Array | None
     rule: MaskRule | None
     dropout_rngs: Array | None
-    batch_shape: tuple[int, ...]
 
 
 def _split_leading(x: Array | None) -> tuple[Array | None, int | None]:
@@ -94,7 +98,7 @@ def _over_batch(head: Callable, query, key, value, bias, mask, rule, rngs):
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _run(query, key, value, bias, mask, rule, rngs, *, config: _Config):
+def _run(inputs: _Inputs, *, config: _Config):
     """The jitted batched computation: ``(out, logsumexp, weights)``, heads moved into place."""
     head = functools.partial(
         attention_head,
@@ -105,7 +109,8 @@ def _run(query, key, value, bias, mask, rule, rngs, *, config: _Config):
     )
     if config.output == "weights":
         head = functools.partial(_dropped_weights_head, head, config.dropout_rate)
-    out, lse, weights = _over_batch(head, query, key, value, bias, mask, rule, rngs)
+    fields = (getattr(inputs, f.name) for f in dataclasses.fields(inputs))
+    out, lse, weights = _over_batch(head, *fields)
     if config.output == "weights":
         return weights
     # (..., N, T, V) → (..., T, N, V) and (..., N, T) → (..., T, N), the layout of jax.nn.
@@ -161,7 +166,11 @@ def _prepare(
     broadcast_dropout,
     deterministic,
     dtype,
-) -> _Inputs:
+    scale,
+    logits_soft_cap,
+    precision,
+    output,
+) -> tuple[_Inputs, _Config]:
     """Checks every argument (raising on the first problem) and puts them in canonical form."""
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     if dtype is not None:
@@ -275,29 +284,36 @@ def _prepare(
             count = math.prod(batch_shape) * heads
             rngs = jax.random.split(dropout_rng, count)
             rngs = rngs.reshape(*batch_shape, heads, *rngs.shape[1:])
-    return _Inputs(query, key, value, bias, mask, rule, rngs, batch_shape)
+    config = _Config(
+        scale=default_scale(d_k) if scale is None else _static_float("scale", scale),
+        soft_cap=_soft_cap(logits_soft_cap),
+        dropout_rate=float(dropout_rate),
+        precision=precision,
+        output=output,
+    )
+    return _Inputs(query, key, value, bias, mask, rule, rngs), config
 
 
 def dot_product_attention(
-    query: Float[Array, "*batch q_seq heads d_k"],
-    key: Float[Array, "*batch kv_seq kv_heads d_k"],
-    value: Float[Array, "*batch kv_seq kv_heads d_v"],
-    bias: Float[Array, "..."] | None = None,
-    mask: Array | None = None,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
-    query_seq_lengths: Array | None = None,
-    key_value_seq_lengths: Array | None = None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     implementation: Implementation | None = None,
     return_residual: bool = False,
     causal_alignment: CausalAlignment = "top_left",
     logits_soft_cap: float | None = None,
-    query_segment_ids: Array | None = None,
-    key_value_segment_ids: Array | None = None,
+    query_segment_ids: ArrayLike | None = None,
+    key_value_segment_ids: ArrayLike | None = None,
     broadcast_dropout: bool = True,
-    dropout_rng: Array | None = None,
+    dropout_rng: ArrayLike | None = None,
     dropout_rate: float = 0.0,
     deterministic: bool = False,
     dtype: Any = None,
@@ -402,7 +418,7 @@ def dot_product_attention(
             },
         )
     _checks.check_choice("implementation", implementation, (None, "xla", "cudnn"))
-    inputs = _prepare(
+    inputs, config = _prepare(
         query,
         key,
         value,
@@ -420,26 +436,12 @@ def dot_product_attention(
         broadcast_dropout=broadcast_dropout,
         deterministic=deterministic,
         dtype=dtype,
-    )
-    config = _Config(
-        scale=default_scale(inputs.query.shape[-1])
-        if scale is None
-        else _static_float("scale", scale),
-        soft_cap=_soft_cap(logits_soft_cap),
-        dropout_rate=float(dropout_rate),
+        scale=scale,
+        logits_soft_cap=logits_soft_cap,
         precision=precision,
         output="attention" if module is None else "attention_and_weights",
     )
-    out, lse, weights = _run(
-        inputs.query,
-        inputs.key,
-        inputs.value,
-        inputs.bias,
-        inputs.mask,
-        inputs.rule,
-        inputs.dropout_rngs,
-        config=config,
-    )
+    out, lse, weights = _run(inputs, config=config)
     if module is not None:
         _sow(module, weights)
     return (out, lse) if return_residual else out
@@ -465,22 +467,22 @@ def _sow(module, weights: Array) -> None:
 
 
 def dot_product_attention_weights(
-    query: Float[Array, "*batch q_seq heads d_k"],
-    key: Float[Array, "*batch kv_seq kv_heads d_k"],
-    bias: Float[Array, "..."] | None = None,
-    mask: Array | None = None,
+    query: ArrayLike,
+    key: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
-    query_seq_lengths: Array | None = None,
-    key_value_seq_lengths: Array | None = None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     causal_alignment: CausalAlignment = "top_left",
     logits_soft_cap: float | None = None,
-    query_segment_ids: Array | None = None,
-    key_value_segment_ids: Array | None = None,
+    query_segment_ids: ArrayLike | None = None,
+    key_value_segment_ids: ArrayLike | None = None,
     broadcast_dropout: bool = True,
-    dropout_rng: Array | None = None,
+    dropout_rng: ArrayLike | None = None,
     dropout_rate: float = 0.0,
     deterministic: bool = False,
     dtype: Any = None,
@@ -501,10 +503,10 @@ def dot_product_attention_weights(
         ((1, 4, 5, 5), True)
     """
     query, key = jnp.asarray(query), jnp.asarray(key)
-    inputs = _prepare(
+    inputs, config = _prepare(
         query,
         key,
-        key[..., :0],
+        key[..., :0],  # no values: the weights do not depend on them
         bias,
         mask,
         is_causal=is_causal,
@@ -519,21 +521,15 @@ def dot_product_attention_weights(
         broadcast_dropout=broadcast_dropout,
         deterministic=deterministic,
         dtype=dtype,
-    )
-    config = _Config(
-        scale=default_scale(inputs.query.shape[-1])
-        if scale is None
-        else _static_float("scale", scale),
-        soft_cap=_soft_cap(logits_soft_cap),
-        dropout_rate=float(dropout_rate),
+        scale=scale,
+        logits_soft_cap=logits_soft_cap,
         precision=precision,
         output="weights",
     )
-    args = (inputs.query, inputs.key, inputs.value, inputs.bias, inputs.mask, inputs.rule)
-    weights = _run(*args, inputs.dropout_rngs, config=config)
+    weights = _run(inputs, config=config)
     if module is not None:  # flax sows the weights before dropout
-        dropped = inputs.dropout_rngs is not None
-        _sow(module, _run(*args, None, config=config) if dropped else weights)
+        undropped = dataclasses.replace(inputs, dropout_rngs=None)
+        _sow(module, weights if inputs.dropout_rngs is None else _run(undropped, config=config))
     return weights
 
 

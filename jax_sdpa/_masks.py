@@ -123,11 +123,12 @@ class LocalWindowMask(MaskRule):
 class LengthMask(MaskRule):
     """Padding: only the first ``q_length`` queries and ``kv_length`` keys take part.
 
-    A padded query (``i >= q_length``) sees no key at all, so its output is 0.
+    A padded query (``i >= q_length``) sees no key at all, so its output is 0. Lengths may
+    carry leading batch axes, which ``jax.vmap`` maps away.
     """
 
-    q_length: Integer[Array, ""] | None = _leaf()
-    kv_length: Integer[Array, ""] | None = _leaf()
+    q_length: Integer[Array, "*batch"] | None = _leaf()
+    kv_length: Integer[Array, "*batch"] | None = _leaf()
 
     def __call__(self, q_idx, kv_idx):
         allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
@@ -157,8 +158,8 @@ class SegmentMask(MaskRule):
     ``q_segment_ids`` has one id per query position, ``kv_segment_ids`` one per key position.
     """
 
-    q_segment_ids: Integer[Array, " q_seq"] = _leaf()
-    kv_segment_ids: Integer[Array, " kv_seq"] = _leaf()
+    q_segment_ids: Integer[Array, "*batch q_seq"] = _leaf()
+    kv_segment_ids: Integer[Array, "*batch kv_seq"] = _leaf()
 
     def __call__(self, q_idx, kv_idx):
         return self.q_segment_ids[q_idx] == self.kv_segment_ids[kv_idx]

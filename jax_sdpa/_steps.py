@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.random import threefry2x32_p
-from jaxtyping import Array, Bool, Float, Integer, Key
+from jaxtyping import Array, ArrayLike, Bool, Float, Integer, Key
 
 __all__ = [
     "default_scale",
@@ -39,7 +39,7 @@ __all__ = [
 
 def accumulation_dtype(dtype: jnp.dtype) -> jnp.dtype:
     """The dtype scores and sums are computed in: ``dtype`` promoted to at least float32."""
-    return jnp.promote_types(dtype, jnp.float32)
+    return jnp.dtype(jnp.float64 if jnp.finfo(dtype).bits > 32 else jnp.float32)
 
 
 def large_negative(dtype: jnp.dtype) -> Array:
@@ -48,8 +48,8 @@ def large_negative(dtype: jnp.dtype) -> Array:
 
 
 def raw_scores(
-    query: Float[Array, "q_seq d_k"],
-    key: Float[Array, "kv_seq d_k"],
+    query: Float[ArrayLike, "q_seq d_k"],
+    key: Float[ArrayLike, "kv_seq d_k"],
     *,
     precision: lax.PrecisionLike = None,
 ) -> Float[Array, "q_seq kv_seq"]:
@@ -76,6 +76,7 @@ def raw_scores(
     References:
         Vaswani et al., Attention Is All You Need, 2017, eq. (1).
     """
+    query, key = jnp.asarray(query), jnp.asarray(key)
     return jnp.einsum(
         "td,sd->ts",
         query,
@@ -102,7 +103,7 @@ def default_scale(d_k: int) -> float:
 
 
 def scale_scores(
-    scores: Float[Array, "q_seq kv_seq"], scale: float
+    scores: Float[ArrayLike, "q_seq kv_seq"], scale: float | Float[ArrayLike, ""]
 ) -> Float[Array, "q_seq kv_seq"]:
     r"""Multiplies the scores by ``scale``: :math:`s_{ij} \leftarrow \text{scale} \cdot s_{ij}`.
 
@@ -119,11 +120,12 @@ def scale_scores(
         >>> scale_scores(jnp.array([[4.0, 8.0]]), default_scale(16))
         Array([[1., 2.]], dtype=float32)
     """
+    scores = jnp.asarray(scores)
     return scores * jnp.asarray(scale, scores.dtype)
 
 
 def soft_cap_scores(
-    scores: Float[Array, "q_seq kv_seq"], cap: float
+    scores: Float[ArrayLike, "q_seq kv_seq"], cap: float
 ) -> Float[Array, "q_seq kv_seq"]:
     r"""Squashes scores smoothly into ``(-cap, cap)``: :math:`s \leftarrow c \tanh(s / c)`.
 
@@ -144,6 +146,7 @@ def soft_cap_scores(
     References:
         Gemma Team, Gemma 2: Improving Open Language Models at a Practical Size, 2024.
     """
+    scores = jnp.asarray(scores)
     cap = jnp.asarray(cap, scores.dtype)
     return cap * jnp.tanh(scores / cap)
 
@@ -195,7 +198,7 @@ def softmax_with_logsumexp(
 
 
 def softmax_weights(
-    scores: Float[Array, "q_seq kv_seq"], mask: Bool[Array, "#q_seq #kv_seq"] | None = None
+    scores: Float[ArrayLike, "q_seq kv_seq"], mask: Bool[ArrayLike, "#q_seq #kv_seq"] | None = None
 ) -> Float[Array, "q_seq kv_seq"]:
     r"""Turns scores into attention weights; each row with an allowed key sums to 1.
 
@@ -224,8 +227,9 @@ def softmax_weights(
     References:
         Vaswani et al., Attention Is All You Need, 2017, eq. (1).
     """
+    scores = jnp.asarray(scores)
     scores = scores.astype(accumulation_dtype(scores.dtype))
-    return softmax_with_logsumexp(scores, mask)[0]
+    return softmax_with_logsumexp(scores, None if mask is None else jnp.asarray(mask))[0]
 
 
 def _keep_bits(
@@ -242,7 +246,7 @@ def _keep_bits(
 
 
 def dropout_weights(
-    weights: Float[Array, "q_seq kv_seq"],
+    weights: Float[ArrayLike, "q_seq kv_seq"],
     rng: Key[Array, ""] | Integer[Array, "2"],
     *,
     rate: float,
@@ -274,6 +278,7 @@ def dropout_weights(
         >>> sorted(set(w.ravel().tolist()))  # survivors are doubled
         [0.0, 0.5]
     """
+    weights = jnp.asarray(weights)
     seed = jax.random.bits(rng, (2,), jnp.uint32)
     q_idx = q_offset + jnp.arange(weights.shape[0])[:, None]
     kv_idx = kv_offset + jnp.arange(weights.shape[1])[None, :]
@@ -284,8 +289,8 @@ def dropout_weights(
 
 
 def weighted_sum(
-    weights: Float[Array, "q_seq kv_seq"],
-    value: Float[Array, "kv_seq d_v"],
+    weights: Float[ArrayLike, "q_seq kv_seq"],
+    value: Float[ArrayLike, "kv_seq d_v"],
     *,
     precision: lax.PrecisionLike = None,
 ) -> Float[Array, "q_seq d_v"]:
@@ -309,6 +314,7 @@ def weighted_sum(
         >>> weighted_sum(jnp.array([[0.25, 0.75]]), jnp.array([[0.0, 4.0], [4.0, 0.0]]))
         Array([[3., 1.]], dtype=float32)
     """
+    weights, value = jnp.asarray(weights), jnp.asarray(value)
     return jnp.einsum(
         "ts,sd->td",
         weights.astype(value.dtype),

@@ -1,0 +1,105 @@
+"""A float64 NumPy oracle for attention, forward and backward, written from the formulas.
+
+Independent of jax_sdpa: it builds the full (B, N, T, S) mask from its definition, repeats
+key/value heads for GQA, and differentiates by hand:
+
+    dV = Wᵀ dO,  dW = dO Vᵀ,  dS = W ∘ (dW − rowsum(W ∘ dW)),  dQ = scale·dS' K,  dK = scale·dS'ᵀ Q
+
+with dS' = dS ∘ (1 − tanh²(s/c)) under a soft cap, and dBias = dS summed to the bias's shape.
+A row with no allowed key outputs 0 (the library's contract).
+"""
+
+import numpy as np
+
+
+def allowed_keys(
+    shape,
+    *,
+    mask=None,
+    is_causal=False,
+    window=None,
+    q_lengths=None,
+    kv_lengths=None,
+    q_segments=None,
+    kv_segments=None,
+    offset=0,
+):
+    """The (B, N, T, S) boolean 'may attend' array, from each rule's definition."""
+    b, n, t, s = shape
+    i = np.arange(t)[:, None]
+    j = np.arange(s)[None, :]
+    allowed = np.ones(shape, bool)
+    if mask is not None:
+        allowed &= np.broadcast_to(np.asarray(mask) != 0, shape)
+    if is_causal:
+        allowed &= j <= i + offset
+    if window is not None:
+        left, right = (window, window) if isinstance(window, int) else window
+        allowed &= (j >= i + offset - left) & (j <= i + offset + right)
+    if q_lengths is not None:
+        allowed &= (i[None] < np.asarray(q_lengths)[:, None, None])[:, None]
+    if kv_lengths is not None:
+        allowed &= (j[None] < np.asarray(kv_lengths)[:, None, None])[:, None]
+    if q_segments is not None:
+        qs, ks = np.asarray(q_segments), np.asarray(kv_segments)
+        allowed &= (qs[:, :, None] == ks[:, None, :])[:, None]
+    return allowed
+
+
+def _sum_to(x, shape):
+    """Sums a broadcast gradient back to ``shape`` (left-padded with 1s)."""
+    shape = (1,) * (x.ndim - len(shape)) + tuple(shape)
+    axes = tuple(
+        a for a, (xs, s) in enumerate(zip(x.shape, shape, strict=True)) if s == 1 and xs != 1
+    )
+    return x.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def attention(q, k, v, bias=None, *, scale=None, soft_cap=None, d_out=None, **rules):
+    """Forward (and, given ``d_out``, backward) of BTNH attention in float64.
+
+    Returns a dict with ``out`` (B,T,N,V), ``lse`` (B,T,N), ``weights`` (B,N,T,S), ``allowed``
+    and, with ``d_out``, the gradients ``dq``, ``dk``, ``dv``, ``dbias``.
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    scale = 1.0 / np.sqrt(h) if scale is None else scale
+    kf, vf = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # head i uses kv head i // g
+    raw = np.einsum("btnh,bsnh->bnts", q, kf) * scale
+    scores = soft_cap * np.tanh(raw / soft_cap) if soft_cap else raw
+    if bias is not None:
+        scores = scores + np.asarray(bias, np.float64)
+    allowed = allowed_keys((b, n, t, s), **rules) & (scores != -np.inf)
+    masked = np.where(allowed, scores, -np.inf)
+    row_max = np.max(masked, axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    p = np.where(allowed, np.exp(masked - row_max), 0.0)
+    denom = p.sum(-1, keepdims=True)
+    weights = p / np.where(denom > 0, denom, 1.0)
+    out = np.einsum("bnts,bsnv->btnv", weights, vf)
+    with np.errstate(divide="ignore"):
+        lse = np.where(denom[..., 0] > 0, row_max[..., 0] + np.log(denom[..., 0]), -np.inf)
+    result = {"out": out, "lse": lse.transpose(0, 2, 1), "weights": weights, "allowed": allowed}
+    if d_out is None:
+        return result
+    d_out = np.asarray(d_out, np.float64)
+    dvf = np.einsum("bnts,btnv->bsnv", weights, d_out)
+    dw = np.einsum("btnv,bsnv->bnts", d_out, vf)
+    ds = weights * (dw - (weights * dw).sum(-1, keepdims=True))
+    d_raw = ds * (1 - np.tanh(raw / soft_cap) ** 2) if soft_cap else ds
+    dq = scale * np.einsum("bnts,bsnh->btnh", d_raw, kf)
+    dkf = scale * np.einsum("bnts,btnh->bsnh", d_raw, q)
+    result["dq"] = dq
+    result["dk"] = dkf.reshape(b, s, kh, g, h).sum(3)
+    result["dv"] = dvf.reshape(b, s, kh, g, -1).sum(3)
+    result["dbias"] = None if bias is None else _sum_to(ds, np.shape(bias))
+    return result
+
+
+def rel_err(x, ref):
+    """max |x − ref| / max |ref| (0 when both are 0)."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    scale = np.abs(ref).max()
+    return float(np.abs(x - ref).max() / scale) if scale > 0 else float(np.abs(x).max())

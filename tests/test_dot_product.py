@@ -1,0 +1,423 @@
+import functools
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jax_sdpa as js
+from tests import reference as ref
+from tests.util import broadcast_shape, enable_x64, qkv
+
+IMPLEMENTATIONS = ["xla"]
+
+
+def grads(fn, q, k, v, bias, d_out):
+    """Gradients of ⟨fn(q, k, v, bias), d_out⟩ with respect to q, k, v (and bias)."""
+    argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+    return jax.grad(lambda *a: (fn(*a) * d_out).sum(), argnums=argnums)(q, k, v, bias)
+
+
+# --- accuracy against the float64 reference -------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_accuracy_against_float64_reference(rng, implementation, causal):
+    # The issue's bar: f32, unit-scale inputs, T ≤ 512, d ≤ 128: forward ≤ 2e-6, grads ≤ 1e-5.
+    q, k, v = qkv(rng, 1, 512, 512, 2, 1, 128)
+    bias = jnp.asarray(rng.normal(size=(1, 2, 512, 512)), jnp.float32)
+    d_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    expected = ref.attention(q, k, v, bias, is_causal=causal, d_out=d_out)
+    fn = functools.partial(
+        js.dot_product_attention, is_causal=causal, implementation=implementation
+    )
+    out = fn(q, k, v, bias)
+    assert float(np.abs(out - expected["out"]).max()) <= 2e-6
+    dq, dk, dv, dbias = grads(lambda q, k, v, b: fn(q, k, v, b), q, k, v, bias, d_out)
+    for got, name in [(dq, "dq"), (dk, "dk"), (dv, "dv"), (dbias, "dbias")]:
+        assert ref.rel_err(got, expected[name]) <= 1e-5, name
+
+
+# --- parity with jax.nn on random configurations -----------------------------------------
+
+
+@st.composite
+def configs(draw):
+    b = draw(st.integers(1, 2))
+    t, s = draw(st.integers(1, 10)), draw(st.integers(1, 10))
+    k = draw(st.sampled_from([1, 2]))
+    n = k * draw(st.sampled_from([1, 2]))
+    h = draw(st.integers(1, 8))
+    full = (b, n, t, s)
+
+    def pattern():
+        rank = draw(st.integers(1, 4))
+        return tuple(draw(st.booleans()) for _ in range(rank))
+
+    window = draw(
+        st.one_of(st.none(), st.integers(0, 3), st.tuples(st.integers(0, 3), st.integers(0, 3)))
+    )
+    return dict(
+        shape=(b, t, s, n, k, h),
+        mask=broadcast_shape(full, pattern()) if draw(st.booleans()) else None,
+        bias=broadcast_shape(full, pattern()) if draw(st.booleans()) else None,
+        is_causal=draw(st.booleans()),
+        window=window,
+        q_lengths=draw(st.booleans()),
+        kv_lengths=draw(st.booleans()),
+        scale=draw(st.sampled_from([None, 1.0, 0.3])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@settings(max_examples=30, deadline=None)
+@given(cfg=configs())
+def test_parity_with_jax_nn_and_reference(implementation, cfg):
+    gen = np.random.default_rng(cfg["seed"])
+    b, t, s, n, k, h = cfg["shape"]
+    q, key, v = qkv(gen, b, t, s, n, k, h)
+    mask = None if cfg["mask"] is None else jnp.asarray(gen.random(cfg["mask"]) < 0.8)
+    bias = None if cfg["bias"] is None else jnp.asarray(gen.normal(size=cfg["bias"]), jnp.float32)
+    q_len = jnp.asarray(gen.integers(0, t + 1, size=b), jnp.int32) if cfg["q_lengths"] else None
+    kv_len = jnp.asarray(gen.integers(0, s + 1, size=b), jnp.int32) if cfg["kv_lengths"] else None
+    kwargs = dict(
+        mask=mask,
+        scale=cfg["scale"],
+        is_causal=cfg["is_causal"],
+        query_seq_lengths=q_len,
+        key_value_seq_lengths=kv_len,
+        local_window_size=cfg["window"],
+    )
+    expected = ref.attention(
+        q,
+        key,
+        v,
+        bias,
+        scale=cfg["scale"],
+        mask=mask,
+        is_causal=cfg["is_causal"],
+        window=cfg["window"],
+        q_lengths=q_len,
+        kv_lengths=kv_len,
+    )
+    has_key = expected["allowed"].any(-1).transpose(0, 2, 1)[..., None]  # (B, T, N, 1)
+
+    def ours(q, key, v, bias):
+        return js.dot_product_attention(q, key, v, bias, implementation=implementation, **kwargs)
+
+    def theirs(q, key, v, bias):
+        return jax.nn.dot_product_attention(q, key, v, bias, **kwargs)
+
+    out = ours(q, key, v, bias)
+    np.testing.assert_allclose(out, np.where(has_key, theirs(q, key, v, bias), 0), atol=2e-6)
+    np.testing.assert_allclose(out, expected["out"], atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(out)[~np.broadcast_to(has_key, out.shape)], 0)
+    # jax.nn gives rows without a key the mean of V; comparing gradients, those rows carry none.
+    d_out = jnp.asarray(gen.normal(size=q.shape) * has_key, jnp.float32)
+    for got, want in zip(
+        grads(ours, q, key, v, bias, d_out), grads(theirs, q, key, v, bias, d_out), strict=True
+    ):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+# --- layouts, heads, shapes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_unbatched_tnh_and_extra_batch_axes(rng, implementation):
+    q, k, v = qkv(rng, 6, 5, 7, 4, 2, 8)
+    f = functools.partial(js.dot_product_attention, is_causal=True, implementation=implementation)
+    out = f(q, k, v)
+    np.testing.assert_allclose(f(q[2], k[2], v[2]), out[2], atol=1e-6)
+
+    def split(x):
+        return x.reshape(2, 3, *x.shape[1:])
+
+    mask = jnp.asarray(rng.random((2, 1, 1, 5, 7)) < 0.7)  # broadcast over the 2nd batch axis
+    got = f(split(q), split(k), split(v), mask=mask)
+    full_mask = jnp.broadcast_to(mask, (2, 3, 1, 5, 7)).reshape(6, 1, 5, 7)
+    np.testing.assert_allclose(got.reshape(out.shape), f(q, k, v, mask=full_mask), atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_gqa_and_mqa_against_reference(rng, implementation, heads, kv_heads):
+    q, k, v = qkv(rng, 2, 6, 9, heads, kv_heads, 8, hv=5)  # d_v = 5 ≠ d_k = 8
+    d_out = jnp.asarray(rng.normal(size=(2, 6, heads, 5)), jnp.float32)
+    expected = ref.attention(q, k, v, d_out=d_out)
+    fn = functools.partial(js.dot_product_attention, implementation=implementation)
+    out = fn(q, k, v)
+    assert out.shape == (2, 6, heads, 5)
+    np.testing.assert_allclose(out, expected["out"], atol=2e-6)
+    for got, name in zip(
+        grads(lambda q, k, v, b: fn(q, k, v), q, k, v, None, d_out), ("dq", "dk", "dv"), strict=True
+    ):
+        assert ref.rel_err(got, expected[name]) <= 1e-5
+
+
+def _intermediate_sizes(jaxpr):
+    """Element counts of every value an (outer or nested) jaxpr computes."""
+    for eqn in jaxpr.eqns:
+        yield from (int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _intermediate_sizes(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _intermediate_sizes(sub)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_gqa_does_not_copy_keys_and_values(implementation):
+    # T=3 queries, S=16 keys, 8 query heads over 2 key/value heads: a key or value repeated per
+    # query head would hold S·N·H = 512 numbers; nothing in the program may be that big.
+    q = jnp.ones((1, 3, 8, 4))
+    kv = jnp.ones((1, 16, 2, 4))
+    fn = functools.partial(js.dot_product_attention, implementation=implementation)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))(
+        q, kv, kv
+    )
+    assert max(_intermediate_sizes(jaxpr.jaxpr)) < 16 * 8 * 4
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_return_residual_logsumexp(rng, implementation):
+    q, k, v = qkv(rng, 2, 5, 6, 2, 2, 4)
+    mask = jnp.ones((2, 1, 5, 6), bool).at[0, :, 3].set(False)
+    out, lse = js.dot_product_attention(
+        q, k, v, mask=mask, return_residual=True, implementation=implementation
+    )
+    expected = ref.attention(q, k, v, mask=mask)
+    assert lse.shape == (2, 5, 2) and lse.dtype == jnp.float32
+    np.testing.assert_allclose(lse, expected["lse"], atol=2e-6)
+    assert np.isneginf(np.asarray(lse)[0, 3]).all()  # no key: log(0)
+    assert (
+        js.dot_product_attention(q, k, v, return_residual=True, dtype=jnp.bfloat16)[1].dtype
+        == jnp.float32
+    )
+
+
+# --- features beyond jax.nn -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_soft_cap_against_reference(rng, implementation):
+    q, k, v = qkv(rng, 1, 7, 7, 2, 2, 16)
+    q = q * 4  # large scores, so the cap bites
+    d_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    expected = ref.attention(q, k, v, soft_cap=2.0, is_causal=True, d_out=d_out)
+    fn = functools.partial(
+        js.dot_product_attention, logits_soft_cap=2.0, is_causal=True, implementation=implementation
+    )
+    np.testing.assert_allclose(fn(q, k, v), expected["out"], atol=2e-6)
+    for got, name in zip(
+        grads(lambda q, k, v, b: fn(q, k, v), q, k, v, None, d_out), ("dq", "dk", "dv"), strict=True
+    ):
+        assert ref.rel_err(got, expected[name]) <= 1e-5
+    assert (
+        float(np.abs(fn(q, k, v) - js.dot_product_attention(q, k, v, is_causal=True)).max()) > 1e-2
+    )
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_bottom_right_causal_for_kv_cache_decoding(rng, implementation):
+    q, k, v = qkv(rng, 2, 3, 8, 2, 2, 4)
+    out = js.dot_product_attention(
+        q, k, v, is_causal=True, causal_alignment="bottom_right", implementation=implementation
+    )
+    np.testing.assert_allclose(
+        out, ref.attention(q, k, v, is_causal=True, offset=5)["out"], atol=2e-6
+    )
+    # One decoding step: the newest query sees every cached key (top-left would see only key 0).
+    step = js.dot_product_attention(
+        q[:, -1:], k, v, is_causal=True, causal_alignment="bottom_right"
+    )
+    np.testing.assert_allclose(step, js.dot_product_attention(q[:, -1:], k, v), atol=1e-6)
+    top_left = js.dot_product_attention(q[:, -1:], k, v, is_causal=True)
+    np.testing.assert_allclose(top_left, jnp.broadcast_to(v[:, :1], top_left.shape), atol=1e-6)
+    window = js.dot_product_attention(
+        q,
+        k,
+        v,
+        local_window_size=(2, 0),
+        causal_alignment="bottom_right",
+        implementation=implementation,
+    )
+    np.testing.assert_allclose(
+        window, ref.attention(q, k, v, window=(2, 0), offset=5)["out"], atol=2e-6
+    )
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_segment_ids_for_packed_sequences(rng, implementation):
+    q, k, v = qkv(rng, 2, 8, 8, 2, 1, 4)
+    seg = jnp.array([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 3]], jnp.int32)
+    out = js.dot_product_attention(
+        q, k, v, query_segment_ids=seg, is_causal=True, implementation=implementation
+    )
+    expected = ref.attention(q, k, v, q_segments=seg, kv_segments=seg, is_causal=True)
+    np.testing.assert_allclose(out, expected["out"], atol=2e-6)
+    # Packing is the same as running each sequence on its own.
+    alone = js.dot_product_attention(q[:1, 3:5], k[:1, 3:5], v[:1, 3:5], is_causal=True)
+    np.testing.assert_allclose(out[:1, 3:5], alone, atol=1e-6)
+
+
+def test_dropout_semantics(rng):
+    q, k, v = qkv(rng, 2, 16, 16, 4, 2, 8)
+    f = functools.partial(js.dot_product_attention, q, k, v, dropout_rate=0.3)
+    plain = js.dot_product_attention(q, k, v)
+    np.testing.assert_array_equal(f(deterministic=True), plain)  # evaluation mode: no dropout
+    rng_key = jax.random.key(7)
+    once, again = f(dropout_rng=rng_key), f(dropout_rng=rng_key)
+    np.testing.assert_array_equal(once, again)
+    assert float(np.abs(once - plain).max()) > 1e-2
+    # The output is the dropped-out weights (flax: dropout on the weights) times V.
+    for broadcast in (True, False):
+        weights = js.dot_product_attention_weights(
+            q, k, dropout_rate=0.3, dropout_rng=rng_key, broadcast_dropout=broadcast
+        )
+        out = f(dropout_rng=rng_key, broadcast_dropout=broadcast)
+        expected = jnp.einsum("bnts,bsnv->btnv", weights, jnp.repeat(v, 2, axis=2))
+        np.testing.assert_allclose(out, expected, atol=1e-5)
+        kept = np.asarray(weights) != 0
+        assert abs(kept.mean() - 0.7) < 0.05
+        same_mask = all((kept[i, j] == kept[0, 0]).all() for i in range(2) for j in range(4))
+        assert (
+            same_mask == broadcast
+        )  # broadcast_dropout: one mask for every batch element and head
+    # Expectation is preserved: averaging many draws approaches the output without dropout.
+    draws = jax.vmap(lambda r: f(dropout_rng=r))(jax.random.split(rng_key, 400))
+    assert float(np.abs(draws.mean(0) - plain).max()) < 0.15
+
+
+def test_dropout_gradients_match_reference_with_the_same_mask(rng):
+    q, k, v = qkv(rng, 1, 6, 6, 2, 2, 4)
+    rng_key = jax.random.key(1)
+    weights = js.dot_product_attention_weights(q, k, dropout_rate=0.5, dropout_rng=rng_key)
+    keep = np.asarray(weights != 0)
+
+    def manual(q, k, v):  # same formula, the mask given as a constant
+        w = js.dot_product_attention_weights(q, k)
+        return jnp.einsum("bnts,bsnv->btnv", jnp.where(keep, w / 0.5, 0), v)
+
+    def f(q, k, v, b):
+        return js.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=rng_key)
+
+    d_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    for got, want in zip(
+        grads(f, q, k, v, None, d_out),
+        grads(lambda q, k, v, b: manual(q, k, v), q, k, v, None, d_out),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_weights_function_matches_reference_and_flax(rng):
+    from flax import linen
+
+    q, k, _ = qkv(rng, 2, 5, 7, 3, 3, 4)
+    mask = jnp.asarray(rng.random((2, 1, 5, 7)) < 0.8).at[:, :, :, 0].set(True)
+    w = js.dot_product_attention_weights(q, k, mask=mask)
+    np.testing.assert_allclose(w, ref.attention(q, k, k, mask=mask)["weights"], atol=1e-6)
+    np.testing.assert_allclose(w, linen.dot_product_attention_weights(q, k, mask=mask), atol=1e-6)
+
+
+# --- fully masked rows ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_rows_without_keys_are_zero_with_zero_gradients(rng, implementation):
+    q, k, v = qkv(rng, 2, 4, 5, 2, 2, 4)
+    mask = jnp.ones((2, 2, 4, 5), bool).at[0, 1, 2].set(False)  # one fully masked row
+    bias = jnp.zeros((2, 2, 4, 5)).at[1, 0, 3].set(-jnp.inf)  # a whole bias row of −∞
+    q_len = jnp.array([4, 3], jnp.int32)  # a padded query row
+
+    def f(q, k, v, bias):
+        return js.dot_product_attention(
+            q, k, v, bias, mask=mask, query_seq_lengths=q_len, implementation=implementation
+        )
+
+    out = np.asarray(f(q, k, v, bias))
+    assert np.isfinite(out).all()
+    for b, t, n in [(0, 2, 1), (1, 3, 0), (1, 3, 1)]:
+        np.testing.assert_array_equal(out[b, t, n], 0)
+    d_out = jnp.ones_like(q)
+    g = grads(f, q, k, v, bias, d_out)
+    assert all(np.isfinite(np.asarray(x)).all() for x in g)
+    np.testing.assert_array_equal(np.asarray(g[0])[0, 2, 1], 0)  # dq of the masked row
+    np.testing.assert_array_equal(np.asarray(g[3])[0, 1, 2], 0)  # dbias of the masked row
+    # What jax.nn does instead (documented difference): the mean of the values.
+    nn_out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(nn_out[0, 2, 1], v[0, :, 1].mean(0), atol=1e-6)
+
+
+# --- transformations and dtypes --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_jit_vmap_jacobian(rng, implementation):
+    q, k, v = qkv(rng, 3, 4, 5, 2, 1, 3)
+    f = functools.partial(js.dot_product_attention, is_causal=True, implementation=implementation)
+    np.testing.assert_allclose(jax.jit(f)(q, k, v), f(q, k, v), atol=1e-6)
+    np.testing.assert_allclose(
+        jax.vmap(f)(q, k, v), f(q, k, v), atol=1e-6
+    )  # vmap of the batch axis
+    jac = jax.jacobian(f)(q[0], k[0], v[0])
+    jac_nn = jax.jacobian(functools.partial(jax.nn.dot_product_attention, is_causal=True))(
+        q[0], k[0], v[0]
+    )
+    np.testing.assert_allclose(jac, jac_nn, atol=2e-6)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    t=st.integers(1, 6), s=st.integers(1, 6), n=st.sampled_from([1, 2]), seed=st.integers(0, 1000)
+)
+def test_property_vmapped_single_head_equals_batched(t, s, n, seed):
+    gen = np.random.default_rng(seed)
+    q, k, v = qkv(gen, 2, t, s, n, n, 3)
+    batched = js.dot_product_attention(q, k, v, is_causal=True)
+    single = functools.partial(js.attention, is_causal=True)
+    per_head = jax.vmap(jax.vmap(single, in_axes=(1, 1, 1), out_axes=1))(q, k, v)
+    np.testing.assert_allclose(per_head, batched, atol=1e-6)
+    np.testing.assert_allclose(
+        jax.jit(js.dot_product_attention)(q, k, v), js.dot_product_attention(q, k, v), atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype,atol", [(jnp.bfloat16, 3e-2), (jnp.float16, 4e-3)])
+def test_low_precision_inputs_keep_dtype_and_accuracy(rng, implementation, dtype, atol):
+    q, k, v = qkv(rng, 2, 64, 64, 2, 2, 32, dtype=dtype)
+    out = js.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    assert out.dtype == dtype
+    expected = ref.attention(q, k, v, is_causal=True)["out"]  # the same rounded inputs, in f64
+    assert float(np.abs(np.asarray(out, np.float64) - expected).max()) <= atol
+    g = jax.grad(
+        lambda q: (
+            js.dot_product_attention(q, k, v, implementation=implementation)
+            .astype(jnp.float32)
+            .sum()
+        )
+    )(q)
+    assert g.dtype == dtype and np.isfinite(np.asarray(g, np.float32)).all()
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_float64_stays_float64(rng, implementation):
+    with enable_x64():
+        q, k, v = qkv(rng, 1, 9, 11, 2, 2, 4, dtype=jnp.float64)
+        out = js.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        assert out.dtype == jnp.float64
+        np.testing.assert_allclose(out, ref.attention(q, k, v, is_causal=True)["out"], atol=1e-12)
+
+
+def test_numpy_inputs_and_precision(rng):
+    q, k, v = (np.asarray(x) for x in qkv(rng, 1, 3, 4, 2, 2, 4))
+    out = js.dot_product_attention(q, k, v, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(out, ref.attention(q, k, v)["out"], atol=2e-6)

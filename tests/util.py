@@ -1,0 +1,36 @@
+"""Input builders and version shims shared by the tests."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+
+def qkv(rng, b, t, s, n, k, h, hv=None, dtype=jnp.float32):
+    """Unit-normal query (B,T,N,H), key (B,S,K,H), value (B,S,K,HV); B=None drops the batch."""
+    lead = () if b is None else (b,)
+    q = rng.normal(size=(*lead, t, n, h))
+    key = rng.normal(size=(*lead, s, k, h))
+    v = rng.normal(size=(*lead, s, k, hv or h))
+    return tuple(jnp.asarray(x, dtype) for x in (q, key, v))
+
+
+def broadcast_shape(full, pattern):
+    """The trailing ``len(pattern)`` axes of ``full``, each kept (True) or set to 1 (False)."""
+    tail = full[len(full) - len(pattern) :]
+    return tuple(d if keep else 1 for d, keep in zip(tail, pattern, strict=True))
+
+
+@contextlib.contextmanager
+def enable_x64():
+    """float64 inside the block (``jax.enable_x64`` where it exists, the config flag before)."""
+    if hasattr(jax, "enable_x64"):
+        with jax.enable_x64(True):
+            yield
+        return
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)
