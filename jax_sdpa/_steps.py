@@ -153,24 +153,23 @@ def soft_cap_scores(
 
 def _masked(
     scores: Float[Array, "q kv"], mask: Bool[Array, "#q #kv"] | None
-) -> tuple[Float[Array, "q kv"], Bool[Array, "q kv"]]:
-    """Which keys each query may attend, and the scores with the others replaced by a finite −∞.
+) -> tuple[Float[Array, "q kv"], Bool[Array, "#q #kv"] | None]:
+    """The scores with masked entries replaced by a finite −∞, and the mask (None: no mask).
 
-    A key is allowed where ``mask`` is True and its score is not −∞ (a −∞ bias masks a key
-    exactly). Using a finite fill keeps ``fill − fill = 0`` in fully masked rows, so no NaN is
-    ever formed, forward or backward.
+    A finite fill keeps ``fill − fill = 0`` in fully masked rows, so no NaN is ever formed,
+    forward or backward.
     """
-    allowed = scores != -jnp.inf
-    if mask is not None:
-        allowed = allowed & mask
-    return jnp.where(allowed, scores, large_negative(scores.dtype)), allowed
+    if mask is None:
+        return scores, None
+    return jnp.where(mask, scores, large_negative(scores.dtype)), mask
 
 
 def _exp_scores(
-    masked: Float[Array, "q kv"], allowed: Bool[Array, "q kv"], row_max: Float[Array, " q"]
+    masked: Float[Array, "q kv"], allowed: Bool[Array, "#q #kv"] | None, row_max: Float[Array, " q"]
 ) -> Float[Array, "q kv"]:
     r"""Un-normalised weights :math:`p_{ij} = m_{ij} \exp(s_{ij} - r_i)` for a given row shift."""
-    return jnp.where(allowed, jnp.exp(masked - row_max[:, None]), 0)
+    p = jnp.exp(masked - row_max[:, None])
+    return p if allowed is None else jnp.where(allowed, p, 0)
 
 
 def _normalize(x: Float[Array, "q ..."], denom: Float[Array, " q"]) -> Float[Array, "q ..."]:
@@ -179,21 +178,28 @@ def _normalize(x: Float[Array, "q ..."], denom: Float[Array, " q"]) -> Float[Arr
     return x / safe.reshape(safe.shape + (1,) * (x.ndim - 1))
 
 
-def _logsumexp(row_max: Float[Array, " q"], denom: Float[Array, " q"]) -> Float[Array, " q"]:
+def _logsumexp(row_max: Float[Array, "*q"], denom: Float[Array, "*q"]) -> Float[Array, "*q"]:
     r"""The log of the softmax denominator, :math:`\log \sum_j m_{ij} e^{s_{ij}}`; −∞ for no key."""
     safe = jnp.where(denom > 0, denom, 1)
     return jnp.where(denom > 0, row_max + jnp.log(safe), -jnp.inf)
+
+
+def _softmax_parts(
+    scores: Float[Array, "q kv"], mask: Bool[Array, "#q #kv"] | None
+) -> tuple[Float[Array, "q kv"], Float[Array, " q"], Float[Array, " q"]]:
+    """The softmax before its division: numerators, the row max they are shifted by, row sums."""
+    masked, allowed = _masked(scores, mask)
+    # Subtracting the row max keeps exp() in range; the result does not depend on it.
+    row_max = lax.stop_gradient(masked.max(axis=-1))
+    p = _exp_scores(masked, allowed, row_max)
+    return p, row_max, p.sum(axis=-1)
 
 
 def softmax_with_logsumexp(
     scores: Float[Array, "q_seq kv_seq"], mask: Bool[Array, "#q_seq #kv_seq"] | None = None
 ) -> tuple[Float[Array, "q_seq kv_seq"], Float[Array, " q_seq"]]:
     """:func:`softmax_weights` together with each row's log-sum-exp (−∞ for a row with no key)."""
-    masked, allowed = _masked(scores, mask)
-    # Subtracting the row max keeps exp() in range; the result does not depend on it.
-    row_max = lax.stop_gradient(masked.max(axis=-1))
-    p = _exp_scores(masked, allowed, row_max)
-    denom = p.sum(axis=-1)
+    p, row_max, denom = _softmax_parts(scores, mask)
     return _normalize(p, denom), _logsumexp(row_max, denom)
 
 
@@ -229,7 +235,9 @@ def softmax_weights(
     """
     scores = jnp.asarray(scores)
     scores = scores.astype(accumulation_dtype(scores.dtype))
-    return softmax_with_logsumexp(scores, None if mask is None else jnp.asarray(mask))[0]
+    allowed = scores != -jnp.inf
+    p, _, denom = _softmax_parts(scores, allowed if mask is None else allowed & jnp.asarray(mask))
+    return _normalize(p, denom)
 
 
 def _keep_bits(
