@@ -43,19 +43,32 @@ def score_block(
     """Scores of a block of queries against a block of keys, and which of them are allowed.
 
     raw scores → scale → optional soft cap → + bias; the mask is the given array AND the rule
-    evaluated at the block's global positions (``q_offset``, ``kv_offset``).
+    evaluated at the block's global positions (``q_offset``, ``kv_offset``) AND, with a bias,
+    "the score is not −∞". ``None`` when nothing is masked.
     """
     scores = scale_scores(raw_scores(query, key, precision=precision), scale)
     if soft_cap is not None:
         scores = soft_cap_scores(scores, soft_cap)
     if bias is not None:
         scores = scores + bias.astype(scores.dtype)
+        finite = scores != -jnp.inf  # a −∞ bias masks its key exactly
+        mask = finite if mask is None else mask & finite
     if rule is not None:
         allowed = materialize_mask(
             rule, query.shape[0], key.shape[0], q_offset=q_offset, kv_offset=kv_offset
         )
         mask = allowed if mask is None else mask & allowed
     return scores, mask
+
+
+def split_group_axis(x: Array | None) -> tuple[Array | None, int | None]:
+    """Splits off a head axis for ``jax.vmap``: size 1 is shared (dropped, ``in_axes=None``).
+
+    A leading axis of any other size is mapped (``in_axes=0``).
+    """
+    if x is None or x.shape[0] == 1:
+        return (None if x is None else x[0]), None
+    return x, 0
 
 
 def attention_head(

@@ -23,13 +23,17 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Float
 
 from jax_sdpa import _checks
-from jax_sdpa._attention import attention_head
+from jax_sdpa._attention import attention_head, split_group_axis
+from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, chunked_attention_group
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule, SegmentMask
 from jax_sdpa._steps import default_scale, dropout_weights
 
 __all__ = ["dot_product_attention", "dot_product_attention_weights"]
 
-Implementation = Literal["xla", "cudnn"]
+Implementation = Literal["xla", "chunked", "cudnn"]
+# implementation=None picks the dense path up to this many scores per head (T·S), the blocked one
+# above it; BENCHMARKS.md has the measurements behind the number.
+_DENSE_MAX_SCORES = 1024 * 1024
 CausalAlignment = Literal["top_left", "bottom_right"]
 
 
@@ -42,6 +46,9 @@ class _Config:
     dropout_rate: float
     precision: Any
     output: Literal["attention", "attention_and_weights", "weights"]
+    implementation: Literal["xla", "chunked"]
+    block_q: int
+    block_kv: int
 
 
 @functools.partial(
@@ -62,55 +69,72 @@ class _Inputs:
     dropout_rngs: Array | None
 
 
-def _split_leading(x: Array | None) -> tuple[Array | None, int | None]:
-    """Drops a broadcast (size-1) leading axis for ``in_axes=None``, else maps over axis 0."""
-    if x is None or x.shape[0] == 1:
-        return (None if x is None else x[0]), None
-    return x, 0
+def _over_heads(group: Callable, query, key, value, bias, mask, rule, rngs):
+    """Maps ``group`` over key/value heads: ``(T, N, H)`` query, ``(S, K, ·)`` keys → ``(N, ...)``.
 
-
-def _over_heads(head: Callable, query, key, value, bias, mask, rule, rngs):
-    """Maps ``head`` over query heads: ``(T, N, H)`` query, ``(S, K, ·)`` keys → ``(N, ...)``."""
+    ``group`` gets the ``G = N // K`` query heads that share one key/value head, as a
+    ``(G, T, H)`` query with its bias, mask and dropout keys (leading axis ``G``, or 1 if shared).
+    """
     seq, heads, _ = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
 
-    def grouped(x):  # (N, ...) → (K, G, ...); a broadcast head axis stays broadcast
-        x, axis = _split_leading(x)
-        return (x, None) if axis is None else (x.reshape(kv_heads, groups, *x.shape[1:]), 0)
+    def grouped(x):  # (N, ...) → (K, G, ...); a head axis of size 1 stays shared by all
+        return (
+            (x, None)
+            if x is None or x.shape[0] == 1
+            else (x.reshape(kv_heads, groups, *x.shape[1:]), 0)
+        )
 
     (bias, b_ax), (mask, m_ax), (rngs, r_ax) = grouped(bias), grouped(mask), grouped(rngs)
-    per_group = jax.vmap(head, in_axes=(1, None, None, b_ax, m_ax, None, r_ax))
-    per_kv_head = jax.vmap(per_group, in_axes=(1, 1, 1, b_ax, m_ax, None, r_ax))
-    out = per_kv_head(query.reshape(seq, kv_heads, groups, -1), key, value, bias, mask, rule, rngs)
+    query = jnp.moveaxis(query.reshape(seq, kv_heads, groups, -1), 0, 2)  # (K, G, T, H)
+    out = jax.vmap(group, in_axes=(0, 1, 1, b_ax, m_ax, None, r_ax))(
+        query, key, value, bias, mask, rule, rngs
+    )
     return jax.tree.map(lambda x: x.reshape(heads, *x.shape[2:]), out)
 
 
-def _over_batch(head: Callable, query, key, value, bias, mask, rule, rngs):
+def _over_batch(group: Callable, query, key, value, bias, mask, rule, rngs):
     """Maps :func:`_over_heads` over every leading batch axis, one ``jax.vmap`` per axis."""
     if query.ndim == 3:
-        return _over_heads(head, query, key, value, bias, mask, rule, rngs)
-    (bias, b_ax), (mask, m_ax), (rngs, r_ax) = map(_split_leading, (bias, mask, rngs))
-    inner = functools.partial(_over_batch, head)
+        return _over_heads(group, query, key, value, bias, mask, rule, rngs)
+    (bias, b_ax), (mask, m_ax), (rngs, r_ax) = map(split_group_axis, (bias, mask, rngs))
+    inner = functools.partial(_over_batch, group)
     return jax.vmap(inner, in_axes=(0, 0, 0, b_ax, m_ax, 0, r_ax))(
         query, key, value, bias, mask, rule, rngs
     )
 
 
+def _each_head(head: Callable) -> Callable:
+    """A single-head function applied to each query head of a group (``jax.vmap`` over ``G``)."""
+
+    def group(query, key, value, bias, mask, rule, rngs):
+        (bias, b_ax), (mask, m_ax), (rngs, r_ax) = map(split_group_axis, (bias, mask, rngs))
+        mapped = jax.vmap(head, in_axes=(0, None, None, b_ax, m_ax, None, r_ax))
+        return mapped(query, key, value, bias, mask, rule, rngs)
+
+    return group
+
+
 @functools.partial(jax.jit, static_argnames=("config",))
 def _run(inputs: _Inputs, *, config: _Config):
     """The jitted batched computation: ``(out, logsumexp, weights)``, heads moved into place."""
-    head = functools.partial(
-        attention_head,
+    options = dict(
         scale=config.scale,
         soft_cap=config.soft_cap,
         dropout_rate=config.dropout_rate,
         precision=config.precision,
     )
-    if config.output == "weights":
-        head = functools.partial(_dropped_weights_head, head, config.dropout_rate)
+    if config.implementation == "chunked":
+        blocks = {"block_q": config.block_q, "block_kv": config.block_kv}
+        group = functools.partial(chunked_attention_group, **options, **blocks)
+    else:
+        head = functools.partial(attention_head, **options)
+        if config.output == "weights":
+            head = functools.partial(_dropped_weights_head, head, config.dropout_rate)
+        group = _each_head(head)
     fields = (getattr(inputs, f.name) for f in dataclasses.fields(inputs))
-    out, lse, weights = _over_batch(head, *fields)
+    out, lse, weights = _over_batch(group, *fields)
     if config.output == "weights":
         return weights
     # (..., N, T, V) → (..., T, N, V) and (..., N, T) → (..., T, N), the layout of jax.nn.
@@ -170,6 +194,9 @@ def _prepare(
     logits_soft_cap,
     precision,
     output,
+    implementation,
+    block_q,
+    block_kv,
 ) -> tuple[_Inputs, _Config]:
     """Checks every argument (raising on the first problem) and puts them in canonical form."""
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
@@ -284,12 +311,26 @@ def _prepare(
             count = math.prod(batch_shape) * heads
             rngs = jax.random.split(dropout_rng, count)
             rngs = rngs.reshape(*batch_shape, heads, *rngs.shape[1:])
+    if implementation is None:
+        dense = output != "attention" or seq_q * seq_kv <= _DENSE_MAX_SCORES
+        implementation = "xla" if dense else "chunked"
+    if implementation == "chunked" and output != "attention":
+        raise ValueError(
+            "`implementation='chunked'` never forms the attention weights, which `module` (sown "
+            "weights) needs; use implementation=None or 'xla'."
+        )
+    for name, block in (("block_q", block_q), ("block_kv", block_kv)):
+        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+            raise ValueError(f"`{name}` must be a positive int; got {block!r}.")
     config = _Config(
         scale=default_scale(d_k) if scale is None else _static_float("scale", scale),
         soft_cap=_soft_cap(logits_soft_cap),
         dropout_rate=float(dropout_rate),
         precision=precision,
         output=output,
+        implementation=implementation,
+        block_q=block_q,
+        block_kv=block_kv,
     )
     return _Inputs(query, key, value, bias, mask, rule, rngs), config
 
@@ -312,6 +353,8 @@ def dot_product_attention(
     logits_soft_cap: float | None = None,
     query_segment_ids: ArrayLike | None = None,
     key_value_segment_ids: ArrayLike | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_kv: int = DEFAULT_BLOCK_KV,
     broadcast_dropout: bool = True,
     dropout_rng: ArrayLike | None = None,
     dropout_rate: float = 0.0,
@@ -332,7 +375,8 @@ def dot_product_attention(
     batch. Every call that ``jax.nn.dot_product_attention`` accepts means the same here, with one
     documented difference: a query with no allowed key (fully masked, padded, or a bias row of
     −∞) outputs **zeros** with zero gradients, as PyTorch, FlashAttention and FlexAttention do,
-    where ``jax.nn`` outputs the mean of the values (or NaN for the −∞ bias row).
+    where ``jax.nn`` outputs the mean of the values (zeros only past ``query_seq_lengths``, NaN
+    for the −∞ bias row).
 
     Args:
         query: ``(B, T, N, H)``, or ``(T, N, H)``, or any number of leading batch axes.
@@ -349,8 +393,11 @@ def dot_product_attention(
         key_value_seq_lengths: ``(B,)`` integers; keys at or past the length are masked.
         local_window_size: ``(left, right)`` inclusive window around the diagonal, or an int for
             both.
-        implementation: ``None`` or ``"xla"`` for the dense computation; ``"cudnn"`` hands the call
-            to ``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU.
+        implementation: ``"xla"``: the dense computation, which forms the ``(T, S)`` scores;
+            ``"chunked"``: exact attention in memory linear in ``T`` (online softmax over key
+            blocks, its own backward, wholly masked blocks skipped); ``None``: dense while
+            ``T·S ≤ 2^20`` or the weights are needed, chunked above; ``"cudnn"`` hands the call to
+            ``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU.
         return_residual: Also return the log-sum-exp of each row's scores, shape ``(B, T, N)``, in
             at least float32 (``jax.nn`` returns it in the input dtype); −∞ for a row with no key.
         causal_alignment: ``"top_left"`` (``jax.nn``, PyTorch) or ``"bottom_right"`` (the last
@@ -359,6 +406,8 @@ def dot_product_attention(
         query_segment_ids: ``(B, T)`` integers for packed sequences: a query sees only keys with
             the same id.
         key_value_segment_ids: ``(B, S)``; defaults to ``query_segment_ids`` when ``S == T``.
+        block_q: Queries per tile of the chunked implementation.
+        block_kv: Keys per tile of the chunked implementation.
         broadcast_dropout: Use one dropout mask for every batch element and head (flax).
         dropout_rng: PRNG key for dropout.
         dropout_rate: Probability of dropping an attention weight, in ``[0, 1)``.
@@ -417,7 +466,7 @@ def dot_product_attention(
                 "dtype": dtype is not None,
             },
         )
-    _checks.check_choice("implementation", implementation, (None, "xla", "cudnn"))
+    _checks.check_choice("implementation", implementation, (None, "xla", "chunked", "cudnn"))
     inputs, config = _prepare(
         query,
         key,
@@ -440,6 +489,9 @@ def dot_product_attention(
         logits_soft_cap=logits_soft_cap,
         precision=precision,
         output="attention" if module is None else "attention_and_weights",
+        implementation=implementation,
+        block_q=block_q,
+        block_kv=block_kv,
     )
     out, lse, weights = _run(inputs, config=config)
     if module is not None:
@@ -525,6 +577,9 @@ def dot_product_attention_weights(
         logits_soft_cap=logits_soft_cap,
         precision=precision,
         output="weights",
+        implementation="xla",
+        block_q=DEFAULT_BLOCK_Q,
+        block_kv=DEFAULT_BLOCK_KV,
     )
     weights = _run(inputs, config=config)
     if module is not None:  # flax sows the weights before dropout

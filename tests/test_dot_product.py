@@ -12,7 +12,15 @@ import jax_sdpa as js
 from tests import reference as ref
 from tests.util import broadcast_shape, enable_x64, qkv
 
-IMPLEMENTATIONS = ["xla"]
+# The chunked path runs with tiles that divide neither T nor S, so every test crosses blocks,
+# pads, and (with masks) skips blocks.
+IMPLEMENTATIONS = {
+    "xla": {"implementation": "xla"},
+    "chunked": {"implementation": "chunked", "block_q": 3, "block_kv": 4},
+}
+each_implementation = pytest.mark.parametrize(
+    "impl", IMPLEMENTATIONS.values(), ids=IMPLEMENTATIONS.keys()
+)
 
 
 def grads(fn, q, k, v, bias, d_out):
@@ -24,17 +32,23 @@ def grads(fn, q, k, v, bias, d_out):
 # --- accuracy against the float64 reference -------------------------------------------------
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    "impl",
+    [
+        {"implementation": "xla"},
+        {"implementation": "chunked"},
+        {"implementation": "chunked", "block_q": 96, "block_kv": 160},
+    ],
+    ids=["xla", "chunked-default-blocks", "chunked-96x160"],
+)
 @pytest.mark.parametrize("causal", [False, True])
-def test_float32_accuracy_against_float64_reference(rng, implementation, causal):
+def test_float32_accuracy_against_float64_reference(rng, impl, causal):
     # The bar: f32, unit-scale inputs, T ≤ 512, d ≤ 128: forward ≤ 2e-6, grads ≤ 1e-5.
     q, k, v = qkv(rng, 1, 512, 512, 2, 1, 128)
     bias = jnp.asarray(rng.normal(size=(1, 2, 512, 512)), jnp.float32)
     d_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     expected = ref.attention(q, k, v, bias, is_causal=causal, d_out=d_out)
-    fn = functools.partial(
-        js.dot_product_attention, is_causal=causal, implementation=implementation
-    )
+    fn = functools.partial(js.dot_product_attention, is_causal=causal, **impl)
     out = fn(q, k, v, bias)
     assert float(np.abs(out - expected["out"]).max()) <= 2e-6
     dq, dk, dv, dbias = grads(lambda q, k, v, b: fn(q, k, v, b), q, k, v, bias, d_out)
@@ -74,10 +88,10 @@ def configs(draw):
     )
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@each_implementation
 @settings(max_examples=30, deadline=None)
 @given(cfg=configs())
-def test_parity_with_jax_nn_and_reference(implementation, cfg):
+def test_parity_with_jax_nn_and_reference(impl, cfg):
     gen = np.random.default_rng(cfg["seed"])
     b, t, s, n, k, h = cfg["shape"]
     q, key, v = qkv(gen, b, t, s, n, k, h)
@@ -108,7 +122,7 @@ def test_parity_with_jax_nn_and_reference(implementation, cfg):
     has_key = expected["allowed"].any(-1).transpose(0, 2, 1)[..., None]  # (B, T, N, 1)
 
     def ours(q, key, v, bias):
-        return js.dot_product_attention(q, key, v, bias, implementation=implementation, **kwargs)
+        return js.dot_product_attention(q, key, v, bias, **impl, **kwargs)
 
     def theirs(q, key, v, bias):
         return jax.nn.dot_product_attention(q, key, v, bias, **kwargs)
@@ -128,10 +142,10 @@ def test_parity_with_jax_nn_and_reference(implementation, cfg):
 # --- layouts, heads, shapes ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_unbatched_tnh_and_extra_batch_axes(rng, implementation):
+@each_implementation
+def test_unbatched_tnh_and_extra_batch_axes(rng, impl):
     q, k, v = qkv(rng, 6, 5, 7, 4, 2, 8)
-    f = functools.partial(js.dot_product_attention, is_causal=True, implementation=implementation)
+    f = functools.partial(js.dot_product_attention, is_causal=True, **impl)
     out = f(q, k, v)
     np.testing.assert_allclose(f(q[2], k[2], v[2]), out[2], atol=1e-6)
 
@@ -144,13 +158,13 @@ def test_unbatched_tnh_and_extra_batch_axes(rng, implementation):
     np.testing.assert_allclose(got.reshape(out.shape), f(q, k, v, mask=full_mask), atol=1e-6)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@each_implementation
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_gqa_and_mqa_against_reference(rng, implementation, heads, kv_heads):
+def test_gqa_and_mqa_against_reference(rng, impl, heads, kv_heads):
     q, k, v = qkv(rng, 2, 6, 9, heads, kv_heads, 8, hv=5)  # d_v = 5 ≠ d_k = 8
     d_out = jnp.asarray(rng.normal(size=(2, 6, heads, 5)), jnp.float32)
     expected = ref.attention(q, k, v, d_out=d_out)
-    fn = functools.partial(js.dot_product_attention, implementation=implementation)
+    fn = functools.partial(js.dot_product_attention, **impl)
     out = fn(q, k, v)
     assert out.shape == (2, 6, heads, 5)
     np.testing.assert_allclose(out, expected["out"], atol=2e-6)
@@ -172,26 +186,24 @@ def _intermediate_sizes(jaxpr):
                     yield from _intermediate_sizes(sub)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_gqa_does_not_copy_keys_and_values(implementation):
+@each_implementation
+def test_gqa_does_not_copy_keys_and_values(impl):
     # T=3 queries, S=16 keys, 8 query heads over 2 key/value heads: a key or value repeated per
     # query head would hold S·N·H = 512 numbers; nothing in the program may be that big.
     q = jnp.ones((1, 3, 8, 4))
     kv = jnp.ones((1, 16, 2, 4))
-    fn = functools.partial(js.dot_product_attention, implementation=implementation)
+    fn = functools.partial(js.dot_product_attention, **impl)
     jaxpr = jax.make_jaxpr(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))(
         q, kv, kv
     )
     assert max(_intermediate_sizes(jaxpr.jaxpr)) < 16 * 8 * 4
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_return_residual_logsumexp(rng, implementation):
+@each_implementation
+def test_return_residual_logsumexp(rng, impl):
     q, k, v = qkv(rng, 2, 5, 6, 2, 2, 4)
     mask = jnp.ones((2, 1, 5, 6), bool).at[0, :, 3].set(False)
-    out, lse = js.dot_product_attention(
-        q, k, v, mask=mask, return_residual=True, implementation=implementation
-    )
+    out, lse = js.dot_product_attention(q, k, v, mask=mask, return_residual=True, **impl)
     expected = ref.attention(q, k, v, mask=mask)
     assert lse.shape == (2, 5, 2) and lse.dtype == jnp.float32
     np.testing.assert_allclose(lse, expected["lse"], atol=2e-6)
@@ -205,15 +217,13 @@ def test_return_residual_logsumexp(rng, implementation):
 # --- features beyond jax.nn -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_soft_cap_against_reference(rng, implementation):
+@each_implementation
+def test_soft_cap_against_reference(rng, impl):
     q, k, v = qkv(rng, 1, 7, 7, 2, 2, 16)
     q = q * 4  # large scores, so the cap bites
     d_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     expected = ref.attention(q, k, v, soft_cap=2.0, is_causal=True, d_out=d_out)
-    fn = functools.partial(
-        js.dot_product_attention, logits_soft_cap=2.0, is_causal=True, implementation=implementation
-    )
+    fn = functools.partial(js.dot_product_attention, logits_soft_cap=2.0, is_causal=True, **impl)
     np.testing.assert_allclose(fn(q, k, v), expected["out"], atol=2e-6)
     for got, name in zip(
         grads(lambda q, k, v, b: fn(q, k, v), q, k, v, None, d_out), ("dq", "dk", "dv"), strict=True
@@ -224,12 +234,10 @@ def test_soft_cap_against_reference(rng, implementation):
     )
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_bottom_right_causal_for_kv_cache_decoding(rng, implementation):
+@each_implementation
+def test_bottom_right_causal_for_kv_cache_decoding(rng, impl):
     q, k, v = qkv(rng, 2, 3, 8, 2, 2, 4)
-    out = js.dot_product_attention(
-        q, k, v, is_causal=True, causal_alignment="bottom_right", implementation=implementation
-    )
+    out = js.dot_product_attention(q, k, v, is_causal=True, causal_alignment="bottom_right", **impl)
     np.testing.assert_allclose(
         out, ref.attention(q, k, v, is_causal=True, offset=5)["out"], atol=2e-6
     )
@@ -246,20 +254,18 @@ def test_bottom_right_causal_for_kv_cache_decoding(rng, implementation):
         v,
         local_window_size=(2, 0),
         causal_alignment="bottom_right",
-        implementation=implementation,
+        **impl,
     )
     np.testing.assert_allclose(
         window, ref.attention(q, k, v, window=(2, 0), offset=5)["out"], atol=2e-6
     )
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_segment_ids_for_packed_sequences(rng, implementation):
+@each_implementation
+def test_segment_ids_for_packed_sequences(rng, impl):
     q, k, v = qkv(rng, 2, 8, 8, 2, 1, 4)
     seg = jnp.array([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 3]], jnp.int32)
-    out = js.dot_product_attention(
-        q, k, v, query_segment_ids=seg, is_causal=True, implementation=implementation
-    )
+    out = js.dot_product_attention(q, k, v, query_segment_ids=seg, is_causal=True, **impl)
     expected = ref.attention(q, k, v, q_segments=seg, kv_segments=seg, is_causal=True)
     np.testing.assert_allclose(out, expected["out"], atol=2e-6)
     # Packing is the same as running each sequence on its own.
@@ -330,17 +336,15 @@ def test_weights_function_matches_reference_and_flax(rng):
 # --- fully masked rows ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_rows_without_keys_are_zero_with_zero_gradients(rng, implementation):
+@each_implementation
+def test_rows_without_keys_are_zero_with_zero_gradients(rng, impl):
     q, k, v = qkv(rng, 2, 4, 5, 2, 2, 4)
     mask = jnp.ones((2, 2, 4, 5), bool).at[0, 1, 2].set(False)  # one fully masked row
     bias = jnp.zeros((2, 2, 4, 5)).at[1, 0, 3].set(-jnp.inf)  # a whole bias row of −∞
     q_len = jnp.array([4, 3], jnp.int32)  # a padded query row
 
     def f(q, k, v, bias):
-        return js.dot_product_attention(
-            q, k, v, bias, mask=mask, query_seq_lengths=q_len, implementation=implementation
-        )
+        return js.dot_product_attention(q, k, v, bias, mask=mask, query_seq_lengths=q_len, **impl)
 
     out = np.asarray(f(q, k, v, bias))
     assert np.isfinite(out).all()
@@ -359,10 +363,10 @@ def test_rows_without_keys_are_zero_with_zero_gradients(rng, implementation):
 # --- transformations and dtypes --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_jit_vmap_jacobian(rng, implementation):
+@each_implementation
+def test_jit_vmap_jacobian(rng, impl):
     q, k, v = qkv(rng, 3, 4, 5, 2, 1, 3)
-    f = functools.partial(js.dot_product_attention, is_causal=True, implementation=implementation)
+    f = functools.partial(js.dot_product_attention, is_causal=True, **impl)
     np.testing.assert_allclose(jax.jit(f)(q, k, v), f(q, k, v), atol=1e-6)
     np.testing.assert_allclose(
         jax.vmap(f)(q, k, v), f(q, k, v), atol=1e-6
@@ -390,29 +394,23 @@ def test_property_vmapped_single_head_equals_batched(t, s, n, seed):
     )
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@each_implementation
 @pytest.mark.parametrize("dtype,atol", [(jnp.bfloat16, 3e-2), (jnp.float16, 4e-3)])
-def test_low_precision_inputs_keep_dtype_and_accuracy(rng, implementation, dtype, atol):
+def test_low_precision_inputs_keep_dtype_and_accuracy(rng, impl, dtype, atol):
     q, k, v = qkv(rng, 2, 64, 64, 2, 2, 32, dtype=dtype)
-    out = js.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    out = js.dot_product_attention(q, k, v, is_causal=True, **impl)
     assert out.dtype == dtype
     expected = ref.attention(q, k, v, is_causal=True)["out"]  # the same rounded inputs, in f64
     assert float(np.abs(np.asarray(out, np.float64) - expected).max()) <= atol
-    g = jax.grad(
-        lambda q: (
-            js.dot_product_attention(q, k, v, implementation=implementation)
-            .astype(jnp.float32)
-            .sum()
-        )
-    )(q)
+    g = jax.grad(lambda q: js.dot_product_attention(q, k, v, **impl).astype(jnp.float32).sum())(q)
     assert g.dtype == dtype and np.isfinite(np.asarray(g, np.float32)).all()
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_float64_stays_float64(rng, implementation):
+@each_implementation
+def test_float64_stays_float64(rng, impl):
     with enable_x64():
         q, k, v = qkv(rng, 1, 9, 11, 2, 2, 4, dtype=jnp.float64)
-        out = js.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        out = js.dot_product_attention(q, k, v, is_causal=True, **impl)
         assert out.dtype == jnp.float64
         np.testing.assert_allclose(out, ref.attention(q, k, v, is_causal=True)["out"], atol=1e-12)
 
@@ -421,3 +419,92 @@ def test_numpy_inputs_and_precision(rng):
     q, k, v = (np.asarray(x) for x in qkv(rng, 1, 3, 4, 2, 2, 4))
     out = js.dot_product_attention(q, k, v, precision=jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(out, ref.attention(q, k, v)["out"], atol=2e-6)
+
+
+# --- the chunked implementation against the dense one ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "t,s,block_q,block_kv",
+    [(1, 1, 4, 4), (7, 13, 3, 5), (13, 7, 5, 3), (31, 29, 8, 8), (17, 17, 17, 1)],
+)
+def test_chunked_equals_dense_on_tiny_and_prime_lengths(rng, t, s, block_q, block_kv):
+    q, k, v = qkv(rng, 2, t, s, 4, 2, 6, hv=3)
+    bias = jnp.asarray(rng.normal(size=(2, 4, t, s)), jnp.float32)
+    mask = jnp.asarray(rng.random((2, 1, 1, s)) < 0.8)
+    seg = jnp.asarray(np.sort(rng.integers(0, 3, size=(2, t))), jnp.int32)
+    kv_seg = jnp.asarray(np.sort(rng.integers(0, 3, size=(2, s))), jnp.int32)
+    kwargs = dict(
+        is_causal=True,
+        causal_alignment="bottom_right",
+        local_window_size=(4, 2),
+        query_segment_ids=seg,
+        key_value_segment_ids=kv_seg,
+        logits_soft_cap=3.0,
+    )
+
+    def f(impl, q, k, v, bias):
+        return js.dot_product_attention(q, k, v, bias, mask, return_residual=True, **kwargs, **impl)
+
+    chunked = {"implementation": "chunked", "block_q": block_q, "block_kv": block_kv}
+    (out, lse), (out_d, lse_d) = (
+        f(chunked, q, k, v, bias),
+        f({"implementation": "xla"}, q, k, v, bias),
+    )
+    np.testing.assert_allclose(out, out_d, atol=1e-6)
+    np.testing.assert_allclose(lse, lse_d, atol=1e-5)
+    d_out = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    g = grads(lambda *a: f(chunked, *a)[0], q, k, v, bias, d_out)
+    g_d = grads(lambda *a: f({"implementation": "xla"}, *a)[0], q, k, v, bias, d_out)
+    for got, want in zip(g, g_d, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_chunked_dropout_drops_exactly_what_dense_drops(rng):
+    q, k, v = qkv(rng, 2, 11, 9, 2, 2, 4)
+    kwargs = dict(
+        dropout_rate=0.4, dropout_rng=jax.random.key(5), broadcast_dropout=False, is_causal=True
+    )
+
+    def f(impl, q, k, v):
+        return js.dot_product_attention(q, k, v, **kwargs, **impl)
+
+    chunked = {"implementation": "chunked", "block_q": 4, "block_kv": 3}
+    np.testing.assert_allclose(
+        f(chunked, q, k, v), f({"implementation": "xla"}, q, k, v), atol=1e-6
+    )
+    d_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    g = grads(lambda q, k, v, b: f(chunked, q, k, v), q, k, v, None, d_out)
+    g_d = grads(lambda q, k, v, b: f({"implementation": "xla"}, q, k, v), q, k, v, None, d_out)
+    for got, want in zip(g, g_d, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_chunked_skips_blocks_past_the_causal_diagonal_and_the_lengths(rng):
+    # NaN in a key block is invisible to the output only if the block is never computed: a masked
+    # but computed block would still multiply its NaN values by zero weights.
+    q, k, v = qkv(rng, 1, 8, 8, 1, 1, 4)
+    v = v.at[:, 4:].set(jnp.nan)
+    chunked = {"implementation": "chunked", "block_q": 4, "block_kv": 4}
+    out = js.dot_product_attention(q, k, v, is_causal=True, **chunked)
+    assert np.isfinite(np.asarray(out)[:, :4]).all()  # rows 0-3 never visit keys 4-7
+    dense = js.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    assert np.isnan(np.asarray(dense)[:, :4]).any()  # the dense path multiplies 0 · NaN
+    lengths = jnp.array([4], jnp.int32)
+    out = js.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, **chunked)
+    assert np.isfinite(np.asarray(out)).all()
+    g = jax.grad(
+        lambda q: js.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, **chunked).sum()
+    )(q)
+    assert np.isfinite(np.asarray(g)).all()
+
+
+def test_automatic_choice_of_implementation(rng):
+    q, k, v = qkv(rng, 1, 1100, 1100, 1, 1, 4)
+    for t, expected in [(64, "xla"), (1100, "chunked")]:
+        jaxpr = str(
+            jax.make_jaxpr(functools.partial(js.dot_product_attention, is_causal=True))(
+                q[:, :t], k[:, :t], v[:, :t]
+            )
+        )
+        assert ("while" in jaxpr) == (expected == "chunked"), t
