@@ -3,12 +3,15 @@ r"""jax_sdpa: scaled dot-product attention, ``softmax(Q Kᵀ / √d_k) V``, as p
 One function per step of the formula (:func:`raw_scores`, :func:`scale_scores`,
 :func:`softmax_weights`, :func:`weighted_sum`), composed for one head by :func:`attention`, and
 ``jax.vmap``-ed over heads and batch by :func:`dot_product_attention`, a drop-in for
-``jax.nn.dot_product_attention`` and a flax ``attention_fn``.
+``jax.nn.dot_product_attention`` and a flax ``attention_fn`` that can also run in memory linear
+in the sequence length (``implementation="chunked"``). :func:`ring_attention` spreads one long
+sequence over many devices.
 """
 
 from jax_sdpa._attention import attention as attention
 from jax_sdpa._dot_product import dot_product_attention as dot_product_attention
 from jax_sdpa._dot_product import dot_product_attention_weights as dot_product_attention_weights
+from jax_sdpa._dot_product import ring_attention as ring_attention
 from jax_sdpa._masks import AndMask as AndMask
 from jax_sdpa._masks import CausalMask as CausalMask
 from jax_sdpa._masks import LengthMask as LengthMask
@@ -16,6 +19,9 @@ from jax_sdpa._masks import LocalWindowMask as LocalWindowMask
 from jax_sdpa._masks import MaskRule as MaskRule
 from jax_sdpa._masks import SegmentMask as SegmentMask
 from jax_sdpa._masks import materialize_mask as materialize_mask
+from jax_sdpa._sharding import from_striped as from_striped
+from jax_sdpa._sharding import ring_dot_product_attention as ring_dot_product_attention
+from jax_sdpa._sharding import to_striped as to_striped
 from jax_sdpa._steps import default_scale as default_scale
 from jax_sdpa._steps import dropout_weights as dropout_weights
 from jax_sdpa._steps import raw_scores as raw_scores
@@ -38,10 +44,14 @@ __all__ = (
     "dot_product_attention",
     "dot_product_attention_weights",
     "dropout_weights",
+    "from_striped",
     "materialize_mask",
     "raw_scores",
+    "ring_attention",
+    "ring_dot_product_attention",
     "scale_scores",
     "soft_cap_scores",
     "softmax_weights",
+    "to_striped",
     "weighted_sum",
 )

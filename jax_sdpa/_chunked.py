@@ -24,7 +24,8 @@ are processed together, tile by tile, and their key/value gradients are summed i
 so no ``(G, S, ·)`` copy of the keys, values or their gradients ever exists.
 
 Blocks that a mask rule excludes entirely (above a causal diagonal, outside a window, past a
-length) are skipped, not computed and masked.
+length) are skipped, not computed and masked; blocks it allows entirely run without evaluating
+the rule; only the tiles it cuts through pay for the mask.
 """
 
 import dataclasses
@@ -49,14 +50,19 @@ from jax_sdpa._steps import (
     weighted_sum,
 )
 
-# A (256, 512) float32 score tile is 512 KiB: half of a 1 MiB L2 cache (see BENCHMARKS.md).
-DEFAULT_BLOCK_Q = 256
+# The fastest tile measured on a 2-core CPU, causal or not, forward and backward (BENCHMARKS.md):
+# smaller tiles pay more per-iteration overhead than they save in cache misses.
+DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_KV = 512
 
 
 @dataclasses.dataclass(frozen=True)
 class _Blocks:
-    """The static part of one call: the formula's options and the tiling (a ``nondiff_argnum``)."""
+    """The static part of one call: the formula's options and the tiling (a ``nondiff_argnum``).
+
+    Tiles are addressed by the global positions of their first query and first key
+    (``q_at``, ``kv_at``): those are what mask rules and dropout see.
+    """
 
     scale: float
     soft_cap: float | None
@@ -65,50 +71,48 @@ class _Blocks:
     block_q: int
     block_kv: int
 
-    def scores(self, q_i, k_j, bias_ij, mask_ij, rule, i, j):
-        """Scores and allowed-mask of tile ``(i, j)`` for one head: the dense path's steps."""
+    def scores(self, q_i, k_j, bias_ij, mask_ij, rule, q_at, kv_at):
+        """Scores and allowed-mask of one head's tile: the dense path's steps."""
         return score_block(
             q_i, k_j, bias_ij, mask_ij, rule,
             scale=self.scale, soft_cap=self.soft_cap, precision=self.precision,
-            q_offset=i * self.block_q, kv_offset=j * self.block_kv,
+            q_offset=q_at, kv_offset=kv_at,
         )  # fmt: skip
 
-    def drop(self, x, rng, i, j):
-        """Dropout of tile ``(i, j)``: the mask the dense path draws at the same positions."""
+    def drop(self, x, rng, q_at, kv_at):
+        """Dropout of a tile: the mask the dense path draws at the same positions."""
         if rng is None:
             return x
-        offsets = {"q_offset": i * self.block_q, "kv_offset": j * self.block_kv}
-        return dropout_weights(x, rng, rate=self.dropout_rate, **offsets)
+        return dropout_weights(x, rng, rate=self.dropout_rate, q_offset=q_at, kv_offset=kv_at)
 
-    def forward_tile(self, carry, q_i, k_j, v_j, bias_ij, mask_ij, rule, rng, i, j):
+    def forward_tile(self, carry, q_i, k_j, v_j, bias_ij, mask_ij, rule, rng, q_at, kv_at):
         """One online-softmax update of one head's running ``(max, denominator, output)``."""
         row_max, denom, acc = carry
-        masked, allowed = _masked(*self.scores(q_i, k_j, bias_ij, mask_ij, rule, i, j))
+        masked = _masked(*self.scores(q_i, k_j, bias_ij, mask_ij, rule, q_at, kv_at))
         new_max = jnp.maximum(row_max, masked.max(axis=-1))
-        p = _exp_scores(masked, allowed, new_max)
+        # Until a row meets its first allowed key, its max stays at the fill and p counts masked
+        # entries as 1; the correction e^{fill − real max} = 0 erases them when it does.
+        p = _exp_scores(masked, new_max)
         correction = jnp.exp(row_max - new_max)
         denom = correction * denom + p.sum(axis=-1)
-        update = weighted_sum(self.drop(p, rng, i, j), v_j, precision=self.precision)
+        update = weighted_sum(self.drop(p, rng, q_at, kv_at), v_j, precision=self.precision)
         return new_max, denom, correction[:, None] * acc + update
 
     def backward_tile(
-        self, q_i, k_j, v_j, bias_ij, mask_ij, rule, rng, d_out_i, delta_i, lse_i, i, j
+        self, q_i, k_j, v_j, bias_ij, mask_ij, rule, rng, d_out_i, delta_i, lse_i, q_at, kv_at
     ):
-        """One head's gradients from tile ``(i, j)``: ``(dq_i, dk_j, dv_j, dbias_ij)``."""
+        """One head's gradients from one tile: ``(dq_i, dk_j, dv_j, dbias_ij)``."""
         scores, scores_vjp, allowed = jax.vjp(
-            lambda q, k, b: self.scores(q, k, b, mask_ij, rule, i, j),
-            q_i,
-            k_j,
-            bias_ij,
-            has_aux=True,
-        )
-        masked, allowed = _masked(scores, allowed)
-        p = _exp_scores(masked, allowed, lse_i)  # the weights, P = e^{S − lse}
+            lambda q, k, b: self.scores(q, k, b, mask_ij, rule, q_at, kv_at),
+            q_i, k_j, bias_ij, has_aux=True,
+        )  # fmt: skip
+        p = _exp_scores(_masked(scores, allowed), lse_i)  # the weights, P = e^{S − lse}
         _, sum_vjp = jax.vjp(
-            lambda p, v: weighted_sum(p, v, precision=self.precision), self.drop(p, rng, i, j), v_j
-        )
+            lambda p, v: weighted_sum(p, v, precision=self.precision),
+            self.drop(p, rng, q_at, kv_at), v_j,
+        )  # fmt: skip
         d_dropped, d_v_j = sum_vjp(d_out_i)
-        d_p = self.drop(d_dropped, rng, i, j)  # dropout is diagonal: its own adjoint
+        d_p = self.drop(d_dropped, rng, q_at, kv_at)  # dropout is diagonal: its own adjoint
         d_q_i, d_k_j, d_bias_ij = scores_vjp(p * (d_p - delta_i[:, None]))
         return d_q_i, d_k_j, d_v_j, d_bias_ij
 
@@ -116,11 +120,8 @@ class _Blocks:
         """Start and size of tile ``(i, j)`` in a ``(g, t, s)`` array (``t``, ``s`` full or 1)."""
         full_rows, full_cols = shape[1] > 1, shape[2] > 1
         start = (0, i * self.block_q if full_rows else 0, j * self.block_kv if full_cols else 0)
-        return start, (
-            shape[0],
-            self.block_q if full_rows else 1,
-            self.block_kv if full_cols else 1,
-        )
+        size = (shape[0], self.block_q if full_rows else 1, self.block_kv if full_cols else 1)
+        return start, size
 
     def tile(self, x, i, j):
         """Tile ``(i, j)`` of a per-group bias or mask (broadcast axes stay broadcast)."""
@@ -137,12 +138,26 @@ def _add_at(total: Array, part: Array, start: tuple) -> Array:
     return lax.dynamic_update_slice(total, current + part.astype(total.dtype), start)
 
 
-def _block_range(rule: MaskRule | None, bounds, block: int, count: int):
-    """Blocks ``[lo, hi)`` of size ``block`` covering the index range ``bounds(rule)``."""
+def _sweep(step, rule: MaskRule | None, reach, full_reach, at, block: int, count: int, carry):
+    """``carry = step(n, carry, tile_rule)`` over the blocks ``n`` that ``rule`` may allow.
+
+    ``reach(rule)`` and ``full_reach(rule)`` are the global index ranges that may be, and that
+    certainly are, allowed (``MaskRule.kv_range``/``kv_full_range`` or their ``q_`` twins); block
+    ``n`` covers global indices ``at + n·block`` onwards. Blocks outside the first range are
+    skipped; blocks wholly inside the second run with ``tile_rule=None``, no mask to evaluate;
+    the blocks in between run with the rule.
+    """
     if rule is None:
-        return 0, count
-    lo, hi = bounds(rule)
-    return jnp.clip(lo // block, 0, count), jnp.clip(-(-hi // block), 0, count)
+        return lax.fori_loop(0, count, lambda n, c: step(n, c, None), carry)
+    lo, hi = (x - at for x in reach(rule))
+    lo, hi = jnp.clip(lo // block, 0, count), jnp.clip(-(-hi // block), 0, count)
+    full_lo, full_hi = (x - at for x in full_reach(rule))
+    full_lo = jnp.clip(-(-full_lo // block), lo, hi)
+    full_hi = jnp.clip(full_hi // block, full_lo, hi)
+    runs = ((lo, full_lo, rule), (full_lo, full_hi, None), (full_hi, hi, rule))
+    for start, stop, tile_rule in runs:
+        carry = lax.fori_loop(start, stop, functools.partial(step, tile_rule=tile_rule), carry)
+    return carry
 
 
 def _per_head(fn, n_mapped: int, bias_ij, mask_ij, rngs):
@@ -156,80 +171,100 @@ def _per_head(fn, n_mapped: int, bias_ij, mask_ij, rngs):
     return lambda *args: mapped(*args, bias_ij, mask_ij, rngs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(blocks: _Blocks, query, key, value, bias, mask, rule, rngs):
-    return _forward(blocks, query, key, value, bias, mask, rule, rngs)
-
-
-def _forward(blocks: _Blocks, query, key, value, bias, mask, rule, rngs):
-    """``(out, lse)`` of a group ``(G, T, H)`` whose ``T``, ``S`` are whole numbers of blocks."""
-    groups, n_q, n_kv = (
-        query.shape[0],
-        query.shape[1] // blocks.block_q,
-        key.shape[0] // blocks.block_kv,
+def initial_state(groups: int, rows: int, value_dim: int, dtype) -> tuple[Array, Array, Array]:
+    """The online softmax before any key: ``(row max = fill, denominator = 0, output = 0)``."""
+    return (
+        jnp.full((groups, rows), large_negative(dtype)),
+        jnp.zeros((groups, rows), dtype),
+        jnp.zeros((groups, rows, value_dim), dtype),
     )
-    acc_dtype = accumulation_dtype(query.dtype)
 
-    def query_block(i):
+
+def forward_sweep(blocks: _Blocks, query, key, value, bias, mask, rule, rngs, state, q_at, kv_at):
+    """Updates the online-softmax ``state`` of queries ``(G, T, H)`` with keys ``(S, H)``.
+
+    ``T`` and ``S`` are whole numbers of blocks; the queries start at global position ``q_at``,
+    the keys at ``kv_at``; bias and mask are ``(g, t, s)`` for exactly these queries and keys.
+    """
+    n_q, n_kv = query.shape[1] // blocks.block_q, key.shape[0] // blocks.block_kv
+
+    def query_block(i, state_i):
         q_i = _rows(query, i, blocks.block_q, axis=1)
+        q_lo = q_at + i * blocks.block_q
 
-        def step(j, carry):
+        def step(j, carry, tile_rule):
             k_j, v_j = _rows(key, j, blocks.block_kv), _rows(value, j, blocks.block_kv)
+            kv_lo = kv_at + j * blocks.block_kv
             update = _per_head(
                 lambda carry, q_i, bias_ij, mask_ij, rng: blocks.forward_tile(
-                    carry, q_i, k_j, v_j, bias_ij, mask_ij, rule, rng, i, j
+                    carry, q_i, k_j, v_j, bias_ij, mask_ij, tile_rule, rng, q_lo, kv_lo
                 ),
                 2, blocks.tile(bias, i, j), blocks.tile(mask, i, j), rngs,
             )  # fmt: skip
             return update(carry, q_i)
 
-        init = (
-            jnp.full((groups, blocks.block_q), large_negative(acc_dtype)),
-            jnp.zeros((groups, blocks.block_q), acc_dtype),
-            jnp.zeros((groups, blocks.block_q, value.shape[1]), acc_dtype),
-        )
-        lo, hi = _block_range(
-            rule,
-            lambda r: r.kv_range(i * blocks.block_q, (i + 1) * blocks.block_q),
-            blocks.block_kv,
-            n_kv,
-        )
-        row_max, denom, acc = lax.fori_loop(lo, hi, step, init)
-        return jax.vmap(_normalize)(acc, denom).astype(value.dtype), _logsumexp(row_max, denom)
+        rows = (q_lo, q_lo + blocks.block_q)
+        return _sweep(
+            step, rule, lambda r: r.kv_range(*rows), lambda r: r.kv_full_range(*rows),
+            kv_at, blocks.block_kv, n_kv, state_i,
+        )  # fmt: skip
 
-    out, lse = lax.map(query_block, jnp.arange(n_q))  # (n_q, G, block_q, ·)
-    return _unblock(out), _unblock(lse)
+    by_block = jax.tree.map(lambda x: _blocked(x, blocks.block_q), state)
+    return jax.tree.map(_unblocked, lax.map(lambda a: query_block(*a), (jnp.arange(n_q), by_block)))
 
 
-def _unblock(x: Array) -> Array:
-    """``(n_blocks, G, block, ...)`` → ``(G, n_blocks · block, ...)``."""
+def finish(state, dtype) -> tuple[Array, Array]:
+    """``(out, lse)`` from a final online-softmax state; a row that met no key gives 0 and −∞."""
+    row_max, denom, acc = state
+    return jax.vmap(_normalize)(acc, denom, row_max).astype(dtype), _logsumexp(row_max, denom)
+
+
+def _blocked(x: Array, block: int) -> Array:
+    """``(G, n · block, ...)`` → ``(n, G, block, ...)``."""
+    return jnp.moveaxis(x.reshape(x.shape[0], -1, block, *x.shape[2:]), 1, 0)
+
+
+def _unblocked(x: Array) -> Array:
+    """``(n, G, block, ...)`` → ``(G, n · block, ...)``."""
     x = jnp.moveaxis(x, 0, 1)
     return x.reshape(x.shape[0], -1, *x.shape[3:])
 
 
-def _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs):
-    out, lse = _forward(blocks, query, key, value, bias, mask, rule, rngs)
-    return (out, lse), (query, key, value, bias, mask, rule, rngs, out, lse)
+def backward_sweep(
+    blocks: _Blocks,
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    rule,
+    rngs,
+    d_out,
+    delta,
+    shift,
+    grads,
+    q_at,
+    kv_at,
+):
+    """Adds the gradients of queries ``(G, T, H)`` against keys ``(S, H)`` into ``grads``.
 
-
-def _flash_bwd(blocks: _Blocks, residuals, cotangents):
-    query, key, value, bias, mask, rule, rngs, out, lse = residuals
-    d_out = cotangents[0]  # the log-sum-exp leaves with stop_gradient: no cotangent to pass on
+    ``grads = (dq, dk, dv, dbias)`` has the shapes of the operands (``dbias`` None without a
+    bias); ``delta`` is rowsum(dO ∘ O) and ``shift`` the log-sum-exp (0 where −∞).
+    """
     n_q, n_kv = query.shape[1] // blocks.block_q, key.shape[0] // blocks.block_kv
-    acc_dtype = accumulation_dtype(query.dtype)
-    d_out = d_out.astype(acc_dtype)
-    delta = jnp.sum(d_out * out.astype(acc_dtype), axis=-1)  # D = rowsum(dO ∘ O) = rowsum(P ∘ dP)
-    shift = jnp.where(jnp.isfinite(lse), lse, 0)  # rows without keys have no allowed entry anyway
 
     def key_block(j, grads):
         k_j, v_j = _rows(key, j, blocks.block_kv), _rows(value, j, blocks.block_kv)
+        kv_lo = kv_at + j * blocks.block_kv
 
-        def step(i, grads):
+        def step(i, grads, tile_rule):
             d_query, d_key, d_value, d_bias = grads
             rows = functools.partial(_rows, i=i, block=blocks.block_q, axis=1)
+            q_lo = q_at + i * blocks.block_q
             tile_grads = _per_head(
                 lambda q_i, d_out_i, delta_i, lse_i, bias_ij, mask_ij, rng: blocks.backward_tile(
-                    q_i, k_j, v_j, bias_ij, mask_ij, rule, rng, d_out_i, delta_i, lse_i, i, j
+                    q_i, k_j, v_j, bias_ij, mask_ij, tile_rule, rng, d_out_i, delta_i, lse_i,
+                    q_lo, kv_lo,
                 ),
                 4, blocks.tile(bias, i, j), blocks.tile(mask, i, j), rngs,
             )  # fmt: skip
@@ -245,18 +280,51 @@ def _flash_bwd(blocks: _Blocks, residuals, cotangents):
                 d_bias = _add_at(d_bias, d_bias_ij, blocks.window(d_bias.shape, i, j)[0])
             return d_query, d_key, d_value, d_bias
 
-        lo, hi = _block_range(
-            rule,
-            lambda r: r.q_range(j * blocks.block_kv, (j + 1) * blocks.block_kv),
-            blocks.block_q,
-            n_q,
-        )
-        return lax.fori_loop(lo, hi, step, grads)
+        cols = (kv_lo, kv_lo + blocks.block_kv)
+        return _sweep(
+            step, rule, lambda r: r.q_range(*cols), lambda r: r.q_full_range(*cols),
+            q_at, blocks.block_q, n_q, grads,
+        )  # fmt: skip
 
-    def zeros(x):
-        return None if x is None else jnp.zeros(x.shape, accumulation_dtype(x.dtype))
+    return lax.fori_loop(0, n_kv, key_block, grads)
 
-    grads = lax.fori_loop(0, n_kv, key_block, tuple(map(zeros, (query, key, value, bias))))
+
+def zeros_like_grads(*operands):
+    """Gradient accumulators, in at least float32, for operands that may be None."""
+    return tuple(
+        None if x is None else jnp.zeros(x.shape, accumulation_dtype(x.dtype)) for x in operands
+    )
+
+
+def backward_inputs(out, lse, d_out):
+    """``(dO, D, shift)``: the cotangent in the accumulation dtype, rowsum(dO ∘ O), the lse or 0."""
+    d_out = d_out.astype(accumulation_dtype(out.dtype))
+    delta = jnp.sum(d_out * out.astype(d_out.dtype), axis=-1)  # D = rowsum(dO ∘ O) = rowsum(P ∘ dP)
+    return d_out, delta, jnp.where(jnp.isfinite(lse), lse, 0)  # rows without keys: e^{fill − 0} = 0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(blocks: _Blocks, query, key, value, bias, mask, rule, rngs):
+    return _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs)[0]
+
+
+def _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs):
+    state = initial_state(
+        query.shape[0], query.shape[1], value.shape[1], accumulation_dtype(query.dtype)
+    )
+    state = forward_sweep(blocks, query, key, value, bias, mask, rule, rngs, state, 0, 0)
+    out, lse = finish(state, value.dtype)
+    return (out, lse), (query, key, value, bias, mask, rule, rngs, out, lse)
+
+
+def _flash_bwd(blocks: _Blocks, residuals, cotangents):
+    query, key, value, bias, mask, rule, rngs, out, lse = residuals
+    # The log-sum-exp leaves with stop_gradient: only the output's cotangent is passed on.
+    d_out, delta, shift = backward_inputs(out, lse, cotangents[0])
+    grads = backward_sweep(
+        blocks, query, key, value, bias, mask, rule, rngs, d_out, delta, shift,
+        zeros_like_grads(query, key, value, bias), 0, 0,
+    )  # fmt: skip
     primals = (query, key, value, bias)
     d_query, d_key, d_value, d_bias = (
         None if g is None else g.astype(x.dtype) for g, x in zip(grads, primals, strict=True)
@@ -301,6 +369,10 @@ def chunked_attention_group(
     blocks; padded keys are masked by a length rule and padded queries dropped.
     """
     seq_q, seq_kv = query.shape[1], key.shape[0]
+    if jnp.finfo(query.dtype).bits >= 32:
+        # Folding the scale into the queries costs T·d products instead of T·S per head; in a
+        # 16-bit dtype it would round the queries, so there the scores are scaled instead.
+        query, scale = query * jnp.asarray(scale, query.dtype), 1.0
     blocks = _Blocks(
         scale=scale, soft_cap=soft_cap, dropout_rate=dropout_rate, precision=precision,
         block_q=min(block_q, seq_q), block_kv=min(block_kv, seq_kv),

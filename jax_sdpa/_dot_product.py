@@ -26,14 +26,15 @@ from jax_sdpa import _checks
 from jax_sdpa._attention import attention_head, split_group_axis
 from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, chunked_attention_group
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule, SegmentMask
+from jax_sdpa._ring import Layout, ring_attention_group
 from jax_sdpa._steps import default_scale, dropout_weights
 
-__all__ = ["dot_product_attention", "dot_product_attention_weights"]
+__all__ = ["dot_product_attention", "dot_product_attention_weights", "ring_attention"]
 
 Implementation = Literal["xla", "chunked", "cudnn"]
-# implementation=None picks the dense path up to this many scores per head (T·S), the blocked one
-# above it; BENCHMARKS.md has the measurements behind the number.
-_DENSE_MAX_SCORES = 1024 * 1024
+# implementation=None computes densely while all the scores of a call (B·N·T·S floats) take at
+# most 8 MiB, and in blocks above; BENCHMARKS.md has the measurements behind the number.
+_DENSE_MAX_SCORES = 2**21
 CausalAlignment = Literal["top_left", "bottom_right"]
 
 
@@ -46,9 +47,12 @@ class _Config:
     dropout_rate: float
     precision: Any
     output: Literal["attention", "attention_and_weights", "weights"]
-    implementation: Literal["xla", "chunked"]
+    implementation: Literal["xla", "chunked", "ring"]
     block_q: int
     block_kv: int
+    axis_name: Any = None  # the ring's: named mesh axis, its size, and the sequence layout
+    shards: int = 1
+    layout: Layout = "contiguous"
 
 
 @functools.partial(
@@ -125,9 +129,12 @@ def _run(inputs: _Inputs, *, config: _Config):
         dropout_rate=config.dropout_rate,
         precision=config.precision,
     )
+    blocks = {"block_q": config.block_q, "block_kv": config.block_kv}
     if config.implementation == "chunked":
-        blocks = {"block_q": config.block_q, "block_kv": config.block_kv}
         group = functools.partial(chunked_attention_group, **options, **blocks)
+    elif config.implementation == "ring":
+        ring = {"axis_name": config.axis_name, "shards": config.shards, "layout": config.layout}
+        group = functools.partial(ring_attention_group, **options, **blocks, **ring)
     else:
         head = functools.partial(attention_head, **options)
         if config.output == "weights":
@@ -197,8 +204,14 @@ def _prepare(
     implementation,
     block_q,
     block_kv,
+    ring=None,
 ) -> tuple[_Inputs, _Config]:
-    """Checks every argument (raising on the first problem) and puts them in canonical form."""
+    """Checks every argument (raising on the first problem) and puts them in canonical form.
+
+    With ``ring = (axis_name, shards, layout)`` the arrays are one device's shards of a sequence
+    ``shards`` times longer: bias and mask span all its keys, masks use global positions.
+    """
+    shards = 1 if ring is None else ring[1]
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     if dtype is not None:
         query, key, value = query.astype(dtype), key.astype(dtype), value.astype(dtype)
@@ -229,7 +242,7 @@ def _prepare(
             f"{heads} query heads and {kv_heads} key/value heads."
         )
 
-    logits_shape = (*batch_shape, heads, seq_q, seq_kv)
+    logits_shape = (*batch_shape, heads, seq_q, seq_kv * shards)
     logits_what = f"({'batch, ' * len(batch_shape)}heads, q_seq, kv_seq)"
 
     def per_logit(name, x):  # bias / mask → rank len(batch) + 3, each axis 1 or full
@@ -245,7 +258,7 @@ def _prepare(
         mask = mask if mask.dtype == bool else mask != 0  # flax masks are float: nonzero = keep
 
     _checks.check_choice("causal_alignment", causal_alignment, ("top_left", "bottom_right"))
-    offset = 0 if causal_alignment == "top_left" else seq_kv - seq_q
+    offset = 0 if causal_alignment == "top_left" else (seq_kv - seq_q) * shards
     rules: list[MaskRule] = []
     if is_causal:
         rules.append(CausalMask(offset))
@@ -312,7 +325,8 @@ def _prepare(
             rngs = jax.random.split(dropout_rng, count)
             rngs = rngs.reshape(*batch_shape, heads, *rngs.shape[1:])
     if implementation is None:
-        dense = output != "attention" or seq_q * seq_kv <= _DENSE_MAX_SCORES
+        scores = math.prod(batch_shape) * heads * seq_q * seq_kv
+        dense = output != "attention" or scores <= _DENSE_MAX_SCORES
         implementation = "xla" if dense else "chunked"
     if implementation == "chunked" and output != "attention":
         raise ValueError(
@@ -331,6 +345,7 @@ def _prepare(
         implementation=implementation,
         block_q=block_q,
         block_kv=block_kv,
+        **({} if ring is None else dict(zip(("axis_name", "shards", "layout"), ring, strict=True))),
     )
     return _Inputs(query, key, value, bias, mask, rule, rngs), config
 
@@ -607,3 +622,105 @@ def _cudnn(query, key, value, bias, mask, *, beyond_jax_nn: dict[str, bool], **k
     return jax.nn.dot_product_attention(
         query, key, value, bias, mask, implementation="cudnn", **kwargs
     )
+
+
+def ring_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    axis_name: Any,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    causal_alignment: CausalAlignment = "top_left",
+    logits_soft_cap: float | None = None,
+    layout: Layout = "contiguous",
+    return_residual: bool = False,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_kv: int = DEFAULT_BLOCK_KV,
+    precision: lax.PrecisionLike = None,
+) -> Array | tuple[Array, Array]:
+    r"""Attention over one sequence sharded along the mesh axis ``axis_name``: ring attention.
+
+    Call it inside ``jax.shard_map`` on each device's shards: ``query`` ``(B, T/P, N, H)``,
+    ``key`` and ``value`` ``(B, S/P, K, ·)``, where ``P`` is the size of ``axis_name``. Each
+    device keeps its queries while the key/value shards travel round the ring (``ppermute``),
+    combined with the chunked path's online softmax; no device ever holds all the keys. The
+    result is this device's shard of :func:`dot_product_attention` on the whole sequence, with the
+    same meaning for every argument accepted here (masks use global positions; a query with no
+    allowed key outputs zeros), and the backward pass rotates the key/value gradients the same
+    way. :func:`jax_sdpa.ring_dot_product_attention` does the sharding for you.
+
+    Args:
+        query: This device's queries, ``(B, T/P, N, H)`` (or ``(T/P, N, H)``).
+        key: This device's keys, ``(B, S/P, K, H)``; GQA as in :func:`dot_product_attention`.
+        value: This device's values, ``(B, S/P, K, V)``.
+        bias: Broadcastable to ``(B, N, T/P, S)``: this device's query rows against *all* keys,
+            in the order of the sharded key axis (device 0's keys first).
+        mask: Like ``bias``; ``True`` = may attend.
+        axis_name: The ``shard_map`` axis the sequence is split over.
+        scale: As in :func:`dot_product_attention`.
+        is_causal: As there, with global positions: blocks wholly in the future are skipped.
+        query_seq_lengths: Global query lengths, ``(B,)``.
+        key_value_seq_lengths: Global key/value lengths, ``(B,)``.
+        local_window_size: As in :func:`dot_product_attention`, in global positions.
+        causal_alignment: As in :func:`dot_product_attention`, for the global lengths.
+        logits_soft_cap: As in :func:`dot_product_attention`.
+        block_q: Queries per tile; the largest divisor of the local run length not above it.
+        block_kv: Keys per tile; likewise.
+        precision: As in :func:`dot_product_attention`.
+        layout: ``"contiguous"``: device ``p`` holds positions ``[p·L, (p+1)·L)``;
+            ``"striped"``: the sequence in ``2P`` chunks, device ``p`` holding chunks ``p`` and
+            ``2P−1−p`` (see :func:`jax_sdpa.to_striped`), which balances causal work.
+        return_residual: Also return this device's log-sum-exp, ``(B, T/P, N)``.
+
+    Returns:
+        This device's output shard ``(B, T/P, N, V)``, or ``(out, logsumexp)``.
+
+    References:
+        Liu, Zaharia & Abbeel, Ring Attention with Blockwise Transformers for Near-Infinite
+        Context, 2023. Brandon et al., Striped Attention, 2023.
+    """
+    shards = lax.axis_size(axis_name)
+    _checks.check_choice("layout", layout, ("contiguous", "striped"))
+    if layout == "striped":
+        for name, x in (("query", query), ("key", key)):
+            if jnp.shape(x)[-3] % 2:
+                raise ValueError(
+                    f"`{name}` must have an even local length for layout='striped' (two chunks "
+                    f"per device); got {jnp.shape(x)[-3]}."
+                )
+    inputs, config = _prepare(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        causal_alignment=causal_alignment,
+        query_segment_ids=None,
+        key_value_segment_ids=None,
+        dropout_rng=None,
+        dropout_rate=0.0,
+        broadcast_dropout=True,
+        deterministic=True,
+        dtype=None,
+        scale=scale,
+        logits_soft_cap=logits_soft_cap,
+        precision=precision,
+        output="attention",
+        implementation="ring",
+        block_q=block_q,
+        block_kv=block_kv,
+        ring=(axis_name, shards, layout),
+    )
+    out, lse, _ = _run(inputs, config=config)
+    return (out, lse) if return_residual else out

@@ -5,7 +5,9 @@ A rule is a small pytree with ``rule(q_idx, kv_idx) -> bool`` (``True`` = may at
 implementation and block by block by the memory-efficient one, so a causal, windowed, padded or
 packed mask never has to exist as a ``(T, S)`` array. Each rule also says which range of keys a
 block of queries can possibly see (``kv_range``) and the converse (``q_range``), which lets the
-blocked implementation skip blocks that are wholly masked.
+blocked implementation skip blocks that are wholly masked; ``kv_full_range`` and
+``q_full_range`` say which keys (queries) a whole block certainly may see, which lets it drop the
+mask on those tiles.
 
 Array fields (sequence lengths, segment ids) are pytree leaves, so rules can be ``jax.vmap``-ed
 over the batch; integer fields (offsets, window sizes) are static.
@@ -71,6 +73,14 @@ class MaskRule:
         """A half-open range of queries that contains every query keys ``[kv_lo, kv_hi)`` serve."""
         return 0, _NO_LIMIT
 
+    def kv_full_range(self, q_lo: Index, q_hi: Index) -> tuple[Index, Index]:
+        """A half-open range of keys that every query in ``[q_lo, q_hi)`` may see (maybe empty)."""
+        return 0, 0
+
+    def q_full_range(self, kv_lo: Index, kv_hi: Index) -> tuple[Index, Index]:
+        """A half-open range of queries that may see every key in ``[kv_lo, kv_hi)``."""
+        return 0, 0
+
     def __and__(self, other: "MaskRule") -> "AndMask":
         return AndMask((self, other))
 
@@ -95,6 +105,12 @@ class CausalMask(MaskRule):
     def q_range(self, kv_lo, kv_hi):
         return kv_lo - self.offset, _NO_LIMIT
 
+    def kv_full_range(self, q_lo, q_hi):
+        return 0, q_lo + self.offset + 1
+
+    def q_full_range(self, kv_lo, kv_hi):
+        return kv_hi - 1 - self.offset, _NO_LIMIT
+
 
 @_rule
 class LocalWindowMask(MaskRule):
@@ -117,6 +133,12 @@ class LocalWindowMask(MaskRule):
 
     def q_range(self, kv_lo, kv_hi):
         return kv_lo - self.offset - self.right, kv_hi - self.offset + self.left
+
+    def kv_full_range(self, q_lo, q_hi):
+        return q_hi - 1 + self.offset - self.left, q_lo + self.offset + self.right + 1
+
+    def q_full_range(self, kv_lo, kv_hi):
+        return kv_hi - 1 - self.offset - self.right, kv_lo - self.offset + self.left + 1
 
 
 @_rule
@@ -150,6 +172,18 @@ class LengthMask(MaskRule):
             hi = jnp.where(kv_lo < self.kv_length, hi, 0)
         return 0, hi
 
+    def kv_full_range(self, q_lo, q_hi):
+        hi = _NO_LIMIT if self.kv_length is None else self.kv_length
+        if self.q_length is not None:
+            hi = jnp.where(q_hi <= self.q_length, hi, 0)
+        return 0, hi
+
+    def q_full_range(self, kv_lo, kv_hi):
+        hi = _NO_LIMIT if self.q_length is None else self.q_length
+        if self.kv_length is not None:
+            hi = jnp.where(kv_hi <= self.kv_length, hi, 0)
+        return 0, hi
+
 
 @_rule
 class SegmentMask(MaskRule):
@@ -172,16 +206,21 @@ class AndMask(MaskRule):
     rules: tuple[MaskRule, ...] = _leaf(())
 
     def __call__(self, q_idx, kv_idx):
-        shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
-        return functools.reduce(
-            jnp.logical_and, (rule(q_idx, kv_idx) for rule in self.rules), jnp.ones(shape, bool)
-        )
+        if not self.rules:
+            return jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
+        return functools.reduce(jnp.logical_and, (rule(q_idx, kv_idx) for rule in self.rules))
 
     def kv_range(self, q_lo, q_hi):
         return _intersect(rule.kv_range(q_lo, q_hi) for rule in self.rules)
 
     def q_range(self, kv_lo, kv_hi):
         return _intersect(rule.q_range(kv_lo, kv_hi) for rule in self.rules)
+
+    def kv_full_range(self, q_lo, q_hi):
+        return _intersect(rule.kv_full_range(q_lo, q_hi) for rule in self.rules)
+
+    def q_full_range(self, kv_lo, kv_hi):
+        return _intersect(rule.q_full_range(kv_lo, kv_hi) for rule in self.rules)
 
 
 def _intersect(ranges) -> tuple[Index, Index]:

@@ -153,45 +153,49 @@ def soft_cap_scores(
 
 def _masked(
     scores: Float[Array, "q kv"], mask: Bool[Array, "#q #kv"] | None
-) -> tuple[Float[Array, "q kv"], Bool[Array, "#q #kv"] | None]:
-    """The scores with masked entries replaced by a finite −∞, and the mask (None: no mask).
-
-    A finite fill keeps ``fill − fill = 0`` in fully masked rows, so no NaN is ever formed,
-    forward or backward.
-    """
-    if mask is None:
-        return scores, None
-    return jnp.where(mask, scores, large_negative(scores.dtype)), mask
-
-
-def _exp_scores(
-    masked: Float[Array, "q kv"], allowed: Bool[Array, "#q #kv"] | None, row_max: Float[Array, " q"]
 ) -> Float[Array, "q kv"]:
-    r"""Un-normalised weights :math:`p_{ij} = m_{ij} \exp(s_{ij} - r_i)` for a given row shift."""
-    p = jnp.exp(masked - row_max[:, None])
-    return p if allowed is None else jnp.where(allowed, p, 0)
+    r"""The scores with masked entries replaced by a finite −∞ (``large_negative``).
+
+    After subtracting a real row max, :math:`e^{\text{fill} - r}` is exactly 0, so masked keys
+    drop out without a second mask on the exponentials. A row with no allowed key keeps the fill
+    as its max; :func:`_normalize` and :func:`_logsumexp` recognise it by that and return 0 and
+    −∞. The fill being finite, ``fill − fill = 0`` there: no NaN, forward or backward.
+    """
+    return scores if mask is None else jnp.where(mask, scores, large_negative(scores.dtype))
 
 
-def _normalize(x: Float[Array, "q ..."], denom: Float[Array, " q"]) -> Float[Array, "q ..."]:
-    """Divides each row by its softmax denominator; a row with denominator 0 (no key) stays 0."""
-    safe = jnp.where(denom > 0, denom, 1)
-    return x / safe.reshape(safe.shape + (1,) * (x.ndim - 1))
+def _exp_scores(masked: Float[Array, "q kv"], row_max: Float[Array, " q"]) -> Float[Array, "q kv"]:
+    r"""Un-normalised weights :math:`p_{ij} = e^{s_{ij} - r_i}` for a row shift :math:`r_i`."""
+    return jnp.exp(masked - row_max[:, None])
+
+
+def _has_key(row_max: Float[Array, "*q"]) -> Bool[Array, "*q"]:
+    """Rows that saw at least one allowed key: their max rose above the fill."""
+    return row_max > large_negative(row_max.dtype)
+
+
+def _normalize(
+    x: Float[Array, "q ..."], denom: Float[Array, " q"], row_max: Float[Array, " q"]
+) -> Float[Array, "q ..."]:
+    """Divides each row by its softmax denominator; a row with no allowed key becomes 0."""
+    has_key = _has_key(row_max).reshape(row_max.shape + (1,) * (x.ndim - 1))
+    return jnp.where(has_key, x / denom.reshape(has_key.shape), 0)
 
 
 def _logsumexp(row_max: Float[Array, "*q"], denom: Float[Array, "*q"]) -> Float[Array, "*q"]:
     r"""The log of the softmax denominator, :math:`\log \sum_j m_{ij} e^{s_{ij}}`; −∞ for no key."""
-    safe = jnp.where(denom > 0, denom, 1)
-    return jnp.where(denom > 0, row_max + jnp.log(safe), -jnp.inf)
+    has_key = _has_key(row_max)
+    return jnp.where(has_key, row_max + jnp.log(jnp.where(has_key, denom, 1)), -jnp.inf)
 
 
 def _softmax_parts(
     scores: Float[Array, "q kv"], mask: Bool[Array, "#q #kv"] | None
 ) -> tuple[Float[Array, "q kv"], Float[Array, " q"], Float[Array, " q"]]:
     """The softmax before its division: numerators, the row max they are shifted by, row sums."""
-    masked, allowed = _masked(scores, mask)
+    masked = _masked(scores, mask)
     # Subtracting the row max keeps exp() in range; the result does not depend on it.
     row_max = lax.stop_gradient(masked.max(axis=-1))
-    p = _exp_scores(masked, allowed, row_max)
+    p = _exp_scores(masked, row_max)
     return p, row_max, p.sum(axis=-1)
 
 
@@ -200,7 +204,7 @@ def softmax_with_logsumexp(
 ) -> tuple[Float[Array, "q_seq kv_seq"], Float[Array, " q_seq"]]:
     """:func:`softmax_weights` together with each row's log-sum-exp (−∞ for a row with no key)."""
     p, row_max, denom = _softmax_parts(scores, mask)
-    return _normalize(p, denom), _logsumexp(row_max, denom)
+    return _normalize(p, denom, row_max), _logsumexp(row_max, denom)
 
 
 def softmax_weights(
@@ -214,7 +218,8 @@ def softmax_weights(
     Subtracting the row maximum :math:`r_i` changes nothing mathematically and keeps
     :math:`e^{x}` from overflowing. Masked entries are exactly 0, and so is a whole row with no
     allowed key (PyTorch, FlashAttention and FlexAttention do the same; ``jax.nn`` and flax give
-    such a row uniform weights instead). A score of −∞ counts as masked.
+    such a row uniform weights instead). A score of −∞ counts as masked, and so, in effect, does
+    one below ``-0.7 · finfo(float32).max``.
 
     Args:
         scores: Scaled scores, shape ``(T, S)``, any float dtype (computed in at least float32).
@@ -236,8 +241,10 @@ def softmax_weights(
     scores = jnp.asarray(scores)
     scores = scores.astype(accumulation_dtype(scores.dtype))
     allowed = scores != -jnp.inf
-    p, _, denom = _softmax_parts(scores, allowed if mask is None else allowed & jnp.asarray(mask))
-    return _normalize(p, denom)
+    p, row_max, denom = _softmax_parts(
+        scores, allowed if mask is None else allowed & jnp.asarray(mask)
+    )
+    return _normalize(p, denom, row_max)
 
 
 def _keep_bits(

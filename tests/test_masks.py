@@ -65,7 +65,7 @@ def test_rules_are_pytrees_that_vmap_over_batch():
     kv_len=st.integers(0, 12),
     block=st.integers(1, 5),
 )
-def test_property_block_ranges_contain_every_allowed_pair(
+def test_property_block_ranges_are_sound(
     t, s, offset, left, right, q_len, kv_len, block
 ):
     # kv_range / q_range may over-approximate (blocks are then masked) but never cut an allowed key.
@@ -87,6 +87,15 @@ def test_property_block_ranges_contain_every_allowed_pair(
             r_lo, r_hi = (int(x) for x in rule.q_range(lo, hi))
             rows = np.flatnonzero(allowed[:, lo:hi].any(axis=1))
             assert all(r_lo <= r < r_hi for r in rows), (rule, lo, hi, r_lo, r_hi, rows)
+        # The full ranges may under-approximate (those tiles keep their mask) but never overstate.
+        for lo in range(0, t, block):
+            hi = min(lo + block, t)
+            f_lo, f_hi = (int(x) for x in rule.kv_full_range(lo, hi))
+            assert allowed[lo:hi, max(f_lo, 0) : max(min(f_hi, s), 0)].all(), (rule, lo, hi, f_lo, f_hi)
+        for lo in range(0, s, block):
+            hi = min(lo + block, s)
+            f_lo, f_hi = (int(x) for x in rule.q_full_range(lo, hi))
+            assert allowed[max(f_lo, 0) : max(min(f_hi, t), 0), lo:hi].all(), (rule, lo, hi, f_lo, f_hi)
 
 
 def test_rule_definitions_match_numpy():

@@ -1,0 +1,155 @@
+"""Sharding one long sequence over a device mesh: the layouts and a ready-made ring call.
+
+:func:`ring_dot_product_attention` takes whole (global) arrays and a ``jax.sharding.Mesh``,
+places them (sequence over one mesh axis, optionally batch and heads over others), runs
+:func:`jax_sdpa.ring_attention` under ``jax.shard_map`` and returns the output, sharded the same
+way. The same code runs on one host with several devices or on many hosts after
+``jax.distributed.initialize()``: the mesh is what spans them.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, ArrayLike
+
+from jax_sdpa import _checks
+from jax_sdpa._dot_product import ring_attention
+from jax_sdpa._ring import Layout
+
+__all__ = ["from_striped", "ring_dot_product_attention", "to_striped"]
+
+
+def _striped_order(length: int, shards: int) -> jnp.ndarray:
+    """Positions in striped order: chunks ``0, 2P−1, 1, 2P−2, …`` of ``length / 2P`` each."""
+    chunk = length // (2 * shards)
+    chunks = [c for p in range(shards) for c in (p, 2 * shards - 1 - p)]
+    return jnp.concatenate([jnp.arange(c * chunk, (c + 1) * chunk) for c in chunks])
+
+
+def to_striped(x: ArrayLike, shards: int, *, axis: int = 1) -> Array:
+    """Reorders a sequence axis for ``layout="striped"`` over ``shards`` devices.
+
+    The sequence is cut into ``2 · shards`` equal chunks and device ``p`` gets chunks ``p`` and
+    ``2 · shards − 1 − p``: under a causal mask each device then has about the same work (with the
+    contiguous layout, device 0 attends to almost nothing and the last device to everything).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> to_striped(jnp.arange(8), 2, axis=0)
+        Array([0, 1, 6, 7, 2, 3, 4, 5], dtype=int32)
+    """
+    x = jnp.asarray(x)
+    length = x.shape[axis]
+    if length % (2 * shards):
+        raise ValueError(
+            f"The sequence axis must split into 2 · shards = {2 * shards} equal chunks; "
+            f"got length {length}."
+        )
+    return jnp.take(x, _striped_order(length, shards), axis=axis)
+
+
+def from_striped(x: ArrayLike, shards: int, *, axis: int = 1) -> Array:
+    """Undoes :func:`to_striped`."""
+    x = jnp.asarray(x)
+    return jnp.take(x, jnp.argsort(_striped_order(x.shape[axis], shards)), axis=axis)
+
+
+def ring_dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    mesh: jax.sharding.Mesh,
+    seq_axis: str,
+    batch_axis: str | None = None,
+    head_axis: str | None = None,
+    layout: Layout = "contiguous",
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    return_residual: bool = False,
+    **options: Any,
+) -> Array | tuple[Array, Array]:
+    """:func:`jax_sdpa.dot_product_attention` on a mesh, the sequence split over ``seq_axis``.
+
+    Arguments are whole ``(B, T, N, H)`` arrays (``bias`` and ``mask`` rank 4, broadcastable to
+    ``(B, N, T, S)``). They are placed on ``mesh`` with the sequence sharded over ``seq_axis``
+    and, if given, the batch over ``batch_axis`` and the heads over ``head_axis`` (both query and
+    key/value heads must divide evenly); then :func:`jax_sdpa.ring_attention` runs on each
+    device's shards. ``layout="striped"`` reorders the sequence first (and the output back), to
+    balance causal work. ``options`` are :func:`jax_sdpa.ring_attention`'s other keywords.
+
+    Returns:
+        The output ``(B, T, N, V)`` sharded over the mesh, or ``(out, logsumexp)``.
+
+    Examples:
+        >>> import jax, numpy as np
+        >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+        >>> q = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+        >>> out = ring_dot_product_attention(q, q, q, mesh=mesh, seq_axis="seq", is_causal=True)
+        >>> bool(abs(out - jax.nn.dot_product_attention(q, q, q, is_causal=True)).max() < 1e-6)
+        True
+    """
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _checks.check_ndim(name, x, (4,), "(batch, seq, heads, dim)")
+    shards = mesh.shape[seq_axis]
+    heads = 1 if head_axis is None else mesh.shape[head_axis]
+    for name, n in (("query", query.shape[2]), ("key", key.shape[2])):
+        if n % heads:
+            raise ValueError(
+                f"`{name}` heads must divide over mesh axis {head_axis!r} of size {heads}; got {n}."
+            )
+    extras = {"bias": bias, "mask": mask}
+    extras = {
+        k: jnp.reshape(jnp.asarray(x), (1,) * (4 - jnp.ndim(x)) + jnp.shape(x))
+        for k, x in extras.items()
+        if x is not None
+    }
+    if layout == "striped":
+        query, key, value = (to_striped(x, shards) for x in (query, key, value))
+        for name, x in extras.items():  # rows follow the queries, columns the keys
+            x = to_striped(x, shards, axis=2) if x.shape[2] > 1 else x
+            extras[name] = to_striped(x, shards, axis=3) if x.shape[3] > 1 else x
+
+    def spec_4d(x):  # bias / mask: (batch, heads, rows, columns); columns stay whole
+        return P(
+            batch_axis if x.shape[0] > 1 else None,
+            head_axis if x.shape[1] > 1 else None,
+            seq_axis if x.shape[2] > 1 else None,
+            None,
+        )
+
+    seq_spec = P(batch_axis, seq_axis, head_axis, None)
+    lengths = {
+        "query_seq_lengths": query_seq_lengths,
+        "key_value_seq_lengths": key_value_seq_lengths,
+    }
+    lengths = {k: jnp.asarray(x) for k, x in lengths.items() if x is not None}
+    in_specs = (
+        (seq_spec,) * 3
+        + tuple(spec_4d(x) for x in extras.values())
+        + (P(batch_axis),) * len(lengths)
+    )
+    out_specs = (seq_spec, P(batch_axis, seq_axis, head_axis)) if return_residual else seq_spec
+
+    def local(query, key, value, *rest):
+        named = dict(zip([*extras, *lengths], rest, strict=True))
+        return ring_attention(
+            query, key, value, axis_name=seq_axis, layout=layout, return_residual=return_residual,
+            **named, **options,
+        )  # fmt: skip
+
+    args = (query, key, value, *extras.values(), *lengths.values())
+    args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs, strict=True)]
+    sharded = jax.shard_map(
+        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+    result = sharded(*args)
+    if layout == "striped":
+        result = jax.tree.map(lambda x: from_striped(x, shards), result)
+    return result
