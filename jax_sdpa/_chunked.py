@@ -72,10 +72,18 @@ class _Blocks:
     block_kv: int
 
     def scores(self, q_i, k_j, bias_ij, mask_ij, rule, q_at, kv_at):
-        """Scores and allowed-mask of one head's tile: the dense path's steps."""
+        """Scores and allowed-mask of one head's tile: the dense path's steps.
+
+        In float32 and wider the scale multiplies the ``(block_q, d)`` queries instead of the
+        ``(block_q, block_kv)`` scores: a ``d / block_kv`` fraction of the work. In a 16-bit dtype
+        that would round the queries, so there the scores are scaled, as in the dense path.
+        """
+        scale = self.scale
+        if jnp.finfo(q_i.dtype).bits >= 32:
+            q_i, scale = q_i * jnp.asarray(scale, q_i.dtype), 1.0
         return score_block(
             q_i, k_j, bias_ij, mask_ij, rule,
-            scale=self.scale, soft_cap=self.soft_cap, precision=self.precision,
+            scale=scale, soft_cap=self.soft_cap, precision=self.precision,
             q_offset=q_at, kv_offset=kv_at,
         )  # fmt: skip
 
@@ -171,13 +179,16 @@ def _per_head(fn, n_mapped: int, bias_ij, mask_ij, rngs):
     return lambda *args: mapped(*args, bias_ij, mask_ij, rngs)
 
 
-def initial_state(groups: int, rows: int, value_dim: int, dtype) -> tuple[Array, Array, Array]:
-    """The online softmax before any key: ``(row max = fill, denominator = 0, output = 0)``."""
-    return (
-        jnp.full((groups, rows), large_negative(dtype)),
-        jnp.zeros((groups, rows), dtype),
-        jnp.zeros((groups, rows, value_dim), dtype),
-    )
+def initial_state(query: Array, value_dim: int) -> tuple[Array, Array, Array]:
+    """The online softmax before any key: ``(row max = fill, denominator = 0, output = 0)``.
+
+    Built from the ``(G, T, H)`` queries (``zeros_like``), so that under ``jax.shard_map`` the
+    state varies over devices as they do.
+    """
+    dtype = accumulation_dtype(query.dtype)
+    zeros = jnp.zeros_like(query, dtype=dtype, shape=query.shape[:2])
+    output = jnp.zeros_like(query, dtype=dtype, shape=(*query.shape[:2], value_dim))
+    return zeros + large_negative(dtype), zeros, output
 
 
 def forward_sweep(blocks: _Blocks, query, key, value, bias, mask, rule, rngs, state, q_at, kv_at):
@@ -188,7 +199,7 @@ def forward_sweep(blocks: _Blocks, query, key, value, bias, mask, rule, rngs, st
     """
     n_q, n_kv = query.shape[1] // blocks.block_q, key.shape[0] // blocks.block_kv
 
-    def query_block(i, state_i):
+    def query_block(i, state):
         q_i = _rows(query, i, blocks.block_q, axis=1)
         q_lo = q_at + i * blocks.block_q
 
@@ -204,30 +215,23 @@ def forward_sweep(blocks: _Blocks, query, key, value, bias, mask, rule, rngs, st
             return update(carry, q_i)
 
         rows = (q_lo, q_lo + blocks.block_q)
-        return _sweep(
+        state_i = jax.tree.map(lambda x: _rows(x, i, blocks.block_q, axis=1), state)
+        state_i = _sweep(
             step, rule, lambda r: r.kv_range(*rows), lambda r: r.kv_full_range(*rows),
             kv_at, blocks.block_kv, n_kv, state_i,
         )  # fmt: skip
+        put = functools.partial(
+            lax.dynamic_update_slice_in_dim, start_index=i * blocks.block_q, axis=1
+        )
+        return jax.tree.map(put, state, state_i)  # in place: the state is a loop carry
 
-    by_block = jax.tree.map(lambda x: _blocked(x, blocks.block_q), state)
-    return jax.tree.map(_unblocked, lax.map(lambda a: query_block(*a), (jnp.arange(n_q), by_block)))
+    return lax.fori_loop(0, n_q, query_block, state)
 
 
 def finish(state, dtype) -> tuple[Array, Array]:
     """``(out, lse)`` from a final online-softmax state; a row that met no key gives 0 and −∞."""
     row_max, denom, acc = state
     return jax.vmap(_normalize)(acc, denom, row_max).astype(dtype), _logsumexp(row_max, denom)
-
-
-def _blocked(x: Array, block: int) -> Array:
-    """``(G, n · block, ...)`` → ``(n, G, block, ...)``."""
-    return jnp.moveaxis(x.reshape(x.shape[0], -1, block, *x.shape[2:]), 1, 0)
-
-
-def _unblocked(x: Array) -> Array:
-    """``(n, G, block, ...)`` → ``(G, n · block, ...)``."""
-    x = jnp.moveaxis(x, 0, 1)
-    return x.reshape(x.shape[0], -1, *x.shape[3:])
 
 
 def backward_sweep(
@@ -292,7 +296,7 @@ def backward_sweep(
 def zeros_like_grads(*operands):
     """Gradient accumulators, in at least float32, for operands that may be None."""
     return tuple(
-        None if x is None else jnp.zeros(x.shape, accumulation_dtype(x.dtype)) for x in operands
+        None if x is None else jnp.zeros_like(x, accumulation_dtype(x.dtype)) for x in operands
     )
 
 
@@ -309,9 +313,7 @@ def _flash(blocks: _Blocks, query, key, value, bias, mask, rule, rngs):
 
 
 def _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs):
-    state = initial_state(
-        query.shape[0], query.shape[1], value.shape[1], accumulation_dtype(query.dtype)
-    )
+    state = initial_state(query, value.shape[1])
     state = forward_sweep(blocks, query, key, value, bias, mask, rule, rngs, state, 0, 0)
     out, lse = finish(state, value.dtype)
     return (out, lse), (query, key, value, bias, mask, rule, rngs, out, lse)
@@ -369,10 +371,6 @@ def chunked_attention_group(
     blocks; padded keys are masked by a length rule and padded queries dropped.
     """
     seq_q, seq_kv = query.shape[1], key.shape[0]
-    if jnp.finfo(query.dtype).bits >= 32:
-        # Folding the scale into the queries costs T·d products instead of T·S per head; in a
-        # 16-bit dtype it would round the queries, so there the scores are scaled instead.
-        query, scale = query * jnp.asarray(scale, query.dtype), 1.0
     blocks = _Blocks(
         scale=scale, soft_cap=soft_cap, dropout_rate=dropout_rate, precision=precision,
         block_q=min(block_q, seq_q), block_kv=min(block_kv, seq_kv),

@@ -22,7 +22,6 @@ import functools
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from jax_sdpa._chunked import (
@@ -34,7 +33,6 @@ from jax_sdpa._chunked import (
     initial_state,
     zeros_like_grads,
 )
-from jax_sdpa._steps import accumulation_dtype
 
 Layout = Literal["contiguous", "striped"]
 
@@ -111,12 +109,14 @@ def _ring_fwd(ring: _Ring, query, key, value, bias, mask, rule):
 
     def step(s, carry):
         state, key, value = carry
-        passed = ring.rotate((key, value))  # in flight while this step computes
+        # The shard travels on while this step computes with it; the last pass only brings it
+        # home, but one loop shape for every step keeps the buffers the same for any ring size.
+        passed = ring.rotate((key, value))
         return (visit(s, state, key, value), *passed)
 
-    state = initial_state(query.shape[0], seq_q, value.shape[1], accumulation_dtype(query.dtype))
-    state, key_s, value_s = lax.fori_loop(0, ring.shards - 1, step, (state, key, value))
-    out, lse = finish(visit(ring.shards - 1, state, key_s, value_s), value.dtype)
+    state = initial_state(query, value.shape[1])
+    state, _, _ = lax.fori_loop(0, ring.shards, step, (state, key, value))
+    out, lse = finish(state, value.dtype)
     return (out, lse), (query, key, value, bias, mask, rule, out, lse)
 
 
@@ -189,8 +189,6 @@ def ring_attention_group(
     del dropout_rngs, dropout_rate  # ring attention has no dropout
     pieces_q = query.shape[1] // (2 if layout == "striped" else 1)
     pieces_kv = key.shape[0] // (2 if layout == "striped" else 1)
-    if jnp.finfo(query.dtype).bits >= 32:  # as the chunked path: fold the scale into the queries
-        query, scale = query * jnp.asarray(scale, query.dtype), 1.0
     blocks = _Blocks(
         scale=scale, soft_cap=soft_cap, dropout_rate=0.0, precision=precision,
         block_q=_largest_divisor(pieces_q, block_q), block_kv=_largest_divisor(pieces_kv, block_kv),
