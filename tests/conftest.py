@@ -1,6 +1,12 @@
+import os
+
 import jax
 import numpy as np
 import pytest
+
+# tests/multidevice needs 8 simulated devices, set up before JAX starts: tests/test_ring.py runs
+# it in a subprocess with JAX_SDPA_MULTIDEVICE=1.
+collect_ignore = [] if os.environ.get("JAX_SDPA_MULTIDEVICE") else ["multidevice"]
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -1,0 +1,157 @@
+"""Ring attention on 8 simulated CPU devices (run by tests/test_ring.py in its own process).
+
+The oracle is single-device :func:`jax_sdpa.dot_product_attention` (itself tested against a
+float64 reference and ``jax.nn``): f32 forward within 1e-6, gradients within 1e-5 relative.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_sdpa as js
+
+assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+
+
+def mesh(shape, names):
+    return jax.sharding.Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
+
+
+def inputs(seed, b=2, t=64, n=4, k=2, h=8):
+    gen = np.random.default_rng(seed)
+    q = gen.normal(size=(b, t, n, h))
+    kv = gen.normal(size=(2, b, t, k, h))
+    return tuple(jnp.asarray(x, jnp.float32) for x in (q, kv[0], kv[1]))
+
+
+def rel(x, ref):
+    return float(jnp.abs(x - ref).max() / jnp.abs(ref).max())
+
+
+def check(ring, dense, args, argnums=(0, 1, 2)):
+    out, expected = ring(*args), dense(*args)
+    assert float(jnp.abs(out - expected).max()) <= 1e-6
+    d_out = jnp.asarray(np.random.default_rng(1).normal(size=out.shape), jnp.float32)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * d_out)  # noqa: E731
+    grads = jax.grad(loss(ring), argnums=argnums)(*args)
+    expected_grads = jax.grad(loss(dense), argnums=argnums)(*args)
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert rel(got, want) <= 1e-5
+
+
+MESHES = {
+    "seq8": ((8,), ("seq",), {}),
+    "batch2xseq4": ((2, 4), ("batch", "seq"), {"batch_axis": "batch"}),
+    "seq4xheads2": ((4, 2), ("seq", "heads"), {"head_axis": "heads"}),
+}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "striped"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_ring_matches_single_device_forward_and_gradients(mesh_name, is_causal, layout):
+    shape, names, axes = MESHES[mesh_name]
+    ring = functools.partial(
+        js.ring_dot_product_attention, mesh=mesh(shape, names), seq_axis="seq", is_causal=is_causal,
+        layout=layout, block_q=4, block_kv=4, **axes,
+    )  # fmt: skip
+    dense = functools.partial(js.dot_product_attention, is_causal=is_causal)
+    check(ring, dense, inputs(0))  # GQA: 4 query heads over 2 key/value heads
+
+
+def test_ring_with_bias_mask_lengths_window_and_residual():
+    q, k, v = inputs(2, t=48)
+    gen = np.random.default_rng(3)
+    bias = jnp.asarray(gen.normal(size=(2, 4, 48, 48)), jnp.float32)
+    mask = jnp.asarray(gen.random((2, 1, 48, 48)) < 0.9).at[0, 0, 5].set(False)  # a row with no key
+    options = dict(
+        mask=mask, is_causal=True, local_window_size=(20, 0), logits_soft_cap=5.0,
+        query_seq_lengths=jnp.array([48, 40], jnp.int32), key_value_seq_lengths=jnp.array([30, 48], jnp.int32),
+    )  # fmt: skip
+    for layout in ("contiguous", "striped"):
+        ring = functools.partial(
+            js.ring_dot_product_attention,
+            mesh=mesh((8,), ("seq",)),
+            seq_axis="seq",
+            layout=layout,
+            **options,
+        )
+        dense = functools.partial(js.dot_product_attention, **options)
+        check(ring, dense, (q, k, v, bias), argnums=(0, 1, 2, 3))
+        out, lse = ring(q, k, v, bias, return_residual=True)
+        out_d, lse_d = dense(q, k, v, bias, return_residual=True)
+        np.testing.assert_allclose(lse, lse_d, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(out)[0, 5], 0)  # no allowed key: zeros
+        assert np.isneginf(np.asarray(lse)[0, 5]).all()
+
+
+def _compiled_text(f, *args):
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def test_keys_and_values_travel_by_collective_permute_never_all_gather():
+    m = mesh((8,), ("seq",))
+    spec = P(None, "seq", None, None)
+    ring = jax.shard_map(
+        functools.partial(js.ring_attention, axis_name="seq", is_causal=True),
+        mesh=m, in_specs=(spec,) * 3, out_specs=spec,
+    )  # fmt: skip
+    args = inputs(4)
+    forward = _compiled_text(ring, *args)
+    backward = _compiled_text(jax.grad(lambda *a: ring(*a).sum(), argnums=(0, 1, 2)), *args)
+    for text in (forward, backward):
+        assert "collective-permute" in text
+        assert "all-gather" not in text and "all-reduce" not in text
+
+
+def test_ring_attention_inside_a_user_shard_map_with_vma_checks():
+    m = mesh((8,), ("seq",))
+    spec = P(None, "seq", None, None)
+    ring = jax.shard_map(
+        functools.partial(js.ring_attention, axis_name="seq", layout="striped"),
+        mesh=m, in_specs=(spec,) * 3, out_specs=spec, check_vma=True,
+    )  # fmt: skip
+    q, k, v = inputs(5)
+    striped = [js.to_striped(x, 8) for x in (q, k, v)]
+    out = js.from_striped(jax.jit(ring)(*striped), 8)
+    np.testing.assert_allclose(out, js.dot_product_attention(q, k, v), atol=1e-6)
+
+
+def _temp_mib(shards: int, seq: int) -> float:
+    m = mesh((shards,), ("seq",))
+    spec = P(None, "seq", None, None)
+    ring = jax.shard_map(
+        functools.partial(js.ring_attention, axis_name="seq", is_causal=True),
+        mesh=m, in_specs=(spec,) * 3, out_specs=spec,
+    )  # fmt: skip
+    shape = jax.ShapeDtypeStruct((1, seq, 1, 64), jnp.float32)
+    grad = jax.grad(lambda *a: ring(*a).sum(), argnums=(0, 1, 2))
+    return (
+        jax.jit(grad).lower(shape, shape, shape).compile().memory_analysis().temp_size_in_bytes
+        / 2**20
+    )
+
+
+def test_per_device_memory_falls_as_one_over_the_ring_size():
+    seq = 65536
+    temps = {p: _temp_mib(p, seq) for p in (2, 4, 8)}
+    for p in (4, 8):
+        assert temps[p] <= temps[2] * 2 / p * 1.25, temps  # ∝ 1/P, up to a fixed part
+
+
+def test_striped_layout_balances_causal_work():
+    seq, shards = 64, 8
+    allowed = np.tril(np.ones((seq, seq), bool))
+    positions = np.arange(seq)
+    contiguous = positions.reshape(shards, -1)
+    striped = np.asarray(js.to_striped(positions, shards, axis=0)).reshape(shards, -1)
+    work = lambda rows: [int(allowed[r].sum()) for r in rows]  # noqa: E731
+    assert max(work(contiguous)) / min(work(contiguous)) > 10
+    assert max(work(striped)) / min(work(striped)) < 1.2
+    np.testing.assert_array_equal(
+        js.from_striped(js.to_striped(positions, shards, axis=0), shards, axis=0), positions
+    )
