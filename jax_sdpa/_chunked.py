@@ -179,15 +179,23 @@ def _per_head(fn, n_mapped: int, bias_ij, mask_ij, rngs):
     return lambda *args: mapped(*args, bias_ij, mask_ij, rngs)
 
 
+def _zeros_from(x: Array, dtype) -> Array:
+    """Zeros shaped like ``x`` and computed from it, finite whatever ``x`` holds (−∞ biases).
+
+    Under ``jax.shard_map`` a loop carry must vary over devices as its updates do
+    (``check_vma``); zeros computed from a varying array vary too, on every JAX version.
+    """
+    return jnp.isnan(x).astype(dtype) * 0
+
+
 def initial_state(query: Array, value_dim: int) -> tuple[Array, Array, Array]:
     """The online softmax before any key: ``(row max = fill, denominator = 0, output = 0)``.
 
-    Built from the ``(G, T, H)`` queries (``zeros_like``), so that under ``jax.shard_map`` the
-    state varies over devices as they do.
+    Computed from the ``(G, T, H)`` queries (:func:`_zeros_from`), not built from constants.
     """
     dtype = accumulation_dtype(query.dtype)
-    zeros = jnp.zeros_like(query, dtype=dtype, shape=query.shape[:2])
-    output = jnp.zeros_like(query, dtype=dtype, shape=(*query.shape[:2], value_dim))
+    zeros = _zeros_from(query[..., 0], dtype)
+    output = zeros[..., None] * jnp.zeros((1, 1, value_dim), dtype)
     return zeros + large_negative(dtype), zeros, output
 
 
@@ -296,7 +304,7 @@ def backward_sweep(
 def zeros_like_grads(*operands):
     """Gradient accumulators, in at least float32, for operands that may be None."""
     return tuple(
-        None if x is None else jnp.zeros_like(x, accumulation_dtype(x.dtype)) for x in operands
+        None if x is None else _zeros_from(x, accumulation_dtype(x.dtype)) for x in operands
     )
 
 

@@ -146,10 +146,12 @@ def ring_dot_product_attention(
 
     args = (query, key, value, *extras.values(), *lengths.values())
     args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs, strict=True)]
-    sharded = jax.shard_map(
-        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-    )
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     result = sharded(*args)
-    if layout == "striped":
-        result = jax.tree.map(lambda x: from_striped(x, shards), result)
+    if layout == "striped":  # back to sequence order, sharded as the contiguous layout would be
+
+        def unstripe(x, spec):
+            return jax.device_put(from_striped(x, shards), NamedSharding(mesh, spec))
+
+        result = jax.tree.map(unstripe, result, out_specs, is_leaf=lambda x: isinstance(x, P))
     return result

@@ -130,7 +130,7 @@ def call(**overrides):
         (
             dict(implementation="flash"),
             ValueError,
-            "`implementation` must be one of None, 'xla', 'cudnn'; got 'flash'.",
+            "`implementation` must be one of None, 'xla', 'chunked', 'cudnn'; got 'flash'.",
         ),
         (
             dict(implementation="cudnn"),

@@ -65,9 +65,7 @@ def test_rules_are_pytrees_that_vmap_over_batch():
     kv_len=st.integers(0, 12),
     block=st.integers(1, 5),
 )
-def test_property_block_ranges_are_sound(
-    t, s, offset, left, right, q_len, kv_len, block
-):
+def test_property_block_ranges_are_sound(t, s, offset, left, right, q_len, kv_len, block):
     # kv_range / q_range may over-approximate (blocks are then masked) but never cut an allowed key.
     rules = [
         js.CausalMask(offset),
@@ -91,11 +89,23 @@ def test_property_block_ranges_are_sound(
         for lo in range(0, t, block):
             hi = min(lo + block, t)
             f_lo, f_hi = (int(x) for x in rule.kv_full_range(lo, hi))
-            assert allowed[lo:hi, max(f_lo, 0) : max(min(f_hi, s), 0)].all(), (rule, lo, hi, f_lo, f_hi)
+            assert allowed[lo:hi, max(f_lo, 0) : max(min(f_hi, s), 0)].all(), (
+                rule,
+                lo,
+                hi,
+                f_lo,
+                f_hi,
+            )
         for lo in range(0, s, block):
             hi = min(lo + block, s)
             f_lo, f_hi = (int(x) for x in rule.q_full_range(lo, hi))
-            assert allowed[max(f_lo, 0) : max(min(f_hi, t), 0), lo:hi].all(), (rule, lo, hi, f_lo, f_hi)
+            assert allowed[max(f_lo, 0) : max(min(f_hi, t), 0), lo:hi].all(), (
+                rule,
+                lo,
+                hi,
+                f_lo,
+                f_hi,
+            )
 
 
 def test_rule_definitions_match_numpy():
