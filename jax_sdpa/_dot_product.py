@@ -32,9 +32,11 @@ from jax_sdpa._steps import default_scale, dropout_weights
 __all__ = ["dot_product_attention", "dot_product_attention_weights", "ring_attention"]
 
 Implementation = Literal["xla", "chunked", "cudnn"]
-# implementation=None computes densely while all the scores of a call (B·N·T·S floats) take at
-# most 8 MiB, and in blocks above; BENCHMARKS.md has the measurements behind the number.
-_DENSE_MAX_SCORES = 2**21
+# implementation=None: on CPU the chunked path was measured at least as fast as the dense one at
+# every benchmark size, forward and backward (BENCHMARKS.md), so it is the default there. On
+# accelerators (not measured here) fused dense kernels are fast while the scores of the call,
+# B·N·T·S floats, stay small: dense up to this many, chunked above.
+_DENSE_MAX_SCORES = 2**24
 CausalAlignment = Literal["top_left", "bottom_right"]
 
 
@@ -326,8 +328,8 @@ def _prepare(
             rngs = rngs.reshape(*batch_shape, heads, *rngs.shape[1:])
     if implementation is None:
         scores = math.prod(batch_shape) * heads * seq_q * seq_kv
-        dense = output != "attention" or scores <= _DENSE_MAX_SCORES
-        implementation = "xla" if dense else "chunked"
+        small = jax.default_backend() != "cpu" and scores <= _DENSE_MAX_SCORES
+        implementation = "xla" if output != "attention" or small else "chunked"
     if implementation == "chunked" and output != "attention":
         raise ValueError(
             "`implementation='chunked'` never forms the attention weights, which `module` (sown "
@@ -410,8 +412,9 @@ def dot_product_attention(
             both.
         implementation: ``"xla"``: the dense computation, which forms the ``(T, S)`` scores;
             ``"chunked"``: exact attention in memory linear in ``T`` (online softmax over key
-            blocks, its own backward, wholly masked blocks skipped); ``None``: dense while
-            ``T·S ≤ 2^20`` or the weights are needed, chunked above; ``"cudnn"`` hands the call to
+            blocks, its own backward, wholly masked blocks skipped); ``None``: chunked on CPU (the
+            faster there at every size measured), dense on accelerators while ``B·N·T·S ≤ 2^24``
+            and wherever the weights are needed; ``"cudnn"`` hands the call to
             ``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU.
         return_residual: Also return the log-sum-exp of each row's scores, shape ``(B, T, N)``, in
             at least float32 (``jax.nn`` returns it in the input dtype); −∞ for a row with no key.
