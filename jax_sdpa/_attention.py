@@ -8,6 +8,7 @@ matrix is one block); the dense implementation calls it once and the chunked imp
 once per block, so the two cannot drift apart.
 """
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Float, Integer, Key
@@ -69,6 +70,17 @@ def split_group_axis(x: Array | None) -> tuple[Array | None, int | None]:
     if x is None or x.shape[0] == 1:
         return (None if x is None else x[0]), None
     return x, 0
+
+
+def per_head(fn, n_mapped: int, bias, mask, rngs):
+    """``fn(*mapped, bias, mask, rng)`` mapped (``jax.vmap``) over the query heads of a group.
+
+    The first ``n_mapped`` arguments always carry the head axis; the bias, mask and dropout keys
+    carry it unless the whole group shares them (a leading axis of size 1).
+    """
+    (bias, b_ax), (mask, m_ax), (rngs, r_ax) = map(split_group_axis, (bias, mask, rngs))
+    mapped = jax.vmap(fn, in_axes=(0,) * n_mapped + (b_ax, m_ax, r_ax))
+    return lambda *args: mapped(*args, bias, mask, rngs)
 
 
 def attention_head(

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Key
 
-from jax_sdpa._attention import score_block, split_group_axis
+from jax_sdpa._attention import per_head, score_block
 from jax_sdpa._masks import AndMask, LengthMask, MaskRule
 from jax_sdpa._steps import (
     _exp_scores,
@@ -125,15 +125,23 @@ class _Blocks:
         return d_q_i, d_k_j, d_v_j, d_bias_ij
 
     def window(self, shape, i, j):
-        """Start and size of tile ``(i, j)`` in a ``(g, t, s)`` array (``t``, ``s`` full or 1)."""
-        full_rows, full_cols = shape[1] > 1, shape[2] > 1
-        start = (0, i * self.block_q if full_rows else 0, j * self.block_kv if full_cols else 0)
-        size = (shape[0], self.block_q if full_rows else 1, self.block_kv if full_cols else 1)
-        return start, size
+        """Start and size of tile ``(i, j)`` in a ``(g, t, s)`` bias or mask."""
+        return window(shape, (i * self.block_q, self.block_q), (j * self.block_kv, self.block_kv))
 
     def tile(self, x, i, j):
         """Tile ``(i, j)`` of a per-group bias or mask (broadcast axes stay broadcast)."""
         return None if x is None else lax.dynamic_slice(x, *self.window(x.shape, i, j))
+
+
+def window(shape, rows: tuple, cols: tuple):
+    """Start and size of ``rows = (start, count)`` × ``cols`` in a ``(g, t, s)`` bias or mask.
+
+    Its ``t`` and ``s`` axes are either full or 1 (broadcast): a broadcast axis stays at 0 and 1.
+    """
+    (row, n_rows), (col, n_cols) = rows, cols
+    full_rows, full_cols = shape[1] > 1, shape[2] > 1
+    start = (0, row if full_rows else 0, col if full_cols else 0)
+    return start, (shape[0], n_rows if full_rows else 1, n_cols if full_cols else 1)
 
 
 def _rows(x: Array, i, block: int, axis: int = 0) -> Array:
@@ -166,17 +174,6 @@ def _sweep(step, rule: MaskRule | None, reach, full_reach, at, block: int, count
     for start, stop, tile_rule in runs:
         carry = lax.fori_loop(start, stop, functools.partial(step, tile_rule=tile_rule), carry)
     return carry
-
-
-def _per_head(fn, n_mapped: int, bias_ij, mask_ij, rngs):
-    """``fn(*mapped, bias_ij, mask_ij, rng)`` mapped over the group's heads.
-
-    The first ``n_mapped`` arguments always carry the head axis; the bias, mask and dropout keys
-    carry it unless the whole group shares them (a leading axis of size 1).
-    """
-    (bias_ij, b_ax), (mask_ij, m_ax), (rngs, r_ax) = map(split_group_axis, (bias_ij, mask_ij, rngs))
-    mapped = jax.vmap(fn, in_axes=(0,) * n_mapped + (b_ax, m_ax, r_ax))
-    return lambda *args: mapped(*args, bias_ij, mask_ij, rngs)
 
 
 def _zeros_from(x: Array, dtype) -> Array:
@@ -214,7 +211,7 @@ def forward_sweep(blocks: _Blocks, query, key, value, bias, mask, rule, rngs, st
         def step(j, carry, tile_rule):
             k_j, v_j = _rows(key, j, blocks.block_kv), _rows(value, j, blocks.block_kv)
             kv_lo = kv_at + j * blocks.block_kv
-            update = _per_head(
+            update = per_head(
                 lambda carry, q_i, bias_ij, mask_ij, rng: blocks.forward_tile(
                     carry, q_i, k_j, v_j, bias_ij, mask_ij, tile_rule, rng, q_lo, kv_lo
                 ),
@@ -273,7 +270,7 @@ def backward_sweep(
             d_query, d_key, d_value, d_bias = grads
             rows = functools.partial(_rows, i=i, block=blocks.block_q, axis=1)
             q_lo = q_at + i * blocks.block_q
-            tile_grads = _per_head(
+            tile_grads = per_head(
                 lambda q_i, d_out_i, delta_i, lse_i, bias_ij, mask_ij, rng: blocks.backward_tile(
                     q_i, k_j, v_j, bias_ij, mask_ij, tile_rule, rng, d_out_i, delta_i, lse_i,
                     q_lo, kv_lo,

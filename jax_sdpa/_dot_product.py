@@ -23,7 +23,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Float
 
 from jax_sdpa import _checks
-from jax_sdpa._attention import attention_head, split_group_axis
+from jax_sdpa._attention import attention_head, per_head, split_group_axis
 from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, chunked_attention_group
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule, SegmentMask
 from jax_sdpa._ring import Layout, ring_attention_group
@@ -115,9 +115,8 @@ def _each_head(head: Callable) -> Callable:
     """A single-head function applied to each query head of a group (``jax.vmap`` over ``G``)."""
 
     def group(query, key, value, bias, mask, rule, rngs):
-        (bias, b_ax), (mask, m_ax), (rngs, r_ax) = map(split_group_axis, (bias, mask, rngs))
-        mapped = jax.vmap(head, in_axes=(0, None, None, b_ax, m_ax, None, r_ax))
-        return mapped(query, key, value, bias, mask, rule, rngs)
+        each = per_head(lambda q, b, m, r: head(q, key, value, b, m, rule, r), 1, bias, mask, rngs)
+        return each(query)
 
     return group
 

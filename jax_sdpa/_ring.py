@@ -31,6 +31,7 @@ from jax_sdpa._chunked import (
     finish,
     forward_sweep,
     initial_state,
+    window,
     zeros_like_grads,
 )
 
@@ -64,10 +65,7 @@ def _window(x, q_run, kv_run, seq_kv: int, src):
 
     Bias and mask columns follow the sharded key order: shard ``src`` starts at ``src · seq_kv``.
     """
-    (q_start, q_size), (kv_start, kv_size) = q_run, kv_run
-    full_rows, full_cols = x.shape[1] > 1, x.shape[2] > 1
-    start = (0, q_start if full_rows else 0, src * seq_kv + kv_start if full_cols else 0)
-    return start, (x.shape[0], q_size if full_rows else 1, kv_size if full_cols else 1)
+    return window(x.shape, q_run, (src * seq_kv + kv_run[0], kv_run[1]))
 
 
 def _piece(x, q_run, kv_run, seq_kv: int, src):
