@@ -27,7 +27,7 @@ from jax_sdpa._attention import attention_head, per_head, split_group_axis
 from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, chunked_attention_group
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule, SegmentMask
 from jax_sdpa._ring import Layout, ring_attention_group
-from jax_sdpa._steps import default_scale, dropout_weights
+from jax_sdpa._steps import accumulation_dtype, default_scale, dropout_weights
 
 __all__ = ["dot_product_attention", "dot_product_attention_weights", "ring_attention"]
 
@@ -93,7 +93,9 @@ def _over_heads(group: Callable, query, key, value, bias, mask, rule, rngs):
         )
 
     (bias, b_ax), (mask, m_ax), (rngs, r_ax) = grouped(bias), grouped(mask), grouped(rngs)
-    query = jnp.moveaxis(query.reshape(seq, kv_heads, groups, -1), 0, 2)  # (K, G, T, H)
+    query = jnp.moveaxis(
+        query.reshape(seq, kv_heads, groups, query.shape[-1]), 0, 2
+    )  # (K, G, T, H)
     out = jax.vmap(group, in_axes=(0, 1, 1, b_ax, m_ax, None, r_ax))(
         query, key, value, bias, mask, rule, rngs
     )
@@ -124,6 +126,8 @@ def _each_head(head: Callable) -> Callable:
 @functools.partial(jax.jit, static_argnames=("config",))
 def _run(inputs: _Inputs, *, config: _Config):
     """The jitted batched computation: ``(out, logsumexp, weights)``, heads moved into place."""
+    if 0 in (inputs.query.shape[-3], inputs.key.shape[-3]):
+        return _without_positions(inputs, config.output)
     options = dict(
         scale=config.scale,
         soft_cap=config.soft_cap,
@@ -149,6 +153,18 @@ def _run(inputs: _Inputs, *, config: _Config):
     out = jnp.moveaxis(out, -3, -2)
     lse = lax.stop_gradient(jnp.moveaxis(lse, -2, -1))
     return out, lse, (weights if config.output == "attention_and_weights" else None)
+
+
+def _without_positions(inputs: _Inputs, output: str):
+    """``T = 0`` or ``S = 0``: no query, or no key to attend to — rows of 0 with log-sum-exp −∞."""
+    *batch, seq_q, heads, _ = inputs.query.shape
+    dtype = accumulation_dtype(inputs.query.dtype)
+    weights = jnp.zeros((*batch, heads, seq_q, inputs.key.shape[-3]), dtype)
+    if output == "weights":
+        return weights
+    out = jnp.zeros((*batch, seq_q, heads, inputs.value.shape[-1]), inputs.value.dtype)
+    lse = jnp.full((*batch, seq_q, heads), -jnp.inf, dtype)
+    return out, lse, (weights if output == "attention_and_weights" else None)
 
 
 def _dropped_weights_head(head, rate, query, key, value, bias, mask, rule, rng):

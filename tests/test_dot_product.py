@@ -363,6 +363,24 @@ def test_rows_without_keys_are_zero_with_zero_gradients(rng, impl):
     np.testing.assert_allclose(nn_out[0, 2, 1], v[0, :, 1].mean(0), atol=1e-6)
 
 
+@pytest.mark.parametrize("t,s", [(0, 5), (4, 0), (0, 0)])
+@pytest.mark.parametrize("impl", [{"implementation": "xla"}, {}], ids=["xla", "auto"])
+def test_empty_query_or_key_sequences(rng, impl, t, s):
+    # No query: an empty output. No key: every row has nothing to attend to, so it is 0 (as for
+    # a fully masked row) with log-sum-exp −∞; jax.nn returns the same shapes.
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in
+               [(2, t, 4, 8), (2, s, 2, 8), (2, s, 2, 8)])  # fmt: skip
+    out, lse = js.dot_product_attention(q, k, v, is_causal=True, return_residual=True, **impl)
+    assert out.shape == jax.nn.dot_product_attention(q, k, v).shape == (2, t, 4, 8)
+    assert lse.shape == (2, t, 4) and lse.dtype == jnp.float32
+    np.testing.assert_array_equal(out, 0)
+    np.testing.assert_array_equal(lse, -np.inf)
+    assert js.dot_product_attention_weights(q, k).shape == (2, 4, t, s)
+    g = jax.grad(lambda *a: js.dot_product_attention(*a, **impl).sum(), argnums=(0, 1, 2))(q, k, v)
+    assert [x.shape for x in g] == [q.shape, k.shape, v.shape]
+    assert all(not np.asarray(x).any() for x in g)
+
+
 # --- transformations and dtypes --------------------------------------------------------------
 
 
