@@ -176,13 +176,15 @@ def _sweep(step, rule: MaskRule | None, reach, full_reach, at, block: int, count
     return carry
 
 
-def _zeros_from(x: Array, dtype) -> Array:
-    """Zeros shaped like ``x`` and computed from it, finite whatever ``x`` holds (−∞ biases).
+def _zeros_from(x: Array, dtype, shape: tuple | None = None) -> Array:
+    """Zeros of ``shape`` (``x``'s by default) computed from ``x``, whatever it holds (−∞ biases).
 
     Under ``jax.shard_map`` a loop carry must vary over devices as its updates do
-    (``check_vma``); zeros computed from a varying array vary too, on every JAX version.
+    (``check_vma``); zeros computed from a varying array vary too, on every JAX version. One
+    element of ``x`` is enough for that, and its broadcast costs no pass over ``x``.
     """
-    return jnp.isnan(x).astype(dtype) * 0
+    first = jnp.isnan(x.reshape(-1)[0]).astype(dtype) * 0
+    return jnp.broadcast_to(first, x.shape if shape is None else shape)
 
 
 def initial_state(query: Array, value_dim: int) -> tuple[Array, Array, Array]:
@@ -191,8 +193,8 @@ def initial_state(query: Array, value_dim: int) -> tuple[Array, Array, Array]:
     Computed from the ``(G, T, H)`` queries (:func:`_zeros_from`), not built from constants.
     """
     dtype = accumulation_dtype(query.dtype)
-    zeros = _zeros_from(query[..., 0], dtype)
-    output = zeros[..., None] * jnp.zeros((1, 1, value_dim), dtype)
+    zeros = _zeros_from(query, dtype, query.shape[:-1])
+    output = _zeros_from(query, dtype, query.shape[:-1] + (value_dim,))
     return zeros + large_negative(dtype), zeros, output
 
 

@@ -1,0 +1,149 @@
+"""Where the chunked forward's time goes: one tile of the online softmax, stage by stage.
+
+    python benchmarks/bench_tile.py [--reps 9] [--heads 8] [--block 512] [--profile 4096]
+
+A tile is ``heads`` × ``block`` queries × ``block`` keys, d = 64, float32: the unit of work of
+``implementation="chunked"`` at its default block size. Each row times a loop of 16 tiles that
+stops after one more step of the update (``s = q kᵀ``; its row max; ``p = e^{s − m}`` and its row
+sum; ``p v`` and the rescaled accumulator), so the difference between two rows is that step's
+cost. A last row runs ``jax_sdpa.dot_product_attention`` on the same 16 tiles (T = 4·block
+queries and keys), and an f32 GEMM of 2048² timed in the same loop gives the yardstick: the two
+products of a tile take ``4·heads·block²·64`` flops, and the line under the table says how long
+they would take at the GEMM's rate.
+
+``--profile T`` then traces the library's forward at B1 T d64 with ``heads`` heads, causal and
+not, with ``jax.profiler`` and prints the time per call of each compiled operation (the
+products, the exponentials, the reductions, the copies), summed over its runs in the loops.
+"""
+
+import argparse
+import collections
+import functools
+import gzip
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jax_sdpa
+
+TILES = 16
+STAGES = ("q kᵀ", "+ row max", "+ exp and row sum", "+ p v, rescale")
+
+
+def tile_loop(stage: int, block: int):
+    """16 online-softmax updates of one block of queries, stopping after ``stage``."""
+
+    def run(query, key, value):
+        def update(j, carry):
+            row_max, denom, acc = carry
+            k_j, v_j = (lax.dynamic_slice_in_dim(x, j * block, block, axis=1) for x in (key, value))
+            s = jnp.einsum("hqd,hkd->hqk", query, k_j)
+            if stage == 0:  # keeps the product alive without another pass over it
+                return row_max, denom, acc + s[..., : acc.shape[-1]]
+            new_max = jnp.maximum(row_max, s.max(axis=-1))
+            if stage == 1:
+                return new_max, denom, acc
+            p = jnp.exp(s - new_max[..., None])
+            correction = jnp.exp(row_max - new_max)
+            denom = correction * denom + p.sum(axis=-1)
+            if stage == 2:
+                return new_max, denom, acc
+            return new_max, denom, correction[..., None] * acc + jnp.einsum("hqk,hkd->hqd", p, v_j)
+
+        heads = query.shape[0]
+        start = (jnp.full((heads, block), -1e30), jnp.zeros((heads, block)), jnp.zeros_like(query))
+        return lax.fori_loop(0, TILES, update, start)
+
+    return jax.jit(run)
+
+
+def profile(seq: int, heads: int, is_causal: bool, calls: int = 5, top: int = 14):
+    """Milliseconds per call of each operation XLA runs for the chunked forward."""
+    x = jax.random.normal(jax.random.key(0), (1, seq, heads, 64))
+    sdpa = functools.partial(jax_sdpa.dot_product_attention, is_causal=is_causal)
+    step = jax.jit(functools.partial(sdpa, implementation="chunked"))
+    jax.block_until_ready(step(x, x, x))
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder, create_perfetto_trace=True)
+        for _ in range(calls):
+            jax.block_until_ready(step(x, x, x))
+        jax.profiler.stop_trace()
+        trace = next(Path(folder).rglob("*.json.gz"))
+        events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    spans, runs = collections.Counter(), collections.Counter()
+    for event in events:
+        name = event.get("name", "")
+        if event.get("ph") == "X" and ("fusion" in name or "copy" in name) and ":" not in name:
+            spans[name] += event["dur"] / 1e3 / calls
+            runs[name] += 1 / calls
+    print(f"\n## B1 T{seq} H{heads} d64, {'causal' if is_causal else 'not causal'}\n")
+    print("| operation | ms per call | runs per call |")
+    print("|---|---|---|")
+    for name, ms in spans.most_common(top):
+        print(f"| {name} | {ms:.2f} | {runs[name]:.0f} |")
+    print(f"| (all {len(spans)} listed kinds) | {sum(spans.values()):.1f} | |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--block", type=int, default=512)
+    parser.add_argument("--profile", type=int, metavar="T", help="also profile the forward at T")
+    args = parser.parse_args()
+    heads, block, dim = args.heads, args.block, 64
+    keys = jax.random.split(jax.random.key(0), 4)
+    query = jax.random.normal(keys[0], (heads, block, dim))
+    key, value = (jax.random.normal(k, (heads, TILES * block, dim)) for k in keys[1:3])
+    steps = {
+        name: functools.partial(tile_loop(n, block), query, key, value)
+        for n, name in enumerate(STAGES)
+    }
+    # The library on the same 16 tiles: 4 query blocks × 4 key blocks.
+    seq = jax.random.normal(keys[3], (1, 4 * block, heads, dim))
+    sdpa = jax.jit(functools.partial(jax_sdpa.dot_product_attention, implementation="chunked"))
+    steps["jax_sdpa, T = 4·block"] = functools.partial(sdpa, seq, seq, seq)
+    a = jax.random.normal(keys[3], (2048, 2048))
+    steps["gemm"] = functools.partial(jax.jit(jnp.matmul), a, a)
+    for step in steps.values():
+        jax.block_until_ready(step())
+    order = np.random.default_rng(0)
+    times = {name: [] for name in steps}
+    for _ in range(args.reps):
+        for name in order.permutation(list(steps)):
+            start = time.perf_counter()
+            jax.block_until_ready(steps[name]())
+            times[name].append(time.perf_counter() - start)
+    median = {name: float(np.median(t)) for name, t in times.items()}
+    gemm_rate = 2 * 2048**3 / median.pop("gemm")
+    print(f"# {heads} heads × {block} × {block} tile, d {dim}, float32; jax {jax.__version__}")
+    print(f"# f32 GEMM 2048²: {gemm_rate / 1e9:.0f} GFLOP/s\n")
+    print("| stages | ms per tile | this step, ms | its product vs GEMM | whole tile vs GEMM |")
+    print("|---|---|---|---|---|")
+    product = 2 * heads * block * block * dim  # flops of q kᵀ, and of p v
+    previous = 0.0
+    for name, seconds in median.items():
+        per_tile = 1e3 * seconds / TILES
+        cells = ["", "", ""]
+        if name in STAGES:
+            step, previous = per_tile - previous, per_tile
+            cells[0] = f"{step:+.2f}"
+            if name in (STAGES[0], STAGES[-1]):
+                cells[1] = f"{100 * product / (step / 1e3) / gemm_rate:.0f}%"
+        if name not in STAGES[:-1]:
+            cells[2] = f"{100 * 2 * product / (per_tile / 1e3) / gemm_rate:.0f}%"
+        print(f"| {name} | {per_tile:.2f} | " + " | ".join(cells) + " |")
+    print(f"\nboth products of a tile at the GEMM's rate: {1e3 * 2 * product / gemm_rate:.2f} ms")
+    if args.profile:
+        for is_causal in (False, True):
+            profile(args.profile, heads, is_causal)
+
+
+if __name__ == "__main__":
+    main()
