@@ -1,6 +1,7 @@
 """Where the chunked forward's time goes: one tile of the online softmax, stage by stage.
 
     python benchmarks/bench_tile.py [--reps 9] [--heads 8] [--block 512] [--profile 4096]
+                                    [--out benchmarks/results]
 
 A tile is ``heads`` × ``block`` queries × ``block`` keys, d = 64, float32: the unit of work of
 ``implementation="chunked"`` at its default block size. Each row times a loop of 16 tiles that
@@ -88,6 +89,7 @@ def profile(seq: int, heads: int, is_causal: bool, calls: int = 5, top: int = 14
     for name, ms in spans.most_common(top):
         print(f"| {name} | {ms:.2f} | {runs[name]:.0f} |")
     print(f"| (all {len(spans)} listed kinds) | {sum(spans.values()):.1f} | |")
+    return {name: {"ms_per_call": ms, "runs_per_call": runs[name]} for name, ms in spans.items()}
 
 
 def main():
@@ -96,6 +98,7 @@ def main():
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--block", type=int, default=512)
     parser.add_argument("--profile", type=int, metavar="T", help="also profile the forward at T")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     heads, block, dim = args.heads, args.block, 64
     keys = jax.random.split(jax.random.key(0), 4)
@@ -122,6 +125,12 @@ def main():
             times[name].append(time.perf_counter() - start)
     median = {name: float(np.median(t)) for name, t in times.items()}
     gemm_rate = 2 * 2048**3 / median.pop("gemm")
+    results = {
+        "heads": heads,
+        "block": block,
+        "gemm_gflops": gemm_rate / 1e9,
+        "ms_per_tile": {name: 1e3 * seconds / TILES for name, seconds in median.items()},
+    }
     print(f"# {heads} heads × {block} × {block} tile, d {dim}, float32; jax {jax.__version__}")
     print(f"# f32 GEMM 2048²: {gemm_rate / 1e9:.0f} GFLOP/s\n")
     print("| stages | ms per tile | this step, ms | its product vs GEMM | whole tile vs GEMM |")
@@ -141,8 +150,14 @@ def main():
         print(f"| {name} | {per_tile:.2f} | " + " | ".join(cells) + " |")
     print(f"\nboth products of a tile at the GEMM's rate: {1e3 * 2 * product / gemm_rate:.2f} ms")
     if args.profile:
-        for is_causal in (False, True):
-            profile(args.profile, heads, is_causal)
+        results["profile"] = {
+            f"T{args.profile} {'causal' if is_causal else 'not causal'}": profile(
+                args.profile, heads, is_causal
+            )
+            for is_causal in (False, True)
+        }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tile.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
