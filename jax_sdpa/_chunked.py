@@ -307,6 +307,13 @@ def zeros_like_grads(*operands):
     )
 
 
+def grads_in_dtypes(grads, operands) -> tuple:
+    """The accumulated gradients cast back to their operands' dtypes (None stays None)."""
+    return tuple(
+        None if g is None else g.astype(x.dtype) for g, x in zip(grads, operands, strict=True)
+    )
+
+
 def backward_inputs(out, lse, d_out):
     """``(dO, D, shift)``: the cotangent in the accumulation dtype, rowsum(dO ∘ O), the lse or 0."""
     d_out = d_out.astype(accumulation_dtype(out.dtype))
@@ -334,11 +341,7 @@ def _flash_bwd(blocks: _Blocks, residuals, cotangents):
         blocks, query, key, value, bias, mask, rule, rngs, d_out, delta, shift,
         zeros_like_grads(query, key, value, bias), 0, 0,
     )  # fmt: skip
-    primals = (query, key, value, bias)
-    d_query, d_key, d_value, d_bias = (
-        None if g is None else g.astype(x.dtype) for g, x in zip(grads, primals, strict=True)
-    )
-    return d_query, d_key, d_value, d_bias, None, None, None
+    return (*grads_in_dtypes(grads, (query, key, value, bias)), None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

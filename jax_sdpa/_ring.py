@@ -30,6 +30,7 @@ from jax_sdpa._chunked import (
     backward_sweep,
     finish,
     forward_sweep,
+    grads_in_dtypes,
     initial_state,
     window,
     zeros_like_grads,
@@ -152,9 +153,7 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
     carry = (d_query, d_bias, key, value, d_key, d_value)
     d_query, d_bias, _, _, d_key, d_value = lax.fori_loop(0, ring.shards, step, carry)
     grads = (d_query, d_key, d_value, d_bias)
-    primals = (query, key, value, bias)
-    cast = (None if g is None else g.astype(x.dtype) for g, x in zip(grads, primals, strict=True))
-    return (*cast, None, None)
+    return (*grads_in_dtypes(grads, (query, key, value, bias)), None, None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
