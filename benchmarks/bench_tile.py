@@ -23,12 +23,12 @@ import functools
 import gzip
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_speed import interleaved  # this folder is on sys.path when run as a script
 from jax import lax
 
 import jax_sdpa
@@ -116,13 +116,7 @@ def main():
     steps["gemm"] = functools.partial(jax.jit(jnp.matmul), a, a)
     for step in steps.values():
         jax.block_until_ready(step())
-    order = np.random.default_rng(0)
-    times = {name: [] for name in steps}
-    for _ in range(args.reps):
-        for name in order.permutation(list(steps)):
-            start = time.perf_counter()
-            jax.block_until_ready(steps[name]())
-            times[name].append(time.perf_counter() - start)
+    times = interleaved(steps, (), args.reps)
     median = {name: float(np.median(t)) for name, t in times.items()}
     gemm_rate = 2 * 2048**3 / median.pop("gemm")
     results = {

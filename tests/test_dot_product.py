@@ -368,8 +368,7 @@ def test_rows_without_keys_are_zero_with_zero_gradients(rng, impl):
 def test_empty_query_or_key_sequences(rng, impl, t, s):
     # No query: an empty output. No key: every row has nothing to attend to, so it is 0 (as for
     # a fully masked row) with log-sum-exp −∞; jax.nn returns the same shapes.
-    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in
-               [(2, t, 4, 8), (2, s, 2, 8), (2, s, 2, 8)])  # fmt: skip
+    q, k, v = qkv(rng, 2, t, s, 4, 2, 8)
     out, lse = js.dot_product_attention(q, k, v, is_causal=True, return_residual=True, **impl)
     assert out.shape == jax.nn.dot_product_attention(q, k, v).shape == (2, t, 4, 8)
     assert lse.shape == (2, t, 4) and lse.dtype == jnp.float32
