@@ -1,7 +1,7 @@
 """Where the chunked forward's time goes: one tile of the online softmax, stage by stage.
 
     python benchmarks/bench_tile.py [--reps 9] [--heads 8] [--block 512] [--profile 4096]
-                                    [--out benchmarks/results]
+                                    [--allocation 2048,4096] [--out benchmarks/results]
 
 A tile is ``heads`` × ``block`` queries × ``block`` keys, d = 64, float32: the unit of work of
 ``implementation="chunked"`` at its default block size. Each row times a loop of 16 tiles that
@@ -15,6 +15,12 @@ they would take at the GEMM's rate.
 ``--profile T`` then traces the library's forward at B1 T d64 with ``heads`` heads, causal and
 not, with ``jax.profiler`` and prints the time per call of each compiled operation (the
 products, the exponentials, the reductions, the copies), summed over its runs in the loops.
+
+``--allocation T,...`` times the library's forward at those lengths, causal and not, interleaved
+with the GEMM, and prints what each call costs the memory allocator: XLA's temporaries (one
+block, ``memory_analysis().temp_size_in_bytes``), the minor page faults and the system CPU time
+per call. Run it once plainly and once with ``MALLOC_MMAP_THRESHOLD_`` set (BENCHMARKS.md) to
+see what fresh pages cost.
 """
 
 import argparse
@@ -22,6 +28,7 @@ import collections
 import functools
 import gzip
 import json
+import resource
 import tempfile
 from pathlib import Path
 
@@ -92,12 +99,69 @@ def profile(seq: int, heads: int, is_causal: bool, calls: int = 5, top: int = 14
     return {name: {"ms_per_call": ms, "runs_per_call": runs[name]} for name, ms in spans.items()}
 
 
+def allocation(seqs: list[int], heads: int, reps: int):
+    """ms, page faults and system ms per call of the forward; XLA's temporaries in MiB."""
+    steps, temps = {}, {}
+    for seq in seqs:
+        x = jax.random.normal(jax.random.key(0), (1, seq, heads, 64))
+        for is_causal in (False, True):
+            sdpa = functools.partial(
+                jax_sdpa.dot_product_attention, implementation="chunked", is_causal=is_causal
+            )
+            step = jax.jit(sdpa)
+            name = f"T{seq} {'causal' if is_causal else 'not causal'}"
+            temps[name] = step.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+            steps[name] = functools.partial(step, x, x, x)
+    a = jax.random.normal(jax.random.key(1), (2048, 2048))
+    steps["gemm"] = functools.partial(jax.jit(jnp.matmul), a, a)
+    usage = {}
+    for name, step in steps.items():
+        jax.block_until_ready(step())
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        for _ in range(reps):
+            jax.block_until_ready(step())
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        usage[name] = (
+            (after.ru_minflt - before.ru_minflt) / reps,
+            (after.ru_stime - before.ru_stime) / reps,
+        )
+    median = {name: float(np.median(t)) for name, t in interleaved(steps, (), reps).items()}
+    gemm_rate = 2 * 2048**3 / median.pop("gemm")
+    print(
+        f"\n## Allocation: B1 H{heads} d64 forward; f32 GEMM 2048² {gemm_rate / 1e9:.0f} GFLOP/s\n"
+    )
+    print(
+        "| call | ms | % of GEMM | temporaries, MiB | page faults per call | system ms per call |"
+    )
+    print("|---|---|---|---|---|---|")
+    rows = {}
+    for name, seconds in median.items():
+        seq, causal = int(name.split()[0][1:]), "not" not in name
+        flops = 4 * heads * seq * seq * 64 * (0.5 if causal else 1)
+        faults, system = usage[name]
+        rows[name] = {
+            "ms": 1e3 * seconds,
+            "pct_gemm": 100 * flops / seconds / gemm_rate,
+            "temp_mib": temps[name] / 2**20,
+            "faults_per_call": faults,
+            "system_ms_per_call": 1e3 * system,
+        }
+        print(
+            f"| {name} | {1e3 * seconds:.1f} | {rows[name]['pct_gemm']:.0f}% | "
+            f"{temps[name] / 2**20:.0f} | {faults:.0f} | {1e3 * system:.1f} |"
+        )
+    return {"gemm_gflops": gemm_rate / 1e9, "calls": rows}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--block", type=int, default=512)
     parser.add_argument("--profile", type=int, metavar="T", help="also profile the forward at T")
+    parser.add_argument(
+        "--allocation", metavar="T,...", help="also measure the allocator's cost at these T"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     heads, block, dim = args.heads, args.block, 64
@@ -150,6 +214,9 @@ def main():
             )
             for is_causal in (False, True)
         }
+    if args.allocation:
+        seqs = [int(t) for t in args.allocation.split(",")]
+        results["allocation"] = allocation(seqs, heads, args.reps)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tile.json").write_text(json.dumps(results, indent=1))
 
