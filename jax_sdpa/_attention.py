@@ -72,6 +72,16 @@ def split_group_axis(x: Array | None) -> tuple[Array | None, int | None]:
     return x, 0
 
 
+def by_head(x: Array | None, heads: tuple[int, int]) -> Array | None:
+    """A per-head ``(N, ...)`` bias, mask or dropout keys as ``(K, G, ...)``.
+
+    A leading axis of 1 (shared by all heads) becomes ``(1, 1, ...)``.
+    """
+    if x is None:
+        return None
+    return x.reshape((heads if x.shape[0] > 1 else (1, 1)) + x.shape[1:])
+
+
 def per_head(fn, n_mapped: int, bias, mask, rngs):
     """``fn(*mapped, bias, mask, rng)`` mapped (``jax.vmap``) over the query heads of a group.
 

@@ -19,9 +19,12 @@ log-sum-exp, :math:`P = e^{S - \mathrm{lse}}`, and uses :math:`dS = P \circ (dP 
 functions. Gradients are carried as whole arrays and updated tile by tile, so memory stays
 linear in the sequence length.
 
-The unit of work is a *group*: the ``G`` query heads that share one key/value head (GQA). They
-are processed together, tile by tile, and their key/value gradients are summed inside each tile,
-so no ``(G, S, ·)`` copy of the keys, values or their gradients ever exists.
+Every tile covers all heads: the ``K`` key/value heads and the ``G`` query heads that share
+each of them (GQA), mapped with ``jax.vmap`` inside the loops. The sequences stay in their
+``(T, N·H)`` layout — the heads flattened into each row — and each block is transposed to heads
+first as it is sliced: so XLA copies blocks, never whole arrays (measured in BENCHMARKS.md), and
+no ``(G, S, ·)`` copy of the keys, values or their gradients ever exists; the key/value
+gradients of a tile are summed over its ``G`` query heads.
 
 Blocks that a mask rule excludes entirely (above a causal diagonal, outside a window, past a
 length) are skipped, not computed and masked; blocks it allows entirely run without evaluating
@@ -37,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Key
 
-from jax_sdpa._attention import per_head, score_block
+from jax_sdpa._attention import by_head, per_head, score_block, split_group_axis
 from jax_sdpa._masks import AndMask, LengthMask, MaskRule
 from jax_sdpa._steps import (
     _exp_scores,
@@ -58,10 +61,10 @@ DEFAULT_BLOCK_KV = 512
 
 @dataclasses.dataclass(frozen=True)
 class _Blocks:
-    """The static part of one call: the formula's options and the tiling (a ``nondiff_argnum``).
+    """The static part of one call: the formula's options, the heads and the tiling.
 
-    Tiles are addressed by the global positions of their first query and first key
-    (``q_at``, ``kv_at``): those are what mask rules and dropout see.
+    A ``nondiff_argnum``. Tiles are addressed by the global positions of their first query and
+    first key (``q_at``, ``kv_at``): those are what mask rules and dropout see.
     """
 
     scale: float
@@ -70,6 +73,7 @@ class _Blocks:
     precision: Any
     block_q: int
     block_kv: int
+    heads: tuple[int, int]  # (K, G): key/value heads, query heads per key/value head
 
     def scores(self, q_i, k_j, bias_ij, mask_ij, rule, q_at, kv_at):
         """Scores and allowed-mask of one head's tile: the dense path's steps.
@@ -125,33 +129,79 @@ class _Blocks:
         return d_q_i, d_k_j, d_v_j, d_bias_ij
 
     def window(self, shape, i, j):
-        """Start and size of tile ``(i, j)`` in a ``(g, t, s)`` bias or mask."""
+        """Start and size of tile ``(i, j)`` in a ``(K, G, t, s)`` bias or mask."""
         return window(shape, (i * self.block_q, self.block_q), (j * self.block_kv, self.block_kv))
 
     def tile(self, x, i, j):
-        """Tile ``(i, j)`` of a per-group bias or mask (broadcast axes stay broadcast)."""
+        """Tile ``(i, j)`` of a bias or mask (broadcast axes stay broadcast)."""
         return None if x is None else lax.dynamic_slice(x, *self.window(x.shape, i, j))
+
+    def queries(self, x, i, vector: bool = False):
+        """Query block ``i`` of ``(T, N·d)`` rows as ``(K, G, block_q, d)``.
+
+        With ``vector``, of ``(T, N)`` rows as ``(K, G, block_q)``.
+        """
+        return _heads_first(_rows(x, i, self.block_q), self.heads, vector)
+
+    def keys(self, x, j):
+        """Block ``j`` of ``(S, K·d)`` key or value rows as ``(K, block_kv, d)``."""
+        return _heads_first(_rows(x, j, self.block_kv), self.heads[:1], False)
 
 
 def window(shape, rows: tuple, cols: tuple):
-    """Start and size of ``rows = (start, count)`` × ``cols`` in a ``(g, t, s)`` bias or mask.
+    """Start and size of ``rows = (start, count)`` × ``cols`` in a ``(..., t, s)`` bias or mask.
 
     Its ``t`` and ``s`` axes are either full or 1 (broadcast): a broadcast axis stays at 0 and 1.
     """
     (row, n_rows), (col, n_cols) = rows, cols
-    full_rows, full_cols = shape[1] > 1, shape[2] > 1
-    start = (0, row if full_rows else 0, col if full_cols else 0)
-    return start, (shape[0], n_rows if full_rows else 1, n_cols if full_cols else 1)
+    full_rows, full_cols = shape[-2] > 1, shape[-1] > 1
+    start = (0,) * (len(shape) - 2) + (row if full_rows else 0, col if full_cols else 0)
+    return start, shape[:-2] + (n_rows if full_rows else 1, n_cols if full_cols else 1)
 
 
-def _rows(x: Array, i, block: int, axis: int = 0) -> Array:
-    return lax.dynamic_slice_in_dim(x, i * block, block, axis=axis)
+def _rows(x: Array, i, block: int) -> Array:
+    return lax.dynamic_slice_in_dim(x, i * block, block, axis=0)
+
+
+def _heads_first(rows: Array, heads: tuple, vector: bool) -> Array:
+    """``(r, heads·d)`` → ``(*heads, r, d)``; with ``vector``, ``(r, heads)`` → ``(*heads, r)``."""
+    split = rows.reshape(rows.shape[0], *heads, *(() if vector else (-1,)))
+    return jnp.moveaxis(split, 0, len(heads))
+
+
+def _rows_first(x: Array, n_heads: int) -> Array:
+    """``(*heads, r, d)`` → ``(r, heads·d)`` and ``(*heads, r)`` → ``(r, heads)``: the inverse."""
+    x = jnp.moveaxis(x, n_heads, 0)
+    return x.reshape(x.shape[0], -1)
 
 
 def _add_at(total: Array, part: Array, start: tuple) -> Array:
     """``total[start : start + part.shape] += part``, in place under ``jit``."""
     current = lax.dynamic_slice(total, start, part.shape)
     return lax.dynamic_update_slice(total, current + part.astype(total.dtype), start)
+
+
+def per_query_head(fn, n_group: int, bias, mask, rngs):
+    """``fn(*group_args, *kv_args, bias, mask, rng)`` for every query head (``jax.vmap`` twice).
+
+    The first ``n_group`` arguments lead with ``(K, G)``, the others with ``K`` (shared by the
+    ``G`` query heads of a key/value head); bias, mask and dropout keys lead with ``(K, G)``, or
+    ``(1, 1)`` when all heads share them.
+    """
+    (bias, b_ax), (mask, m_ax), (rngs, r_ax) = map(split_group_axis, (bias, mask, rngs))
+
+    def kv_head(bias, mask, rngs, *args):
+        group_args, kv_args = args[:n_group], args[n_group:]
+        each = per_head(
+            lambda *a: fn(*a[:n_group], *kv_args, *a[n_group:]), n_group, bias, mask, rngs
+        )
+        return each(*group_args)
+
+    def mapped(*args):
+        in_axes = (b_ax, m_ax, r_ax) + (0,) * len(args)
+        return jax.vmap(kv_head, in_axes=in_axes)(bias, mask, rngs, *args)
+
+    return mapped
 
 
 def _sweep(step, rule: MaskRule | None, reach, full_reach, at, block: int, count: int, carry):
@@ -187,58 +237,68 @@ def _zeros_from(x: Array, dtype, shape: tuple | None = None) -> Array:
     return jnp.broadcast_to(first, x.shape if shape is None else shape)
 
 
-def initial_state(query: Array, value_dim: int) -> tuple[Array, Array, Array]:
+def initial_state(query: Array, heads: int, value_dim: int) -> tuple[Array, Array, Array]:
     """The online softmax before any key: ``(row max = fill, denominator = 0, output = 0)``.
 
-    Computed from the ``(G, T, H)`` queries (:func:`_zeros_from`), not built from constants.
+    For ``(T, N·H)`` queries: ``(T, N)``, ``(T, N)`` and ``(T, N·V)``, computed from the queries
+    (:func:`_zeros_from`), not built from constants.
     """
     dtype = accumulation_dtype(query.dtype)
-    zeros = _zeros_from(query, dtype, query.shape[:-1])
-    output = _zeros_from(query, dtype, query.shape[:-1] + (value_dim,))
+    zeros = _zeros_from(query, dtype, (query.shape[0], heads))
+    output = _zeros_from(query, dtype, (query.shape[0], heads * value_dim))
     return zeros + large_negative(dtype), zeros, output
 
 
 def forward_sweep(blocks: _Blocks, query, key, value, bias, mask, rule, rngs, state, q_at, kv_at):
-    """Updates the online-softmax ``state`` of queries ``(G, T, H)`` with keys ``(S, H)``.
+    """Updates the online-softmax ``state`` of queries ``(T, N·H)`` with keys ``(S, K·H)``.
 
     ``T`` and ``S`` are whole numbers of blocks; the queries start at global position ``q_at``,
-    the keys at ``kv_at``; bias and mask are ``(g, t, s)`` for exactly these queries and keys.
+    the keys at ``kv_at``; bias and mask are ``(K, G, t, s)`` for exactly these queries and keys.
     """
-    n_q, n_kv = query.shape[1] // blocks.block_q, key.shape[0] // blocks.block_kv
+    n_q, n_kv = query.shape[0] // blocks.block_q, key.shape[0] // blocks.block_kv
 
     def query_block(i, state):
-        q_i = _rows(query, i, blocks.block_q, axis=1)
+        q_i = blocks.queries(query, i)
         q_lo = q_at + i * blocks.block_q
 
         def step(j, carry, tile_rule):
-            k_j, v_j = _rows(key, j, blocks.block_kv), _rows(value, j, blocks.block_kv)
             kv_lo = kv_at + j * blocks.block_kv
-            update = per_head(
-                lambda carry, q_i, bias_ij, mask_ij, rng: blocks.forward_tile(
+            update = per_query_head(
+                lambda carry, q_i, k_j, v_j, bias_ij, mask_ij, rng: blocks.forward_tile(
                     carry, q_i, k_j, v_j, bias_ij, mask_ij, tile_rule, rng, q_lo, kv_lo
                 ),
                 2, blocks.tile(bias, i, j), blocks.tile(mask, i, j), rngs,
             )  # fmt: skip
-            return update(carry, q_i)
+            return update(carry, q_i, blocks.keys(key, j), blocks.keys(value, j))
 
+        row_max, denom, acc = state
+        state_i = (
+            blocks.queries(row_max, i, vector=True),
+            blocks.queries(denom, i, vector=True),
+            blocks.queries(acc, i),
+        )
         rows = (q_lo, q_lo + blocks.block_q)
-        state_i = jax.tree.map(lambda x: _rows(x, i, blocks.block_q, axis=1), state)
         state_i = _sweep(
             step, rule, lambda r: r.kv_range(*rows), lambda r: r.kv_full_range(*rows),
             kv_at, blocks.block_kv, n_kv, state_i,
         )  # fmt: skip
-        put = functools.partial(
-            lax.dynamic_update_slice_in_dim, start_index=i * blocks.block_q, axis=1
+        return tuple(  # in place: the state is a loop carry
+            lax.dynamic_update_slice_in_dim(x, _rows_first(x_i, 2), i * blocks.block_q, axis=0)
+            for x, x_i in zip(state, state_i, strict=True)
         )
-        return jax.tree.map(put, state, state_i)  # in place: the state is a loop carry
 
     return lax.fori_loop(0, n_q, query_block, state)
 
 
 def finish(state, dtype) -> tuple[Array, Array]:
-    """``(out, lse)`` from a final online-softmax state; a row that met no key gives 0 and −∞."""
+    """``(out, lse)``, ``(T, N, V)`` and ``(T, N)``, from a final online-softmax state.
+
+    A row that met no key gives 0 and −∞.
+    """
     row_max, denom, acc = state
-    return jax.vmap(_normalize)(acc, denom, row_max).astype(dtype), _logsumexp(row_max, denom)
+    acc = acc.reshape(*row_max.shape, -1)
+    out = jax.vmap(_normalize, in_axes=1, out_axes=1)(acc, denom, row_max)
+    return out.astype(dtype), _logsumexp(row_max, denom)
 
 
 def backward_sweep(
@@ -257,43 +317,49 @@ def backward_sweep(
     q_at,
     kv_at,
 ):
-    """Adds the gradients of queries ``(G, T, H)`` against keys ``(S, H)`` into ``grads``.
+    """Adds the gradients of queries ``(T, N·H)`` against keys ``(S, K·H)`` into ``grads``.
 
     ``grads = (dq, dk, dv, dbias)`` has the shapes of the operands (``dbias`` None without a
-    bias); ``delta`` is rowsum(dO ∘ O) and ``shift`` the log-sum-exp (0 where −∞).
+    bias); ``d_out`` is ``(T, N·V)``, ``delta`` = rowsum(dO ∘ O) and ``shift``, the log-sum-exp
+    (0 where −∞), are ``(T, N)``.
     """
-    n_q, n_kv = query.shape[1] // blocks.block_q, key.shape[0] // blocks.block_kv
+    n_q, n_kv = query.shape[0] // blocks.block_q, key.shape[0] // blocks.block_kv
 
     def key_block(j, grads):
-        k_j, v_j = _rows(key, j, blocks.block_kv), _rows(value, j, blocks.block_kv)
+        k_j, v_j = blocks.keys(key, j), blocks.keys(value, j)
         kv_lo = kv_at + j * blocks.block_kv
 
         def step(i, grads, tile_rule):
             d_query, d_key, d_value, d_bias = grads
-            rows = functools.partial(_rows, i=i, block=blocks.block_q, axis=1)
             q_lo = q_at + i * blocks.block_q
-            tile_grads = per_head(
-                lambda q_i, d_out_i, delta_i, lse_i, bias_ij, mask_ij, rng: blocks.backward_tile(
-                    q_i, k_j, v_j, bias_ij, mask_ij, tile_rule, rng, d_out_i, delta_i, lse_i,
-                    q_lo, kv_lo,
+            tile_grads = per_query_head(
+                lambda q_i, d_out_i, delta_i, lse_i, k_j, v_j, bias_ij, mask_ij, rng: (
+                    blocks.backward_tile(
+                        q_i, k_j, v_j, bias_ij, mask_ij, tile_rule, rng, d_out_i, delta_i,
+                        lse_i, q_lo, kv_lo,
+                    )
                 ),
                 4, blocks.tile(bias, i, j), blocks.tile(mask, i, j), rngs,
             )  # fmt: skip
             d_q_i, d_k_j, d_v_j, d_bias_ij = tile_grads(
-                rows(query), rows(d_out), rows(delta), rows(shift)
-            )
-            d_query = _add_at(d_query, d_q_i, (0, i * blocks.block_q, 0))
-            d_key = _add_at(d_key, d_k_j.sum(axis=0), (j * blocks.block_kv, 0))  # heads share k_j
-            d_value = _add_at(d_value, d_v_j.sum(axis=0), (j * blocks.block_kv, 0))
-            if d_bias is not None:  # a bias the group shares gets the sum over its heads
-                if d_bias.shape[0] == 1:
-                    d_bias_ij = d_bias_ij.sum(axis=0, keepdims=True)
+                blocks.queries(query, i), blocks.queries(d_out, i),
+                blocks.queries(delta, i, vector=True), blocks.queries(shift, i, vector=True),
+                k_j, v_j,
+            )  # fmt: skip
+            d_query = _add_at(d_query, _rows_first(d_q_i, 2), (i * blocks.block_q, 0))
+            # A key/value head's tile gets the sum over the query heads that share it.
+            d_key = _add_at(d_key, _rows_first(d_k_j.sum(axis=1), 1), (j * blocks.block_kv, 0))
+            d_value = _add_at(d_value, _rows_first(d_v_j.sum(axis=1), 1), (j * blocks.block_kv, 0))
+            if d_bias is not None:  # a bias all heads share gets the sum over them
+                shared = tuple(axis for axis in (0, 1) if d_bias.shape[axis] == 1)
+                d_bias_ij = d_bias_ij.sum(axis=shared, keepdims=True)
                 d_bias = _add_at(d_bias, d_bias_ij, blocks.window(d_bias.shape, i, j)[0])
             return d_query, d_key, d_value, d_bias
 
         cols = (kv_lo, kv_lo + blocks.block_kv)
         return _sweep(
-            step, rule, lambda r: r.q_range(*cols), lambda r: r.q_full_range(*cols),
+            step, rule,
+            lambda r: r.q_range(*cols), lambda r: r.q_full_range(*cols),
             q_at, blocks.block_q, n_q, grads,
         )  # fmt: skip
 
@@ -307,18 +373,32 @@ def zeros_like_grads(*operands):
     )
 
 
-def grads_in_dtypes(grads, operands) -> tuple:
-    """The accumulated gradients cast back to their operands' dtypes (None stays None)."""
+def grads_like(grads, operands) -> tuple:
+    """The accumulated gradients in their operands' dtypes and shapes (None stays None).
+
+    The sweeps accumulate in the flattened ``(T, N·H)`` rows; the operands may be ``(T, N, H)``.
+    """
     return tuple(
-        None if g is None else g.astype(x.dtype) for g, x in zip(grads, operands, strict=True)
+        None if g is None else g.astype(x.dtype).reshape(x.shape)
+        for g, x in zip(grads, operands, strict=True)
     )
 
 
 def backward_inputs(out, lse, d_out):
-    """``(dO, D, shift)``: the cotangent in the accumulation dtype, rowsum(dO ∘ O), the lse or 0."""
+    """``(dO, D, shift)`` for ``(T, N, V)`` outputs.
+
+    The cotangent in the accumulation dtype, as ``(T, N·V)`` rows; D = rowsum(dO ∘ O) and the
+    log-sum-exp or 0, ``(T, N)``.
+    """
     d_out = d_out.astype(accumulation_dtype(out.dtype))
     delta = jnp.sum(d_out * out.astype(d_out.dtype), axis=-1)  # D = rowsum(dO ∘ O) = rowsum(P ∘ dP)
-    return d_out, delta, jnp.where(jnp.isfinite(lse), lse, 0)  # rows without keys: e^{fill − 0} = 0
+    shift = jnp.where(jnp.isfinite(lse), lse, 0)  # rows without keys: e^{fill − 0} = 0
+    return d_out.reshape(d_out.shape[0], -1), delta, shift
+
+
+def flat(x: Array) -> Array:
+    """``(T, heads, d)`` → ``(T, heads·d)``: the layout the sweeps slice rows from."""
+    return x.reshape(x.shape[0], -1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -327,8 +407,10 @@ def _flash(blocks: _Blocks, query, key, value, bias, mask, rule, rngs):
 
 
 def _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs):
-    state = initial_state(query, value.shape[1])
-    state = forward_sweep(blocks, query, key, value, bias, mask, rule, rngs, state, 0, 0)
+    state = initial_state(flat(query), query.shape[1], value.shape[-1])
+    state = forward_sweep(
+        blocks, flat(query), flat(key), flat(value), bias, mask, rule, rngs, state, 0, 0
+    )
     out, lse = finish(state, value.dtype)
     return (out, lse), (query, key, value, bias, mask, rule, rngs, out, lse)
 
@@ -337,11 +419,12 @@ def _flash_bwd(blocks: _Blocks, residuals, cotangents):
     query, key, value, bias, mask, rule, rngs, out, lse = residuals
     # The log-sum-exp leaves with stop_gradient: only the output's cotangent is passed on.
     d_out, delta, shift = backward_inputs(out, lse, cotangents[0])
+    rows = (flat(query), flat(key), flat(value))
     grads = backward_sweep(
-        blocks, query, key, value, bias, mask, rule, rngs, d_out, delta, shift,
-        zeros_like_grads(query, key, value, bias), 0, 0,
+        blocks, *rows, bias, mask, rule, rngs, d_out, delta, shift,
+        zeros_like_grads(*rows, bias), 0, 0,
     )  # fmt: skip
-    return (*grads_in_dtypes(grads, (query, key, value, bias)), None, None, None)
+    return (*grads_like(grads, (query, key, value, bias)), None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -357,14 +440,14 @@ def _pad_to(x: Array, axis: int, multiple: int, value=0) -> Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
-def chunked_attention_group(
-    query: Float[Array, "groups q_seq d_k"],
-    key: Float[Array, "kv_seq d_k"],
-    value: Float[Array, "kv_seq d_v"],
-    bias: Float[Array, "#groups #q_seq #kv_seq"] | None,
-    mask: Bool[Array, "#groups #q_seq #kv_seq"] | None,
+def chunked_attention_sequence(
+    query: Float[Array, "q_seq heads d_k"],
+    key: Float[Array, "kv_seq kv_heads d_k"],
+    value: Float[Array, "kv_seq kv_heads d_v"],
+    bias: Float[Array, "#heads #q_seq #kv_seq"] | None,
+    mask: Bool[Array, "#heads #q_seq #kv_seq"] | None,
     rule: MaskRule | None,
-    dropout_rngs: Key[Array, " #groups"] | None,
+    dropout_rngs: Key[Array, " #heads"] | None,
     *,
     scale: float,
     soft_cap: float | None = None,
@@ -372,27 +455,29 @@ def chunked_attention_group(
     precision: Any = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
-) -> tuple[Float[Array, "groups q_seq d_v"], Float[Array, "groups q_seq"], None]:
-    """Blocked attention for the query heads that share one key/value head: ``(out, lse, None)``.
+) -> tuple[Float[Array, "q_seq heads d_v"], Float[Array, "q_seq heads"], None]:
+    """Blocked attention of one sequence, all heads: ``(out, lse, None)`` in jax.nn's layout.
 
     Per head the same results as :func:`jax_sdpa._attention.attention_head` (the weights are
     never formed); this is what :func:`jax_sdpa.dot_product_attention` ``jax.vmap``-s over
-    key/value heads and batch for ``implementation="chunked"``. Sequences are padded up to whole
-    blocks; padded keys are masked by a length rule and padded queries dropped.
+    batch for ``implementation="chunked"``. Sequences are padded up to whole blocks; padded
+    keys are masked by a length rule and padded queries dropped.
     """
-    seq_q, seq_kv = query.shape[1], key.shape[0]
+    (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
     blocks = _Blocks(
         scale=scale, soft_cap=soft_cap, dropout_rate=dropout_rate, precision=precision,
         block_q=min(block_q, seq_q), block_kv=min(block_kv, seq_kv),
+        heads=(kv_heads, heads // kv_heads),
     )  # fmt: skip
     if seq_kv % blocks.block_kv:
         pad_rule = LengthMask(None, jnp.asarray(seq_kv))
         rule = pad_rule if rule is None else AndMask((rule, pad_rule))
-    query = _pad_to(query, 1, blocks.block_q)
+    query = _pad_to(query, 0, blocks.block_q)
     key, value = (_pad_to(x, 0, blocks.block_kv) for x in (key, value))
+    bias, mask, dropout_rngs = (by_head(x, blocks.heads) for x in (bias, mask, dropout_rngs))
     if bias is not None:
-        bias = _pad_to(_pad_to(bias, 1, blocks.block_q), 2, blocks.block_kv)
+        bias = _pad_to(_pad_to(bias, 2, blocks.block_q), 3, blocks.block_kv)
     if mask is not None:
-        mask = _pad_to(_pad_to(mask, 1, blocks.block_q, False), 2, blocks.block_kv, False)
+        mask = _pad_to(_pad_to(mask, 2, blocks.block_q, False), 3, blocks.block_kv, False)
     out, lse = _flash(blocks, query, key, value, bias, mask, rule, dropout_rngs)
-    return out[:, :seq_q], lse[:, :seq_q], None
+    return out[:seq_q], lse[:seq_q], None

@@ -23,10 +23,10 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Float
 
 from jax_sdpa import _checks
-from jax_sdpa._attention import attention_head, per_head, split_group_axis
-from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, chunked_attention_group
+from jax_sdpa._attention import attention_head, by_head, per_head, split_group_axis
+from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, chunked_attention_sequence
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule, SegmentMask
-from jax_sdpa._ring import Layout, ring_attention_group
+from jax_sdpa._ring import Layout, ring_attention_sequence
 from jax_sdpa._steps import accumulation_dtype, default_scale, dropout_weights
 
 __all__ = ["dot_product_attention", "dot_product_attention_weights", "ring_attention"]
@@ -85,29 +85,26 @@ def _over_heads(group: Callable, query, key, value, bias, mask, rule, rngs):
     kv_heads = key.shape[1]
     groups = heads // kv_heads
 
-    def grouped(x):  # (N, ...) → (K, G, ...); a head axis of size 1 stays shared by all
-        return (
-            (x, None)
-            if x is None or x.shape[0] == 1
-            else (x.reshape(kv_heads, groups, *x.shape[1:]), 0)
-        )
-
-    (bias, b_ax), (mask, m_ax), (rngs, r_ax) = grouped(bias), grouped(mask), grouped(rngs)
+    (bias, b_ax), (mask, m_ax), (rngs, r_ax) = (
+        split_group_axis(by_head(x, (kv_heads, groups))) for x in (bias, mask, rngs)
+    )
     query = jnp.moveaxis(
         query.reshape(seq, kv_heads, groups, query.shape[-1]), 0, 2
     )  # (K, G, T, H)
     out = jax.vmap(group, in_axes=(0, 1, 1, b_ax, m_ax, None, r_ax))(
         query, key, value, bias, mask, rule, rngs
     )
-    return jax.tree.map(lambda x: x.reshape(heads, *x.shape[2:]), out)
+    out, lse, weights = jax.tree.map(lambda x: x.reshape(heads, *x.shape[2:]), out)
+    # (N, T, V) → (T, N, V) and (N, T) → (T, N), the layout of jax.nn.
+    return jnp.moveaxis(out, 0, 1), jnp.moveaxis(lse, 0, 1), weights
 
 
-def _over_batch(group: Callable, query, key, value, bias, mask, rule, rngs):
-    """Maps :func:`_over_heads` over every leading batch axis, one ``jax.vmap`` per axis."""
+def _over_batch(sequence: Callable, query, key, value, bias, mask, rule, rngs):
+    """Maps ``sequence`` (one sequence, all heads) over every leading batch axis (``jax.vmap``)."""
     if query.ndim == 3:
-        return _over_heads(group, query, key, value, bias, mask, rule, rngs)
+        return sequence(query, key, value, bias, mask, rule, rngs)
     (bias, b_ax), (mask, m_ax), (rngs, r_ax) = map(split_group_axis, (bias, mask, rngs))
-    inner = functools.partial(_over_batch, group)
+    inner = functools.partial(_over_batch, sequence)
     return jax.vmap(inner, in_axes=(0, 0, 0, b_ax, m_ax, 0, r_ax))(
         query, key, value, bias, mask, rule, rngs
     )
@@ -136,23 +133,24 @@ def _run(inputs: _Inputs, *, config: _Config):
     )
     blocks = {"block_q": config.block_q, "block_kv": config.block_kv}
     if config.implementation == "chunked":
-        group = functools.partial(chunked_attention_group, **options, **blocks)
+        sequence = functools.partial(chunked_attention_sequence, **options, **blocks)
     elif config.implementation == "ring":
         ring = {"axis_name": config.axis_name, "shards": config.shards, "layout": config.layout}
-        group = functools.partial(ring_attention_group, **options, **blocks, **ring)
+        sequence = functools.partial(ring_attention_sequence, **options, **blocks, **ring)
     else:
         head = functools.partial(attention_head, **options)
         if config.output == "weights":
             head = functools.partial(_dropped_weights_head, head, config.dropout_rate)
-        group = _each_head(head)
+        sequence = functools.partial(_over_heads, _each_head(head))
     fields = (getattr(inputs, f.name) for f in dataclasses.fields(inputs))
-    out, lse, weights = _over_batch(group, *fields)
+    out, lse, weights = _over_batch(sequence, *fields)
     if config.output == "weights":
         return weights
-    # (..., N, T, V) → (..., T, N, V) and (..., N, T) → (..., T, N), the layout of jax.nn.
-    out = jnp.moveaxis(out, -3, -2)
-    lse = lax.stop_gradient(jnp.moveaxis(lse, -2, -1))
-    return out, lse, (weights if config.output == "attention_and_weights" else None)
+    return (
+        out,
+        lax.stop_gradient(lse),
+        (weights if config.output == "attention_and_weights" else None),
+    )
 
 
 def _without_positions(inputs: _Inputs, output: str):

@@ -24,13 +24,15 @@ from typing import Literal
 import jax
 from jax import lax
 
+from jax_sdpa._attention import by_head
 from jax_sdpa._chunked import (
     _Blocks,
     backward_inputs,
     backward_sweep,
     finish,
+    flat,
     forward_sweep,
-    grads_in_dtypes,
+    grads_like,
     initial_state,
     window,
     zeros_like_grads,
@@ -62,7 +64,7 @@ class _Ring:
 
 
 def _window(x, q_run, kv_run, seq_kv: int, src):
-    """Start and size of a query run's rows and a key run's columns in a ``(g, t, S)`` array.
+    """Start and size of a query run's rows and a key run's columns in a ``(K, G, t, S)`` array.
 
     Bias and mask columns follow the sharded key order: shard ``src`` starts at ``src · seq_kv``.
     """
@@ -91,18 +93,19 @@ def _ring(ring: _Ring, query, key, value, bias, mask, rule):
 
 def _ring_fwd(ring: _Ring, query, key, value, bias, mask, rule):
     me = lax.axis_index(ring.axis_name)
-    seq_q, seq_kv = query.shape[1], key.shape[0]
+    seq_q, seq_kv = query.shape[0], key.shape[0]
+    queries = flat(query)
 
     def visit(step, state, key, value):
         src = (me - step) % ring.shards
         for (q_run, q_at), (kv_run, kv_at) in _runs(ring, me, src, seq_q, seq_kv):
-            rows = functools.partial(_slice, run=q_run, axis=1)
+            rows = functools.partial(_slice, run=q_run, axis=0)
             part = forward_sweep(
-                ring.blocks, rows(query), _slice(key, kv_run, 0), _slice(value, kv_run, 0),
+                ring.blocks, rows(queries), _slice(key, kv_run, 0), _slice(value, kv_run, 0),
                 _piece(bias, q_run, kv_run, seq_kv, src), _piece(mask, q_run, kv_run, seq_kv, src),
                 rule, None, jax.tree.map(rows, state), q_at, kv_at,
             )  # fmt: skip
-            put = functools.partial(lax.dynamic_update_slice_in_dim, start_index=q_run[0], axis=1)
+            put = functools.partial(lax.dynamic_update_slice_in_dim, start_index=q_run[0], axis=0)
             state = jax.tree.map(put, state, part)
         return state
 
@@ -113,8 +116,8 @@ def _ring_fwd(ring: _Ring, query, key, value, bias, mask, rule):
         passed = ring.rotate((key, value))
         return (visit(s, state, key, value), *passed)
 
-    state = initial_state(query, value.shape[1])
-    state, _, _ = lax.fori_loop(0, ring.shards, step, (state, key, value))
+    state = initial_state(queries, query.shape[1], value.shape[-1])
+    state, _, _ = lax.fori_loop(0, ring.shards, step, (state, flat(key), flat(value)))
     out, lse = finish(state, value.dtype)
     return (out, lse), (query, key, value, bias, mask, rule, out, lse)
 
@@ -123,23 +126,24 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
     query, key, value, bias, mask, rule, out, lse = residuals
     d_out, delta, shift = backward_inputs(out, lse, cotangents[0])
     me = lax.axis_index(ring.axis_name)
-    seq_q, seq_kv = query.shape[1], key.shape[0]
+    seq_q, seq_kv = query.shape[0], key.shape[0]
+    queries = flat(query)
 
     def step(s, carry):
         d_query, d_bias, key, value, d_key, d_value = carry
         src = (me - s) % ring.shards
         for (q_run, q_at), (kv_run, kv_at) in _runs(ring, me, src, seq_q, seq_kv):
             rows, cols = (
-                functools.partial(_slice, run=q_run, axis=1),
+                functools.partial(_slice, run=q_run, axis=0),
                 functools.partial(_slice, run=kv_run, axis=0),
             )
             piece = functools.partial(_piece, q_run=q_run, kv_run=kv_run, seq_kv=seq_kv, src=src)
             d_q, d_k, d_v, d_b = backward_sweep(
-                ring.blocks, rows(query), cols(key), cols(value), piece(bias), piece(mask), rule,
+                ring.blocks, rows(queries), cols(key), cols(value), piece(bias), piece(mask), rule,
                 None, rows(d_out), rows(delta), rows(shift),
                 (rows(d_query), cols(d_key), cols(d_value), piece(d_bias)), q_at, kv_at,
             )  # fmt: skip
-            d_query = lax.dynamic_update_slice_in_dim(d_query, d_q, q_run[0], 1)
+            d_query = lax.dynamic_update_slice_in_dim(d_query, d_q, q_run[0], 0)
             d_key = lax.dynamic_update_slice_in_dim(d_key, d_k, kv_run[0], 0)
             d_value = lax.dynamic_update_slice_in_dim(d_value, d_v, kv_run[0], 0)
             if d_bias is not None:
@@ -149,17 +153,17 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
         # Keys, values and their gradients travel on together; after a full turn they are home.
         return (d_query, d_bias, *ring.rotate((key, value, d_key, d_value)))
 
-    d_query, d_key, d_value, d_bias = zeros_like_grads(query, key, value, bias)
-    carry = (d_query, d_bias, key, value, d_key, d_value)
+    d_query, d_key, d_value, d_bias = zeros_like_grads(queries, flat(key), flat(value), bias)
+    carry = (d_query, d_bias, flat(key), flat(value), d_key, d_value)
     d_query, d_bias, _, _, d_key, d_value = lax.fori_loop(0, ring.shards, step, carry)
     grads = (d_query, d_key, d_value, d_bias)
-    return (*grads_in_dtypes(grads, (query, key, value, bias)), None, None)
+    return (*grads_like(grads, (query, key, value, bias)), None, None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention_group(
+def ring_attention_sequence(
     query,
     key,
     value,
@@ -178,20 +182,24 @@ def ring_attention_group(
     shards,
     layout,
 ):
-    """Ring attention for the query heads ``(G, T/P, H)`` that share one key/value head.
+    """Ring attention for this device's queries ``(T/P, N, H)``, all heads.
 
-    The signature of :func:`jax_sdpa._chunked.chunked_attention_group`, plus the ring's axis
-    name, size and layout: ``(out, lse, None)`` for this device's queries.
+    The signature of :func:`jax_sdpa._chunked.chunked_attention_sequence`, plus the ring's axis
+    name, size and layout: ``(out, lse, None)`` for this device's queries, in jax.nn's layout.
     """
     del dropout_rngs, dropout_rate  # ring attention has no dropout
-    pieces_q = query.shape[1] // (2 if layout == "striped" else 1)
-    pieces_kv = key.shape[0] // (2 if layout == "striped" else 1)
+    (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
+    pieces_q = seq_q // (2 if layout == "striped" else 1)
+    pieces_kv = seq_kv // (2 if layout == "striped" else 1)
     blocks = _Blocks(
         scale=scale, soft_cap=soft_cap, dropout_rate=0.0, precision=precision,
         block_q=_largest_divisor(pieces_q, block_q), block_kv=_largest_divisor(pieces_kv, block_kv),
+        heads=(kv_heads, heads // kv_heads),
     )  # fmt: skip
     ring = _Ring(blocks=blocks, axis_name=axis_name, shards=shards, layout=layout)
-    out, lse = _ring(ring, query, key, value, bias, mask, rule)
+    out, lse = _ring(
+        ring, query, key, value, by_head(bias, blocks.heads), by_head(mask, blocks.heads), rule
+    )
     return out, lse, None
 
 
