@@ -407,12 +407,37 @@ def _flash(blocks: _Blocks, query, key, value, bias, mask, rule, rngs):
 
 
 def _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs):
-    state = initial_state(flat(query), query.shape[1], value.shape[-1])
-    state = forward_sweep(
-        blocks, flat(query), flat(key), flat(value), bias, mask, rule, rngs, state, 0, 0
+    """Sweeps each query block from a fresh state and finishes it in place.
+
+    No whole-sequence state to zero, slice and write back (the ring needs one: it meets the keys
+    shard by shard).
+    """
+    queries, keys, values = flat(query), flat(key), flat(value)
+
+    def query_block(i, outputs):
+        rows = (i * blocks.block_q, blocks.block_q)
+        q_i = lax.dynamic_slice_in_dim(queries, *rows)
+        bias_i, mask_i = (_query_rows(x, rows) for x in (bias, mask))
+        state = initial_state(q_i, query.shape[1], value.shape[-1])
+        state = forward_sweep(
+            blocks, q_i, keys, values, bias_i, mask_i, rule, rngs, state, rows[0], 0
+        )
+        return tuple(
+            lax.dynamic_update_slice_in_dim(x, part, rows[0], axis=0)
+            for x, part in zip(outputs, finish(state, value.dtype), strict=True)
+        )
+
+    outputs = (
+        _zeros_from(queries, value.dtype, (*query.shape[:2], value.shape[-1])),
+        _zeros_from(queries, accumulation_dtype(query.dtype), query.shape[:2]),
     )
-    out, lse = finish(state, value.dtype)
+    out, lse = lax.fori_loop(0, query.shape[0] // blocks.block_q, query_block, outputs)
     return (out, lse), (query, key, value, bias, mask, rule, rngs, out, lse)
+
+
+def _query_rows(x: Array | None, rows: tuple) -> Array | None:
+    """The rows ``(start, count)`` of a ``(K, G, t, s)`` bias or mask, all its columns."""
+    return None if x is None else lax.dynamic_slice(x, *window(x.shape, rows, (0, x.shape[-1])))
 
 
 def _flash_bwd(blocks: _Blocks, residuals, cotangents):
