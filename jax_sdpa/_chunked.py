@@ -237,68 +237,81 @@ def _zeros_from(x: Array, dtype, shape: tuple | None = None) -> Array:
     return jnp.broadcast_to(first, x.shape if shape is None else shape)
 
 
-def initial_state(query: Array, heads: int, value_dim: int) -> tuple[Array, Array, Array]:
+def initial_state(query: Array, rows: tuple, output: tuple) -> tuple[Array, Array, Array]:
     """The online softmax before any key: ``(row max = fill, denominator = 0, output = 0)``.
 
-    For ``(T, N·H)`` queries: ``(T, N)``, ``(T, N)`` and ``(T, N·V)``, computed from the queries
-    (:func:`_zeros_from`), not built from constants.
+    Of shapes ``rows``, ``rows`` and ``output`` — ``(T, N)`` and ``(T, N·V)`` for the rows of a
+    whole sequence, ``(K, G, block_q)`` and ``(K, G, block_q, V)`` for one block, heads first —
+    computed from the queries (:func:`_zeros_from`), not built from constants.
     """
     dtype = accumulation_dtype(query.dtype)
-    zeros = _zeros_from(query, dtype, (query.shape[0], heads))
-    output = _zeros_from(query, dtype, (query.shape[0], heads * value_dim))
-    return zeros + large_negative(dtype), zeros, output
+    zeros = _zeros_from(query, dtype, rows)
+    return zeros + large_negative(dtype), zeros, _zeros_from(query, dtype, output)
+
+
+def sweep_keys(blocks: _Blocks, q_i, key, value, bias, mask, rule, rngs, state_i, i, q_at, kv_at):
+    """Updates the heads-first state of query block ``i``, ``q_i``, with keys ``(S, K·H)``.
+
+    ``S`` is a whole number of blocks; the block's queries start at global position
+    ``q_at + i·block_q``, the keys at ``kv_at``; bias and mask are ``(K, G, t, s)`` for all the
+    queries of the sweep and exactly these keys.
+    """
+    q_lo = q_at + i * blocks.block_q
+
+    def step(j, carry, tile_rule):
+        kv_lo = kv_at + j * blocks.block_kv
+        update = per_query_head(
+            lambda carry, q_i, k_j, v_j, bias_ij, mask_ij, rng: blocks.forward_tile(
+                carry, q_i, k_j, v_j, bias_ij, mask_ij, tile_rule, rng, q_lo, kv_lo
+            ),
+            2, blocks.tile(bias, i, j), blocks.tile(mask, i, j), rngs,
+        )  # fmt: skip
+        return update(carry, q_i, blocks.keys(key, j), blocks.keys(value, j))
+
+    rows = (q_lo, q_lo + blocks.block_q)
+    return _sweep(
+        step, rule, lambda r: r.kv_range(*rows), lambda r: r.kv_full_range(*rows),
+        kv_at, blocks.block_kv, key.shape[0] // blocks.block_kv, state_i,
+    )  # fmt: skip
 
 
 def forward_sweep(blocks: _Blocks, query, key, value, bias, mask, rule, rngs, state, q_at, kv_at):
     """Updates the online-softmax ``state`` of queries ``(T, N·H)`` with keys ``(S, K·H)``.
 
     ``T`` and ``S`` are whole numbers of blocks; the queries start at global position ``q_at``,
-    the keys at ``kv_at``; bias and mask are ``(K, G, t, s)`` for exactly these queries and keys.
+    the keys at ``kv_at``; bias and mask are ``(K, G, t, s)`` for exactly these queries and keys;
+    the state is ``(T, N)``, ``(T, N)``, ``(T, N·V)`` rows.
     """
-    n_q, n_kv = query.shape[0] // blocks.block_q, key.shape[0] // blocks.block_kv
 
     def query_block(i, state):
-        q_i = blocks.queries(query, i)
-        q_lo = q_at + i * blocks.block_q
-
-        def step(j, carry, tile_rule):
-            kv_lo = kv_at + j * blocks.block_kv
-            update = per_query_head(
-                lambda carry, q_i, k_j, v_j, bias_ij, mask_ij, rng: blocks.forward_tile(
-                    carry, q_i, k_j, v_j, bias_ij, mask_ij, tile_rule, rng, q_lo, kv_lo
-                ),
-                2, blocks.tile(bias, i, j), blocks.tile(mask, i, j), rngs,
-            )  # fmt: skip
-            return update(carry, q_i, blocks.keys(key, j), blocks.keys(value, j))
-
         row_max, denom, acc = state
         state_i = (
             blocks.queries(row_max, i, vector=True),
             blocks.queries(denom, i, vector=True),
             blocks.queries(acc, i),
         )
-        rows = (q_lo, q_lo + blocks.block_q)
-        state_i = _sweep(
-            step, rule, lambda r: r.kv_range(*rows), lambda r: r.kv_full_range(*rows),
-            kv_at, blocks.block_kv, n_kv, state_i,
+        state_i = sweep_keys(
+            blocks, blocks.queries(query, i), key, value, bias, mask, rule, rngs, state_i, i,
+            q_at, kv_at,
         )  # fmt: skip
         return tuple(  # in place: the state is a loop carry
             lax.dynamic_update_slice_in_dim(x, _rows_first(x_i, 2), i * blocks.block_q, axis=0)
             for x, x_i in zip(state, state_i, strict=True)
         )
 
-    return lax.fori_loop(0, n_q, query_block, state)
+    return lax.fori_loop(0, query.shape[0] // blocks.block_q, query_block, state)
 
 
 def finish(state, dtype) -> tuple[Array, Array]:
-    """``(out, lse)``, ``(T, N, V)`` and ``(T, N)``, from a final online-softmax state.
+    """``(out, lse)`` from a final online-softmax state; a row that met no key gives 0 and −∞.
 
-    A row that met no key gives 0 and −∞.
+    Any layout of rows: ``(..., r)`` maxima and denominators with ``(..., r·V)`` or
+    ``(..., r, V)`` outputs give ``(..., r, V)`` and ``(..., r)``.
     """
     row_max, denom, acc = state
-    acc = acc.reshape(*row_max.shape, -1)
-    out = jax.vmap(_normalize, in_axes=1, out_axes=1)(acc, denom, row_max)
-    return out.astype(dtype), _logsumexp(row_max, denom)
+    rows = (row_max.size, -1)
+    out = _normalize(acc.reshape(rows), denom.reshape(-1), row_max.reshape(-1))
+    return out.reshape(*row_max.shape, -1).astype(dtype), _logsumexp(row_max, denom)
 
 
 def backward_sweep(
@@ -410,20 +423,20 @@ def _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs):
     """Sweeps each query block from a fresh state and finishes it in place.
 
     No whole-sequence state to zero, slice and write back (the ring needs one: it meets the keys
-    shard by shard).
+    shard by shard), and each block is normalised heads first, in the same pass as its last
+    products.
     """
     queries, keys, values = flat(query), flat(key), flat(value)
+    block = (*blocks.heads, blocks.block_q)
 
     def query_block(i, outputs):
-        rows = (i * blocks.block_q, blocks.block_q)
-        q_i = lax.dynamic_slice_in_dim(queries, *rows)
-        bias_i, mask_i = (_query_rows(x, rows) for x in (bias, mask))
-        state = initial_state(q_i, query.shape[1], value.shape[-1])
-        state = forward_sweep(
-            blocks, q_i, keys, values, bias_i, mask_i, rule, rngs, state, rows[0], 0
-        )
+        q_i = blocks.queries(queries, i)
+        state = initial_state(q_i, block, (*block, value.shape[-1]))
+        state = sweep_keys(blocks, q_i, keys, values, bias, mask, rule, rngs, state, i, 0, 0)
         return tuple(
-            lax.dynamic_update_slice_in_dim(x, part, rows[0], axis=0)
+            lax.dynamic_update_slice_in_dim(
+                x, _rows_first(part, 2).reshape(-1, *x.shape[1:]), i * blocks.block_q, axis=0
+            )
             for x, part in zip(outputs, finish(state, value.dtype), strict=True)
         )
 
@@ -433,11 +446,6 @@ def _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs):
     )
     out, lse = lax.fori_loop(0, query.shape[0] // blocks.block_q, query_block, outputs)
     return (out, lse), (query, key, value, bias, mask, rule, rngs, out, lse)
-
-
-def _query_rows(x: Array | None, rows: tuple) -> Array | None:
-    """The rows ``(start, count)`` of a ``(K, G, t, s)`` bias or mask, all its columns."""
-    return None if x is None else lax.dynamic_slice(x, *window(x.shape, rows, (0, x.shape[-1])))
 
 
 def _flash_bwd(blocks: _Blocks, residuals, cotangents):

@@ -116,7 +116,8 @@ def _ring_fwd(ring: _Ring, query, key, value, bias, mask, rule):
         passed = ring.rotate((key, value))
         return (visit(s, state, key, value), *passed)
 
-    state = initial_state(queries, query.shape[1], value.shape[-1])
+    rows = query.shape[:2]  # (T, N)
+    state = initial_state(queries, rows, (rows[0], rows[1] * value.shape[-1]))
     state, _, _ = lax.fori_loop(0, ring.shards, step, (state, flat(key), flat(value)))
     out, lse = finish(state, value.dtype)
     return (out, lse), (query, key, value, bias, mask, rule, out, lse)
