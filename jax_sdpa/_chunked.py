@@ -76,18 +76,10 @@ class _Blocks:
     heads: tuple[int, int]  # (K, G): key/value heads, query heads per key/value head
 
     def scores(self, q_i, k_j, bias_ij, mask_ij, rule, q_at, kv_at):
-        """Scores and allowed-mask of one head's tile: the dense path's steps.
-
-        In float32 and wider the scale multiplies the ``(block_q, d)`` queries instead of the
-        ``(block_q, block_kv)`` scores: a ``d / block_kv`` fraction of the work. In a 16-bit dtype
-        that would round the queries, so there the scores are scaled, as in the dense path.
-        """
-        scale = self.scale
-        if jnp.finfo(q_i.dtype).bits >= 32:
-            q_i, scale = q_i * jnp.asarray(scale, q_i.dtype), 1.0
+        """Scores and allowed-mask of one head's tile: the dense path's steps."""
         return score_block(
             q_i, k_j, bias_ij, mask_ij, rule,
-            scale=scale, soft_cap=self.soft_cap, precision=self.precision,
+            scale=self.scale, soft_cap=self.soft_cap, precision=self.precision,
             q_offset=q_at, kv_offset=kv_at,
         )  # fmt: skip
 
@@ -414,6 +406,20 @@ def flat(x: Array) -> Array:
     return x.reshape(x.shape[0], -1)
 
 
+def scaled_queries(blocks: _Blocks, query: Array) -> tuple[Array, _Blocks]:
+    """The ``(T, N·H)`` query rows to sweep, and the options to sweep them with.
+
+    In float32 and wider the scale multiplies the queries once, here, instead of every
+    ``(block_q, block_kv)`` tile of scores, and the sweeps run with scale 1; the forward and the
+    backward pass then compute their products from the same scaled rows. In a 16-bit dtype that
+    would round the queries, so there the sweeps scale the scores, as the dense path does.
+    """
+    rows = flat(query)
+    if jnp.finfo(query.dtype).bits < 32:
+        return rows, blocks
+    return rows * jnp.asarray(blocks.scale, rows.dtype), dataclasses.replace(blocks, scale=1.0)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(blocks: _Blocks, query, key, value, bias, mask, rule, rngs):
     return _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs)[0]
@@ -426,7 +432,7 @@ def _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs):
     shard by shard), and each block is normalised heads first, in the same pass as its last
     products.
     """
-    queries, keys, values = flat(query), flat(key), flat(value)
+    (queries, blocks), keys, values = scaled_queries(blocks, query), flat(key), flat(value)
     block = (*blocks.heads, blocks.block_q)
 
     def query_block(i, outputs):
@@ -452,12 +458,13 @@ def _flash_bwd(blocks: _Blocks, residuals, cotangents):
     query, key, value, bias, mask, rule, rngs, out, lse = residuals
     # The log-sum-exp leaves with stop_gradient: only the output's cotangent is passed on.
     d_out, delta, shift = backward_inputs(out, lse, cotangents[0])
-    rows = (flat(query), flat(key), flat(value))
-    grads = backward_sweep(
-        blocks, *rows, bias, mask, rule, rngs, d_out, delta, shift,
-        zeros_like_grads(*rows, bias), 0, 0,
+    (queries, swept), keys, values = scaled_queries(blocks, query), flat(key), flat(value)
+    d_query, *grads = backward_sweep(
+        swept, queries, keys, values, bias, mask, rule, rngs, d_out, delta, shift,
+        zeros_like_grads(queries, keys, values, bias), 0, 0,
     )  # fmt: skip
-    return (*grads_like(grads, (query, key, value, bias)), None, None, None)
+    d_query = d_query * (blocks.scale / swept.scale)  # through the queries' scaling
+    return (*grads_like((d_query, *grads), (query, key, value, bias)), None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
