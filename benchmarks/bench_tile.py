@@ -101,7 +101,7 @@ def profile(seq: int, heads: int, is_causal: bool, calls: int = 5, top: int = 14
 
 def allocation(seqs: list[int], heads: int, reps: int):
     """ms, page faults and system ms per call of the forward; XLA's temporaries in MiB."""
-    steps, temps = {}, {}
+    steps, temps, calls = {}, {}, {}
     for seq in seqs:
         x = jax.random.normal(jax.random.key(0), (1, seq, heads, 64))
         for is_causal in (False, True):
@@ -110,6 +110,7 @@ def allocation(seqs: list[int], heads: int, reps: int):
             )
             step = jax.jit(sdpa)
             name = f"T{seq} {'causal' if is_causal else 'not causal'}"
+            calls[name] = (seq, is_causal)
             temps[name] = step.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
             steps[name] = functools.partial(step, x, x, x)
     a = jax.random.normal(jax.random.key(1), (2048, 2048))
@@ -136,8 +137,8 @@ def allocation(seqs: list[int], heads: int, reps: int):
     print("|---|---|---|---|---|---|")
     rows = {}
     for name, seconds in median.items():
-        seq, causal = int(name.split()[0][1:]), "not" not in name
-        flops = 4 * heads * seq * seq * 64 * (0.5 if causal else 1)
+        seq, is_causal = calls[name]
+        flops = 4 * heads * seq * seq * 64 * (0.5 if is_causal else 1)
         faults, system = usage[name]
         rows[name] = {
             "ms": 1e3 * seconds,

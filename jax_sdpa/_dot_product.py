@@ -88,9 +88,7 @@ def _over_heads(group: Callable, query, key, value, bias, mask, rule, rngs):
     (bias, b_ax), (mask, m_ax), (rngs, r_ax) = (
         split_group_axis(by_head(x, (kv_heads, groups))) for x in (bias, mask, rngs)
     )
-    query = jnp.moveaxis(
-        query.reshape(seq, kv_heads, groups, query.shape[-1]), 0, 2
-    )  # (K, G, T, H)
+    query = jnp.moveaxis(query.reshape(seq, kv_heads, groups, -1), 0, 2)  # (K, G, T, H)
     out = jax.vmap(group, in_axes=(0, 1, 1, b_ax, m_ax, None, r_ax))(
         query, key, value, bias, mask, rule, rngs
     )

@@ -130,6 +130,7 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
     me = lax.axis_index(ring.axis_name)
     seq_q, seq_kv = query.shape[0], key.shape[0]
     queries, blocks = scaled_queries(ring.blocks, query)
+    keys, values = flat(key), flat(value)
 
     def step(s, carry):
         d_query, d_bias, key, value, d_key, d_value = carry
@@ -155,8 +156,8 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
         # Keys, values and their gradients travel on together; after a full turn they are home.
         return (d_query, d_bias, *ring.rotate((key, value, d_key, d_value)))
 
-    d_query, d_key, d_value, d_bias = zeros_like_grads(queries, flat(key), flat(value), bias)
-    carry = (d_query, d_bias, flat(key), flat(value), d_key, d_value)
+    d_query, d_key, d_value, d_bias = zeros_like_grads(queries, keys, values, bias)
+    carry = (d_query, d_bias, keys, values, d_key, d_value)
     d_query, d_bias, _, _, d_key, d_value = lax.fori_loop(0, ring.shards, step, carry)
     d_query = d_query * (ring.blocks.scale / blocks.scale)  # through the queries' scaling
     grads = (d_query, d_key, d_value, d_bias)
