@@ -76,10 +76,18 @@ class _Blocks:
     heads: tuple[int, int]  # (K, G): key/value heads, query heads per key/value head
 
     def scores(self, q_i, k_j, bias_ij, mask_ij, rule, q_at, kv_at):
-        """Scores and allowed-mask of one head's tile: the dense path's steps."""
+        """Scores and allowed-mask of one head's tile: the dense path's steps.
+
+        In float32 and wider the scale multiplies the ``(block_q, d)`` queries instead of the
+        ``(block_q, block_kv)`` scores; in a 16-bit dtype that would round the queries, so there
+        it multiplies the scores, as on the dense path.
+        """
+        scale = self.scale
+        if jnp.finfo(q_i.dtype).bits >= 32:
+            q_i, scale = q_i * jnp.asarray(scale, q_i.dtype), 1.0
         return score_block(
             q_i, k_j, bias_ij, mask_ij, rule,
-            scale=self.scale, soft_cap=self.soft_cap, precision=self.precision,
+            scale=scale, soft_cap=self.soft_cap, precision=self.precision,
             q_offset=q_at, kv_offset=kv_at,
         )  # fmt: skip
 
@@ -406,20 +414,6 @@ def flat(x: Array) -> Array:
     return x.reshape(x.shape[0], -1)
 
 
-def scaled_queries(blocks: _Blocks, query: Array) -> tuple[Array, _Blocks]:
-    """The ``(T, N·H)`` query rows to sweep, and the options to sweep them with.
-
-    In float32 and wider the scale multiplies the queries once, here, instead of every
-    ``(block_q, block_kv)`` tile of scores, and the sweeps run with scale 1; the forward and the
-    backward pass then compute their products from the same scaled rows. In a 16-bit dtype that
-    would round the queries, so there the sweeps scale the scores, as the dense path does.
-    """
-    rows = flat(query)
-    if jnp.finfo(query.dtype).bits < 32:
-        return rows, blocks
-    return rows * jnp.asarray(blocks.scale, rows.dtype), dataclasses.replace(blocks, scale=1.0)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(blocks: _Blocks, query, key, value, bias, mask, rule, rngs):
     return _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs)[0]
@@ -432,12 +426,15 @@ def _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs):
     shard by shard), and each block is normalised heads first, in the same pass as its last
     products.
     """
-    (queries, blocks), keys, values = scaled_queries(blocks, query), flat(key), flat(value)
+    queries, keys, values = flat(query), flat(key), flat(value)
     block = (*blocks.heads, blocks.block_q)
 
     def query_block(i, outputs):
         q_i = blocks.queries(queries, i)
-        state = initial_state(q_i, block, (*block, value.shape[-1]))
+        # From the rows, not the block: the block's only use is then its scores, as in the
+        # backward pass, and XLA builds both passes' products alike, so that where one tile
+        # covers the sequences it computes them once (BENCHMARKS.md).
+        state = initial_state(queries, block, (*block, value.shape[-1]))
         state = sweep_keys(blocks, q_i, keys, values, bias, mask, rule, rngs, state, i, 0, 0)
         return tuple(
             lax.dynamic_update_slice_in_dim(
@@ -458,13 +455,12 @@ def _flash_bwd(blocks: _Blocks, residuals, cotangents):
     query, key, value, bias, mask, rule, rngs, out, lse = residuals
     # The log-sum-exp leaves with stop_gradient: only the output's cotangent is passed on.
     d_out, delta, shift = backward_inputs(out, lse, cotangents[0])
-    (queries, swept), keys, values = scaled_queries(blocks, query), flat(key), flat(value)
-    d_query, *grads = backward_sweep(
-        swept, queries, keys, values, bias, mask, rule, rngs, d_out, delta, shift,
+    queries, keys, values = flat(query), flat(key), flat(value)
+    grads = backward_sweep(
+        blocks, queries, keys, values, bias, mask, rule, rngs, d_out, delta, shift,
         zeros_like_grads(queries, keys, values, bias), 0, 0,
     )  # fmt: skip
-    d_query = d_query * (blocks.scale / swept.scale)  # through the queries' scaling
-    return (*grads_like((d_query, *grads), (query, key, value, bias)), None, None, None)
+    return (*grads_like(grads, (query, key, value, bias)), None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -34,7 +34,6 @@ from jax_sdpa._chunked import (
     forward_sweep,
     grads_like,
     initial_state,
-    scaled_queries,
     window,
     zeros_like_grads,
 )
@@ -95,14 +94,14 @@ def _ring(ring: _Ring, query, key, value, bias, mask, rule):
 def _ring_fwd(ring: _Ring, query, key, value, bias, mask, rule):
     me = lax.axis_index(ring.axis_name)
     seq_q, seq_kv = query.shape[0], key.shape[0]
-    queries, blocks = scaled_queries(ring.blocks, query)
+    queries = flat(query)
 
     def visit(step, state, key, value):
         src = (me - step) % ring.shards
         for (q_run, q_at), (kv_run, kv_at) in _runs(ring, me, src, seq_q, seq_kv):
             rows = functools.partial(_slice, run=q_run, axis=0)
             part = forward_sweep(
-                blocks, rows(queries), _slice(key, kv_run, 0), _slice(value, kv_run, 0),
+                ring.blocks, rows(queries), _slice(key, kv_run, 0), _slice(value, kv_run, 0),
                 _piece(bias, q_run, kv_run, seq_kv, src), _piece(mask, q_run, kv_run, seq_kv, src),
                 rule, None, jax.tree.map(rows, state), q_at, kv_at,
             )  # fmt: skip
@@ -129,8 +128,7 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
     d_out, delta, shift = backward_inputs(out, lse, cotangents[0])
     me = lax.axis_index(ring.axis_name)
     seq_q, seq_kv = query.shape[0], key.shape[0]
-    queries, blocks = scaled_queries(ring.blocks, query)
-    keys, values = flat(key), flat(value)
+    queries, keys, values = flat(query), flat(key), flat(value)
 
     def step(s, carry):
         d_query, d_bias, key, value, d_key, d_value = carry
@@ -142,7 +140,7 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
             )
             piece = functools.partial(_piece, q_run=q_run, kv_run=kv_run, seq_kv=seq_kv, src=src)
             d_q, d_k, d_v, d_b = backward_sweep(
-                blocks, rows(queries), cols(key), cols(value), piece(bias), piece(mask), rule,
+                ring.blocks, rows(queries), cols(key), cols(value), piece(bias), piece(mask), rule,
                 None, rows(d_out), rows(delta), rows(shift),
                 (rows(d_query), cols(d_key), cols(d_value), piece(d_bias)), q_at, kv_at,
             )  # fmt: skip
@@ -159,7 +157,6 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
     d_query, d_key, d_value, d_bias = zeros_like_grads(queries, keys, values, bias)
     carry = (d_query, d_bias, keys, values, d_key, d_value)
     d_query, d_bias, _, _, d_key, d_value = lax.fori_loop(0, ring.shards, step, carry)
-    d_query = d_query * (ring.blocks.scale / blocks.scale)  # through the queries' scaling
     grads = (d_query, d_key, d_value, d_bias)
     return (*grads_like(grads, (query, key, value, bias)), None, None)
 
