@@ -3,13 +3,14 @@
     python benchmarks/bench_speed.py [--reps 7] [--sizes all|core|quick] [--out benchmarks/results]
 
 Every configuration times all implementations interleaved in one loop, in a fresh random order
-each round (the machine drifts, and a run can slow the next one: only ratios taken in the same
-loop are compared), reports medians, and converts them to GFLOP/s from the analytic count:
-4·B·N·T·S·d for the forward, ×3.5 with the backward, ×½ when causal. An f32 GEMM of 2048² timed
-in the same loop is the yardstick for "% of GEMM". The "auto" column names the implementation
-``implementation=None`` compiles to (its program is compared with the others'), and how its time
-compares with the faster of chunked and dense. A last table times the chunked path causal and
-not, interleaved, for the speed-up that skipping blocks above the diagonal gives.
+each round (the machine drifts: only ratios taken in the same loop are compared), each timed call
+right after an untimed one of the same step (so that no call pays for freeing another's memory).
+It reports medians and converts them to GFLOP/s from the analytic count: 4·B·N·T·S·d for the
+forward, ×3.5 with the backward, ×½ when causal. An f32 GEMM of 2048² timed in the same loop is
+the yardstick for "% of GEMM". The "auto" column names the implementation ``implementation=None``
+compiles to (its program is compared with the others'), and how its time compares with the
+faster of chunked and dense. A last table times the chunked path causal and not, interleaved,
+for the speed-up that skipping blocks above the diagonal gives.
 """
 
 import argparse
@@ -71,11 +72,18 @@ def compiled(fn, mode: str, args):
 
 
 def interleaved(steps: dict, args, reps: int) -> dict:
-    """Seconds per call of each step, ``reps`` rounds, each round in a fresh random order."""
+    """Seconds per call of each step, ``reps`` rounds, each round in a fresh random order.
+
+    Each timed call follows an untimed call of the same step. XLA frees a call's buffers after
+    its result is ready, and unmapping the dense paths' hundreds of MiB of scores runs into the
+    next call: at T = 4096 it made a chunked forward that followed `jax.nn` 17 % slower (309
+    against 265 ms). So each step pays for freeing its own memory, not another's.
+    """
     order = np.random.default_rng(0)
     times = {name: [] for name in steps}
     for _ in range(reps):
         for name in order.permutation(list(steps)):
+            jax.block_until_ready(steps[name](*args))
             start = time.perf_counter()
             jax.block_until_ready(steps[name](*args))
             times[name].append(time.perf_counter() - start)
