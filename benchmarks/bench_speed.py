@@ -3,18 +3,20 @@
     python benchmarks/bench_speed.py [--reps 7] [--sizes all|core|quick] [--out benchmarks/results]
 
 Every configuration times all implementations interleaved in one loop, in a fresh random order
-each round (the machine drifts: only ratios taken in the same loop are compared), each timed call
-right after an untimed one of the same step (so that no call pays for freeing another's memory).
-It reports medians and converts them to GFLOP/s from the analytic count: 4·B·N·T·S·d for the
-forward, ×3.5 with the backward, ×½ when causal. An f32 GEMM of 2048² timed in the same loop is
-the yardstick for "% of GEMM". The "auto" column names the implementation ``implementation=None``
-compiles to (its program is compared with the others'), and how its time compares with the
-faster of chunked and dense. A last table times the chunked path causal and not, interleaved,
-for the speed-up that skipping blocks above the diagonal gives.
+each round (the machine drifts: only ratios taken in the same loop are compared), for ``--reps``
+rounds and at least 3 s, each timed call right after an untimed one of the same step (so that no
+call pays for freeing another's memory). It reports medians and converts them to GFLOP/s from the
+analytic count: 4·B·N·T·S·d for the forward, ×3.5 with the backward, ×½ when causal. An f32
+GEMM of 2048² timed in the same loop is the yardstick for "% of GEMM". The "auto" column names
+the implementation ``implementation=None`` compiles to (its program is compared with the
+others'), and how its time compares with the faster of chunked and dense. A last table times the
+chunked path causal and not, interleaved, for the speed-up that skipping blocks above the
+diagonal gives.
 """
 
 import argparse
 import functools
+import itertools
 import json
 import platform
 import time
@@ -71,8 +73,14 @@ def compiled(fn, mode: str, args):
     return step, time.perf_counter() - start
 
 
+MIN_SECONDS = 3.0
+
+
 def interleaved(steps: dict, args, reps: int) -> dict:
-    """Seconds per call of each step, ``reps`` rounds, each round in a fresh random order.
+    """Seconds per call of each step, each round in a fresh random order.
+
+    ``reps`` rounds, or more while they take less than ``MIN_SECONDS`` in all: a millisecond call
+    varies by a fifth from one call to the next here, and its median needs more samples.
 
     Each timed call follows an untimed call of the same step. XLA frees a call's buffers after
     its result is ready, and unmapping the dense paths' hundreds of MiB of scores runs into the
@@ -81,13 +89,15 @@ def interleaved(steps: dict, args, reps: int) -> dict:
     """
     order = np.random.default_rng(0)
     times = {name: [] for name in steps}
-    for _ in range(reps):
+    start_all = time.perf_counter()
+    for rounds in itertools.count():
+        if rounds >= reps and time.perf_counter() - start_all >= MIN_SECONDS:
+            return times
         for name in order.permutation(list(steps)):
             jax.block_until_ready(steps[name](*args))
             start = time.perf_counter()
             jax.block_until_ready(steps[name](*args))
             times[name].append(time.perf_counter() - start)
-    return times
 
 
 def inputs(batch, heads, seq, dim):
