@@ -1,7 +1,8 @@
 """Where the chunked forward's time goes: one tile of the online softmax, stage by stage.
 
     python benchmarks/bench_tile.py [--reps 9] [--heads 8] [--block 512] [--profile 4096]
-                                    [--allocation 2048,4096] [--out benchmarks/results]
+                                    [--allocation 2048,4096] [--blocks 4096:512x512,1024x512]
+                                    [--out benchmarks/results]
 
 A tile is ``heads`` × ``block`` queries × ``block`` keys, d = 64, float32: the unit of work of
 ``implementation="chunked"`` at its default block size. Each row times a loop of 16 tiles that
@@ -21,6 +22,9 @@ with the GEMM, and prints what each call costs the memory allocator: XLA's tempo
 block, ``memory_analysis().temp_size_in_bytes``), the minor page faults and the system CPU time
 per call. Run it once plainly and once with ``MALLOC_MMAP_THRESHOLD_`` set (BENCHMARKS.md) to
 see what fresh pages cost.
+
+``--blocks T:QxK,...`` times the forward at T with each ``block_q × block_kv``, causal and not,
+interleaved with the GEMM: the table the default block sizes were chosen from.
 """
 
 import argparse
@@ -154,6 +158,44 @@ def allocation(seqs: list[int], heads: int, reps: int):
     return {"gemm_gflops": gemm_rate / 1e9, "calls": rows}
 
 
+def block_sizes(seq: int, tiles: list[tuple[int, int]], heads: int, reps: int):
+    """ms per call of the forward at B1 ``seq`` with each ``(block_q, block_kv)``, causal and not."""
+    x = jax.random.normal(jax.random.key(0), (1, seq, heads, 64))
+    steps = {}
+    for tile in tiles:
+        for is_causal in (False, True):
+            sdpa = functools.partial(
+                jax_sdpa.dot_product_attention, implementation="chunked", is_causal=is_causal,
+                block_q=tile[0], block_kv=tile[1],
+            )  # fmt: skip
+            steps[f"{tile} {is_causal}"] = functools.partial(jax.jit(sdpa), x, x, x)
+    a = jax.random.normal(jax.random.key(1), (2048, 2048))
+    steps["gemm"] = functools.partial(jax.jit(jnp.matmul), a, a)
+    for step in steps.values():
+        jax.block_until_ready(step())
+    median = {name: float(np.median(t)) for name, t in interleaved(steps, (), reps).items()}
+    gemm_rate = 2 * 2048**3 / median.pop("gemm")
+    print(
+        f"\n## Block sizes: B1 T{seq} H{heads} d64 forward; f32 GEMM 2048² {gemm_rate / 1e9:.0f} GFLOP/s\n"
+    )
+    print("| tile | non-causal ms | % of GEMM | causal ms | causal speed-up |")
+    print("|---|---|---|---|---|")
+    rows = {}
+    for block_q, block_kv in tiles:
+        full, causal = (median[f"{(block_q, block_kv)} {c}"] for c in (False, True))
+        pct = 100 * 4 * heads * seq * seq * 64 / full / gemm_rate
+        rows[f"{block_q}x{block_kv}"] = {
+            "ms": 1e3 * full,
+            "pct_gemm": pct,
+            "causal_ms": 1e3 * causal,
+        }
+        print(
+            f"| {block_q} × {block_kv} | {1e3 * full:.1f} | {pct:.0f}% | {1e3 * causal:.1f} | "
+            f"{full / causal:.2f}× |"
+        )
+    return {"seq": seq, "gemm_gflops": gemm_rate / 1e9, "tiles": rows}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=9)
@@ -162,6 +204,11 @@ def main():
     parser.add_argument("--profile", type=int, metavar="T", help="also profile the forward at T")
     parser.add_argument(
         "--allocation", metavar="T,...", help="also measure the allocator's cost at these T"
+    )
+    parser.add_argument(
+        "--blocks",
+        metavar="T:QxK,...",
+        help="also time the forward at T with these block sizes, e.g. 4096:512x512,1024x512",
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -218,6 +265,10 @@ def main():
     if args.allocation:
         seqs = [int(t) for t in args.allocation.split(",")]
         results["allocation"] = allocation(seqs, heads, args.reps)
+    if args.blocks:
+        seq, tiles = args.blocks.split(":")
+        tiles = [tuple(int(n) for n in tile.split("x")) for tile in tiles.split(",")]
+        results["block_sizes"] = block_sizes(int(seq), tiles, heads, args.reps)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tile.json").write_text(json.dumps(results, indent=1))
 
