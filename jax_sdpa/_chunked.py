@@ -79,8 +79,9 @@ class _Blocks:
         """Scores and allowed-mask of one head's tile: the dense path's steps.
 
         In float32 and wider the scale multiplies the ``(block_q, d)`` queries instead of the
-        ``(block_q, block_kv)`` scores; in a 16-bit dtype that would round the queries, so there
-        it multiplies the scores, as on the dense path.
+        ``(block_q, block_kv)`` scores (in the forward pass XLA hoists that out of the key loop,
+        to once per query block); in a 16-bit dtype that would round the queries, so there it
+        multiplies the scores, as on the dense path.
         """
         scale = self.scale
         if jnp.finfo(q_i.dtype).bits >= 32:
