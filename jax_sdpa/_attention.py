@@ -93,6 +93,29 @@ def per_head(fn, n_mapped: int, bias, mask, rngs):
     return lambda *args: mapped(*args, bias, mask, rngs)
 
 
+def per_query_head(fn, n_group: int, bias, mask, rngs):
+    """``fn(*group_args, *kv_args, bias, mask, rng)`` for every query head (``jax.vmap`` twice).
+
+    The first ``n_group`` arguments lead with ``(K, G)``, the others with ``K`` (shared by the
+    ``G`` query heads of a key/value head); bias, mask and dropout keys lead with ``(K, G)``, or
+    ``(1, 1)`` when all heads share them.
+    """
+    (bias, b_ax), (mask, m_ax), (rngs, r_ax) = map(split_group_axis, (bias, mask, rngs))
+
+    def kv_head(bias, mask, rngs, *args):
+        group_args, kv_args = args[:n_group], args[n_group:]
+        each = per_head(
+            lambda *a: fn(*a[:n_group], *kv_args, *a[n_group:]), n_group, bias, mask, rngs
+        )
+        return each(*group_args)
+
+    def mapped(*args):
+        in_axes = (b_ax, m_ax, r_ax) + (0,) * len(args)
+        return jax.vmap(kv_head, in_axes=in_axes)(bias, mask, rngs, *args)
+
+    return mapped
+
+
 def attention_head(
     query: Float[Array, "q_seq d_k"],
     key: Float[Array, "kv_seq d_k"],

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Key
 
-from jax_sdpa._attention import by_head, per_head, score_block, split_group_axis
+from jax_sdpa._attention import by_head, per_query_head, score_block
 from jax_sdpa._masks import AndMask, LengthMask, MaskRule
 from jax_sdpa._steps import (
     _exp_scores,
@@ -180,29 +180,6 @@ def _add_at(total: Array, part: Array, start: tuple) -> Array:
     """``total[start : start + part.shape] += part``, in place under ``jit``."""
     current = lax.dynamic_slice(total, start, part.shape)
     return lax.dynamic_update_slice(total, current + part.astype(total.dtype), start)
-
-
-def per_query_head(fn, n_group: int, bias, mask, rngs):
-    """``fn(*group_args, *kv_args, bias, mask, rng)`` for every query head (``jax.vmap`` twice).
-
-    The first ``n_group`` arguments lead with ``(K, G)``, the others with ``K`` (shared by the
-    ``G`` query heads of a key/value head); bias, mask and dropout keys lead with ``(K, G)``, or
-    ``(1, 1)`` when all heads share them.
-    """
-    (bias, b_ax), (mask, m_ax), (rngs, r_ax) = map(split_group_axis, (bias, mask, rngs))
-
-    def kv_head(bias, mask, rngs, *args):
-        group_args, kv_args = args[:n_group], args[n_group:]
-        each = per_head(
-            lambda *a: fn(*a[:n_group], *kv_args, *a[n_group:]), n_group, bias, mask, rngs
-        )
-        return each(*group_args)
-
-    def mapped(*args):
-        in_axes = (b_ax, m_ax, r_ax) + (0,) * len(args)
-        return jax.vmap(kv_head, in_axes=in_axes)(bias, mask, rngs, *args)
-
-    return mapped
 
 
 def _sweep(step, rule: MaskRule | None, reach, full_reach, at, block: int, count: int, carry):

@@ -23,7 +23,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Float
 
 from jax_sdpa import _checks
-from jax_sdpa._attention import attention_head, by_head, per_head, split_group_axis
+from jax_sdpa._attention import attention_head, by_head, per_query_head, split_group_axis
 from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, chunked_attention_sequence
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule, SegmentMask
 from jax_sdpa._ring import Layout, ring_attention_sequence
@@ -75,23 +75,21 @@ class _Inputs:
     dropout_rngs: Array | None
 
 
-def _over_heads(group: Callable, query, key, value, bias, mask, rule, rngs):
-    """Maps ``group`` over key/value heads: ``(T, N, H)`` query, ``(S, K, ·)`` keys → ``(N, ...)``.
+def _over_heads(head: Callable, query, key, value, bias, mask, rule, rngs):
+    """Maps a single-head function ``head`` over the heads of one sequence.
 
-    ``group`` gets the ``G = N // K`` query heads that share one key/value head, as a
-    ``(G, T, H)`` query with its bias, mask and dropout keys (leading axis ``G``, or 1 if shared).
+    ``(T, N, H)`` queries and ``(S, K, ·)`` keys and values give ``(T, N, V)`` outputs, a
+    ``(T, N)`` log-sum-exp and ``(N, ...)`` weights; each key/value head serves its
+    ``G = N // K`` query heads (:func:`per_query_head`).
     """
     seq, heads, _ = query.shape
-    kv_heads = key.shape[1]
-    groups = heads // kv_heads
-
-    (bias, b_ax), (mask, m_ax), (rngs, r_ax) = (
-        split_group_axis(by_head(x, (kv_heads, groups))) for x in (bias, mask, rngs)
-    )
-    query = jnp.moveaxis(query.reshape(seq, kv_heads, groups, -1), 0, 2)  # (K, G, T, H)
-    out = jax.vmap(group, in_axes=(0, 1, 1, b_ax, m_ax, None, r_ax))(
-        query, key, value, bias, mask, rule, rngs
-    )
+    grouped = (key.shape[1], heads // key.shape[1])  # (K, G)
+    each = per_query_head(
+        lambda q, k, v, b, m, r: head(q, k, v, b, m, rule, r),
+        1, *(by_head(x, grouped) for x in (bias, mask, rngs)),
+    )  # fmt: skip
+    query = jnp.moveaxis(query.reshape(seq, *grouped, -1), 0, 2)  # (K, G, T, H)
+    out = each(query, jnp.moveaxis(key, 1, 0), jnp.moveaxis(value, 1, 0))
     out, lse, weights = jax.tree.map(lambda x: x.reshape(heads, *x.shape[2:]), out)
     # (N, T, V) → (T, N, V) and (N, T) → (T, N), the layout of jax.nn.
     return jnp.moveaxis(out, 0, 1), jnp.moveaxis(lse, 0, 1), weights
@@ -106,16 +104,6 @@ def _over_batch(sequence: Callable, query, key, value, bias, mask, rule, rngs):
     return jax.vmap(inner, in_axes=(0, 0, 0, b_ax, m_ax, 0, r_ax))(
         query, key, value, bias, mask, rule, rngs
     )
-
-
-def _each_head(head: Callable) -> Callable:
-    """A single-head function applied to each query head of a group (``jax.vmap`` over ``G``)."""
-
-    def group(query, key, value, bias, mask, rule, rngs):
-        each = per_head(lambda q, b, m, r: head(q, key, value, b, m, rule, r), 1, bias, mask, rngs)
-        return each(query)
-
-    return group
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -139,7 +127,7 @@ def _run(inputs: _Inputs, *, config: _Config):
         head = functools.partial(attention_head, **options)
         if config.output == "weights":
             head = functools.partial(_dropped_weights_head, head, config.dropout_rate)
-        sequence = functools.partial(_over_heads, _each_head(head))
+        sequence = functools.partial(_over_heads, head)
     fields = (getattr(inputs, f.name) for f in dataclasses.fields(inputs))
     out, lse, weights = _over_batch(sequence, *fields)
     if config.output == "weights":
