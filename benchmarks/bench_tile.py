@@ -103,6 +103,14 @@ def profile(seq: int, heads: int, is_causal: bool, calls: int = 5, top: int = 14
     return {name: {"ms_per_call": ms, "runs_per_call": runs[name]} for name, ms in spans.items()}
 
 
+def medians_with_gemm(steps: dict, reps: int) -> tuple[dict, float]:
+    """Median seconds per call of each step, interleaved with an f32 GEMM of 2048², and its flop/s."""
+    a = jax.random.normal(jax.random.key(1), (2048, 2048))
+    steps = {**steps, "gemm": functools.partial(jax.jit(jnp.matmul), a, a)}
+    median = {name: float(np.median(t)) for name, t in interleaved(steps, (), reps).items()}
+    return median, 2 * 2048**3 / median.pop("gemm")
+
+
 def allocation(seqs: list[int], heads: int, reps: int):
     """ms, page faults and system ms per call of the forward; XLA's temporaries in MiB."""
     steps, temps, calls = {}, {}, {}
@@ -117,8 +125,6 @@ def allocation(seqs: list[int], heads: int, reps: int):
             calls[name] = (seq, is_causal)
             temps[name] = step.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
             steps[name] = functools.partial(step, x, x, x)
-    a = jax.random.normal(jax.random.key(1), (2048, 2048))
-    steps["gemm"] = functools.partial(jax.jit(jnp.matmul), a, a)
     usage = {}
     for name, step in steps.items():
         jax.block_until_ready(step())
@@ -130,8 +136,7 @@ def allocation(seqs: list[int], heads: int, reps: int):
             (after.ru_minflt - before.ru_minflt) / reps,
             (after.ru_stime - before.ru_stime) / reps,
         )
-    median = {name: float(np.median(t)) for name, t in interleaved(steps, (), reps).items()}
-    gemm_rate = 2 * 2048**3 / median.pop("gemm")
+    median, gemm_rate = medians_with_gemm(steps, reps)
     print(
         f"\n## Allocation: B1 H{heads} d64 forward; f32 GEMM 2048² {gemm_rate / 1e9:.0f} GFLOP/s\n"
     )
@@ -169,12 +174,7 @@ def block_sizes(seq: int, tiles: list[tuple[int, int]], heads: int, reps: int):
                 block_q=tile[0], block_kv=tile[1],
             )  # fmt: skip
             steps[f"{tile} {is_causal}"] = functools.partial(jax.jit(sdpa), x, x, x)
-    a = jax.random.normal(jax.random.key(1), (2048, 2048))
-    steps["gemm"] = functools.partial(jax.jit(jnp.matmul), a, a)
-    for step in steps.values():
-        jax.block_until_ready(step())
-    median = {name: float(np.median(t)) for name, t in interleaved(steps, (), reps).items()}
-    gemm_rate = 2 * 2048**3 / median.pop("gemm")
+    median, gemm_rate = medians_with_gemm(steps, reps)
     print(
         f"\n## Block sizes: B1 T{seq} H{heads} d64 forward; f32 GEMM 2048² {gemm_rate / 1e9:.0f} GFLOP/s\n"
     )
@@ -224,13 +224,7 @@ def main():
     seq = jax.random.normal(keys[3], (1, 4 * block, heads, dim))
     sdpa = jax.jit(functools.partial(jax_sdpa.dot_product_attention, implementation="chunked"))
     steps["jax_sdpa, T = 4·block"] = functools.partial(sdpa, seq, seq, seq)
-    a = jax.random.normal(keys[3], (2048, 2048))
-    steps["gemm"] = functools.partial(jax.jit(jnp.matmul), a, a)
-    for step in steps.values():
-        jax.block_until_ready(step())
-    times = interleaved(steps, (), args.reps)
-    median = {name: float(np.median(t)) for name, t in times.items()}
-    gemm_rate = 2 * 2048**3 / median.pop("gemm")
+    median, gemm_rate = medians_with_gemm(steps, args.reps)
     results = {
         "heads": heads,
         "block": block,
