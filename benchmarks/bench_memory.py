@@ -1,6 +1,7 @@
 """Memory of attention over long sequences: jax_sdpa's chunked path vs jax.nn, one head, d = 64.
 
-    python benchmarks/bench_memory.py [--rss-max-nn 16384] [--out benchmarks/results]
+    python benchmarks/bench_memory.py [--rss-max-nn 16384] [--rss-max-bwd 65536]
+                                      [--rss-long 262144 ...] [--out benchmarks/results]
 
 Two measures, because XLA's ahead-of-time figure is unreliable on CPU (it has reported 0 bytes
 of temporaries for a graph that grew the process by hundreds of MiB):
@@ -11,7 +12,8 @@ of temporaries for a graph that grew the process by hundreds of MiB):
   held just before the call.
 
 It also finds, by AOT, the longest power-of-two sequence whose forward+backward needs at most
-1 GiB of temporaries.
+1 GiB of temporaries, and checks by RSS that the chunked forward+backward at ``--rss-long``
+lengths (T = 262,144 by default: several minutes) grows the process by less than that.
 """
 
 import argparse
@@ -88,8 +90,12 @@ def main():
         "--rss-max-nn", type=int, default=16384, help="longest T to run jax.nn for RSS"
     )
     parser.add_argument(
-        "--rss-max-bwd", type=int, default=16384, help="longest T to run fwd+bwd for RSS"
+        "--rss-max-bwd", type=int, default=65536, help="longest T to run fwd+bwd for RSS"
     )
+    parser.add_argument(
+        "--rss-long", type=int, nargs="*", default=[262144],
+        help="longer T at which to measure the chunked fwd+bwd's RSS growth",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     if args.child:
@@ -138,9 +144,20 @@ def main():
                 break
             longest[impl] = 2**power
     print(f"longest: {longest}")
+    print("\n# chunked forward+backward, RSS growth in one call")
+    long_rss = {}
+    for seq in args.rss_long:
+        long_rss[seq] = rss("chunked", "fwdbwd", seq)
+        print(
+            f"T = {seq}: {long_rss[seq]['rss_mib']:.0f} MiB, {long_rss[seq]['seconds']:.0f} s",
+            flush=True,
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "memory.json").write_text(
-        json.dumps({"rows": results, "longest_fwdbwd_1gib": longest}, indent=1)
+        json.dumps(
+            {"rows": results, "longest_fwdbwd_1gib": longest, "fwdbwd_rss_long": long_rss},
+            indent=1,
+        )
     )
 
 
