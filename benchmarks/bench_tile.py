@@ -2,7 +2,7 @@
 
     python benchmarks/bench_tile.py [--reps 9] [--heads 8] [--block 512] [--profile 4096]
                                     [--allocation 2048,4096] [--blocks 4096:512x512,1024x512]
-                                    [--out benchmarks/results]
+                                    [--backward] [--out benchmarks/results]
 
 A tile is ``heads`` × ``block`` queries × ``block`` keys, d = 64, float32: the unit of work of
 ``implementation="chunked"`` at its default block size. Each row times a loop of 16 tiles that
@@ -24,7 +24,8 @@ per call. Run it once plainly and once with ``MALLOC_MMAP_THRESHOLD_`` set (BENC
 see what fresh pages cost.
 
 ``--blocks T:QxK,...`` times the forward at T with each ``block_q × block_kv``, causal and not,
-interleaved with the GEMM: the table the default block sizes were chosen from.
+interleaved with the GEMM: the table the default block sizes were chosen from. With
+``--backward`` it times the forward+backward instead.
 """
 
 import argparse
@@ -163,8 +164,11 @@ def allocation(seqs: list[int], heads: int, reps: int):
     return {"gemm_gflops": gemm_rate / 1e9, "calls": rows}
 
 
-def block_sizes(seq: int, tiles: list[tuple[int, int]], heads: int, reps: int):
-    """ms per call of the forward at B1 ``seq`` with each ``(block_q, block_kv)``, causal and not."""
+def block_sizes(seq: int, tiles: list[tuple[int, int]], heads: int, reps: int, backward: bool):
+    """ms per call at B1 ``seq`` with each ``(block_q, block_kv)``, causal and not.
+
+    Of the forward, or with ``backward`` of the forward+backward (gradients of the output's sum).
+    """
     x = jax.random.normal(jax.random.key(0), (1, seq, heads, 64))
     steps = {}
     for tile in tiles:
@@ -173,17 +177,20 @@ def block_sizes(seq: int, tiles: list[tuple[int, int]], heads: int, reps: int):
                 jax_sdpa.dot_product_attention, implementation="chunked", is_causal=is_causal,
                 block_q=tile[0], block_kv=tile[1],
             )  # fmt: skip
+            if backward:
+                sdpa = jax.grad(lambda q, k, v, f=sdpa: f(q, k, v).sum(), argnums=(0, 1, 2))
             steps[f"{tile} {is_causal}"] = functools.partial(jax.jit(sdpa), x, x, x)
     median, gemm_rate = medians_with_gemm(steps, reps)
+    mode = "forward+backward" if backward else "forward"
     print(
-        f"\n## Block sizes: B1 T{seq} H{heads} d64 forward; f32 GEMM 2048² {gemm_rate / 1e9:.0f} GFLOP/s\n"
+        f"\n## Block sizes: B1 T{seq} H{heads} d64 {mode}; f32 GEMM 2048² {gemm_rate / 1e9:.0f} GFLOP/s\n"
     )
     print("| tile | non-causal ms | % of GEMM | causal ms | causal speed-up |")
     print("|---|---|---|---|---|")
     rows = {}
     for block_q, block_kv in tiles:
         full, causal = (median[f"{(block_q, block_kv)} {c}"] for c in (False, True))
-        pct = 100 * 4 * heads * seq * seq * 64 / full / gemm_rate
+        pct = 100 * 4 * heads * seq * seq * 64 * (3.5 if backward else 1) / full / gemm_rate
         rows[f"{block_q}x{block_kv}"] = {
             "ms": 1e3 * full,
             "pct_gemm": pct,
@@ -193,7 +200,7 @@ def block_sizes(seq: int, tiles: list[tuple[int, int]], heads: int, reps: int):
             f"| {block_q} × {block_kv} | {1e3 * full:.1f} | {pct:.0f}% | {1e3 * causal:.1f} | "
             f"{full / causal:.2f}× |"
         )
-    return {"seq": seq, "gemm_gflops": gemm_rate / 1e9, "tiles": rows}
+    return {"seq": seq, "mode": mode, "gemm_gflops": gemm_rate / 1e9, "tiles": rows}
 
 
 def main():
@@ -209,6 +216,9 @@ def main():
         "--blocks",
         metavar="T:QxK,...",
         help="also time the forward at T with these block sizes, e.g. 4096:512x512,1024x512",
+    )
+    parser.add_argument(
+        "--backward", action="store_true", help="with --blocks: time forward+backward instead"
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -262,7 +272,7 @@ def main():
     if args.blocks:
         seq, tiles = args.blocks.split(":")
         tiles = [tuple(int(n) for n in tile.split("x")) for tile in tiles.split(",")]
-        results["block_sizes"] = block_sizes(int(seq), tiles, heads, args.reps)
+        results["block_sizes"] = block_sizes(int(seq), tiles, heads, args.reps, args.backward)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tile.json").write_text(json.dumps(results, indent=1))
 
