@@ -40,7 +40,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_speed import interleaved  # this folder is on sys.path when run as a script
+from bench_speed import compiled, flops, interleaved  # this folder is on sys.path as a script
 from jax import lax
 
 import jax_sdpa
@@ -148,11 +148,11 @@ def allocation(seqs: list[int], heads: int, reps: int):
     rows = {}
     for name, seconds in median.items():
         seq, is_causal = calls[name]
-        flops = 4 * heads * seq * seq * 64 * (0.5 if is_causal else 1)
+        work = flops(1, heads, seq, 64, is_causal, "fwd")
         faults, system = usage[name]
         rows[name] = {
             "ms": 1e3 * seconds,
-            "pct_gemm": 100 * flops / seconds / gemm_rate,
+            "pct_gemm": 100 * work / seconds / gemm_rate,
             "temp_mib": temps[name] / 2**20,
             "faults_per_call": faults,
             "system_ms_per_call": 1e3 * system,
@@ -170,6 +170,7 @@ def block_sizes(seq: int, tiles: list[tuple[int, int]], heads: int, reps: int, b
     Of the forward, or with ``backward`` of the forward+backward (gradients of the output's sum).
     """
     x = jax.random.normal(jax.random.key(0), (1, seq, heads, 64))
+    mode = "fwdbwd" if backward else "fwd"
     steps = {}
     for tile in tiles:
         for is_causal in (False, True):
@@ -177,20 +178,19 @@ def block_sizes(seq: int, tiles: list[tuple[int, int]], heads: int, reps: int, b
                 jax_sdpa.dot_product_attention, implementation="chunked", is_causal=is_causal,
                 block_q=tile[0], block_kv=tile[1],
             )  # fmt: skip
-            if backward:
-                sdpa = jax.grad(lambda q, k, v, f=sdpa: f(q, k, v).sum(), argnums=(0, 1, 2))
-            steps[f"{tile} {is_causal}"] = functools.partial(jax.jit(sdpa), x, x, x)
+            step, _ = compiled(sdpa, mode, (x, x, x))
+            steps[f"{tile} {is_causal}"] = functools.partial(step, x, x, x)
     median, gemm_rate = medians_with_gemm(steps, reps)
-    mode = "forward+backward" if backward else "forward"
+    title = "forward+backward" if backward else "forward"
     print(
-        f"\n## Block sizes: B1 T{seq} H{heads} d64 {mode}; f32 GEMM 2048² {gemm_rate / 1e9:.0f} GFLOP/s\n"
+        f"\n## Block sizes: B1 T{seq} H{heads} d64 {title}; f32 GEMM 2048² {gemm_rate / 1e9:.0f} GFLOP/s\n"
     )
     print("| tile | non-causal ms | % of GEMM | causal ms | causal speed-up |")
     print("|---|---|---|---|---|")
     rows = {}
     for block_q, block_kv in tiles:
         full, causal = (median[f"{(block_q, block_kv)} {c}"] for c in (False, True))
-        pct = 100 * 4 * heads * seq * seq * 64 * (3.5 if backward else 1) / full / gemm_rate
+        pct = 100 * flops(1, heads, seq, 64, False, mode) / full / gemm_rate
         rows[f"{block_q}x{block_kv}"] = {
             "ms": 1e3 * full,
             "pct_gemm": pct,
@@ -200,7 +200,7 @@ def block_sizes(seq: int, tiles: list[tuple[int, int]], heads: int, reps: int, b
             f"| {block_q} × {block_kv} | {1e3 * full:.1f} | {pct:.0f}% | {1e3 * causal:.1f} | "
             f"{full / causal:.2f}× |"
         )
-    return {"seq": seq, "mode": mode, "gemm_gflops": gemm_rate / 1e9, "tiles": rows}
+    return {"seq": seq, "mode": title, "gemm_gflops": gemm_rate / 1e9, "tiles": rows}
 
 
 def main():

@@ -22,17 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.nn.functional as F
-from bench_speed import interleaved  # this folder is on sys.path when run as a script
+from bench_speed import compiled, flops, interleaved  # this folder is on sys.path as a script
 
 import jax_sdpa
 
 HEADS, DIM = 8, 64
-
-
-def flops(seq: int, is_causal: bool, mode: str) -> float:
-    return (
-        4 * HEADS * seq * seq * DIM * (3.5 if mode == "fwdbwd" else 1) * (0.5 if is_causal else 1)
-    )
 
 
 def jax_step(seq: int, is_causal: bool, mode: str):
@@ -40,10 +34,7 @@ def jax_step(seq: int, is_causal: bool, mode: str):
     fn = functools.partial(
         jax_sdpa.dot_product_attention, implementation="chunked", is_causal=is_causal
     )
-    if mode == "fwd":
-        step = jax.jit(fn)
-    else:
-        step = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))
+    step, _ = compiled(fn, mode, (x, x, x))
     return functools.partial(step, x, x, x)
 
 
@@ -98,7 +89,7 @@ def main():
                     n: float(np.median(t)) for n, t in interleaved(steps, (), args.reps).items()
                 }
                 rate = {fw: 2 * 2048**3 / median.pop(f"{fw} gemm") / 1e9 for fw in ("jax", "torch")}
-                gflop = flops(seq, is_causal, mode) / 1e9
+                gflop = flops(1, HEADS, seq, DIM, is_causal, mode) / 1e9
                 row = {
                     "mode": mode, "seq": seq, "causal": is_causal,
                     "jax_sdpa_ms": 1e3 * median["jax_sdpa"], "torch_ms": 1e3 * median["torch"],
