@@ -17,8 +17,10 @@ from jax_sdpa._masks import CausalMask as CausalMask
 from jax_sdpa._masks import LengthMask as LengthMask
 from jax_sdpa._masks import LocalWindowMask as LocalWindowMask
 from jax_sdpa._masks import MaskRule as MaskRule
+from jax_sdpa._masks import OrMask as OrMask
 from jax_sdpa._masks import SegmentMask as SegmentMask
 from jax_sdpa._masks import materialize_mask as materialize_mask
+from jax_sdpa._online_softmax import merge_attention as merge_attention
 from jax_sdpa._sharding import from_striped as from_striped
 from jax_sdpa._sharding import ring_dot_product_attention as ring_dot_product_attention
 from jax_sdpa._sharding import to_striped as to_striped
@@ -38,6 +40,7 @@ __all__ = (
     "LengthMask",
     "LocalWindowMask",
     "MaskRule",
+    "OrMask",
     "SegmentMask",
     "attention",
     "default_scale",
@@ -46,6 +49,7 @@ __all__ = (
     "dropout_weights",
     "from_striped",
     "materialize_mask",
+    "merge_attention",
     "raw_scores",
     "ring_attention",
     "ring_dot_product_attention",

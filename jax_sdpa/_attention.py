@@ -3,147 +3,70 @@ r"""Single-head attention: the steps composed, in the order of the formula.
 .. math:: \mathrm{out} = \mathrm{dropout}\big(\mathrm{softmax}_{\text{mask}}(
     \mathrm{cap}(\text{scale} \cdot Q K^\top) + \text{bias})\big)\, V
 
-``score_block`` is the score side of the formula for any block of queries and keys (the whole
-matrix is one block); the dense implementation calls it once and the chunked implementation
-once per block, so the two cannot drift apart.
+:func:`attention_head` is the dense composition for one head; :func:`dense_sequence` maps it over
+the heads of one sequence (the ``"xla"`` implementation); :func:`attention` is the checked,
+public single-head function.
 """
 
-import jax
+import dataclasses
+
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, ArrayLike, Bool, Float, Integer, Key
+from jaxtyping import Array, ArrayLike, Float
 
 from jax_sdpa import _checks
-from jax_sdpa._masks import CausalMask, MaskRule, materialize_mask
-from jax_sdpa._steps import (
-    default_scale,
-    dropout_weights,
-    raw_scores,
-    scale_scores,
-    soft_cap_scores,
-    softmax_with_logsumexp,
-    weighted_sum,
-)
+from jax_sdpa._formula import CallArrays, Formula
+from jax_sdpa._heads import Result, over_heads
+from jax_sdpa._masks import CausalMask
+from jax_sdpa._steps import default_scale, softmax_with_logsumexp, weighted_sum
 
 __all__ = ["attention"]
 
 
-def score_block(
-    query: Float[Array, "q d_k"],
-    key: Float[Array, "kv d_k"],
-    bias: Float[Array, "#q #kv"] | None,
-    mask: Bool[Array, "#q #kv"] | None,
-    rule: MaskRule | None,
-    *,
-    scale: float,
-    soft_cap: float | None,
-    precision: lax.PrecisionLike,
-    q_offset: int | Integer[Array, ""] = 0,
-    kv_offset: int | Integer[Array, ""] = 0,
-) -> tuple[Float[Array, "q kv"], Bool[Array, "#q #kv"] | None]:
-    """Scores of a block of queries against a block of keys, and which of them are allowed.
-
-    raw scores → scale → optional soft cap → + bias; the mask is the given array AND the rule
-    evaluated at the block's global positions (``q_offset``, ``kv_offset``) AND, with a bias,
-    "the score is not −∞". ``None`` when nothing is masked.
-    """
-    scores = scale_scores(raw_scores(query, key, precision=precision), scale)
-    if soft_cap is not None:
-        scores = soft_cap_scores(scores, soft_cap)
-    if bias is not None:
-        scores = scores + bias.astype(scores.dtype)
-        finite = scores != -jnp.inf  # a −∞ bias masks its key exactly
-        mask = finite if mask is None else mask & finite
-    if rule is not None:
-        allowed = materialize_mask(
-            rule, query.shape[0], key.shape[0], q_offset=q_offset, kv_offset=kv_offset
-        )
-        mask = allowed if mask is None else mask & allowed
-    return scores, mask
-
-
-def split_group_axis(x: Array | None) -> tuple[Array | None, int | None]:
-    """Splits off a head axis for ``jax.vmap``: size 1 is shared (dropped, ``in_axes=None``).
-
-    A leading axis of any other size is mapped (``in_axes=0``).
-    """
-    if x is None or x.shape[0] == 1:
-        return (None if x is None else x[0]), None
-    return x, 0
-
-
-def by_head(x: Array | None, heads: tuple[int, int]) -> Array | None:
-    """A per-head ``(N, ...)`` bias, mask or dropout keys as ``(K, G, ...)``.
-
-    A leading axis of 1 (shared by all heads) becomes ``(1, 1, ...)``.
-    """
-    if x is None:
-        return None
-    return x.reshape((heads if x.shape[0] > 1 else (1, 1)) + x.shape[1:])
-
-
-def per_head(fn, n_mapped: int, bias, mask, rngs):
-    """``fn(*mapped, bias, mask, rng)`` mapped (``jax.vmap``) over the query heads of a group.
-
-    The first ``n_mapped`` arguments always carry the head axis; the bias, mask and dropout keys
-    carry it unless the whole group shares them (a leading axis of size 1).
-    """
-    (bias, b_ax), (mask, m_ax), (rngs, r_ax) = map(split_group_axis, (bias, mask, rngs))
-    mapped = jax.vmap(fn, in_axes=(0,) * n_mapped + (b_ax, m_ax, r_ax))
-    return lambda *args: mapped(*args, bias, mask, rngs)
-
-
-def per_query_head(fn, n_group: int, bias, mask, rngs):
-    """``fn(*group_args, *kv_args, bias, mask, rng)`` for every query head (``jax.vmap`` twice).
-
-    The first ``n_group`` arguments lead with ``(K, G)``, the others with ``K`` (shared by the
-    ``G`` query heads of a key/value head); bias, mask and dropout keys lead with ``(K, G)``, or
-    ``(1, 1)`` when all heads share them.
-    """
-    (bias, b_ax), (mask, m_ax), (rngs, r_ax) = map(split_group_axis, (bias, mask, rngs))
-
-    def kv_head(bias, mask, rngs, *args):
-        group_args, kv_args = args[:n_group], args[n_group:]
-        each = per_head(
-            lambda *a: fn(*a[:n_group], *kv_args, *a[n_group:]), n_group, bias, mask, rngs
-        )
-        return each(*group_args)
-
-    def mapped(*args):
-        in_axes = (b_ax, m_ax, r_ax) + (0,) * len(args)
-        return jax.vmap(kv_head, in_axes=in_axes)(bias, mask, rngs, *args)
-
-    return mapped
-
-
 def attention_head(
+    formula: Formula,
     query: Float[Array, "q_seq d_k"],
     key: Float[Array, "kv_seq d_k"],
     value: Float[Array, "kv_seq d_v"],
-    bias: Float[Array, "#q_seq #kv_seq"] | None,
-    mask: Bool[Array, "#q_seq #kv_seq"] | None,
-    rule: MaskRule | None,
-    dropout_rng: Key[Array, ""] | None,
-    *,
-    scale: float,
-    soft_cap: float | None = None,
-    dropout_rate: float = 0.0,
-    precision: lax.PrecisionLike = None,
-) -> tuple[Float[Array, "q_seq d_v"], Float[Array, " q_seq"], Float[Array, "q_seq kv_seq"]]:
-    """The dense single-head composition, unchecked: ``(out, logsumexp, weights)``.
+    arrays: CallArrays,
+) -> Result:
+    """The dense single-head composition, unchecked: ``(out, logsumexp, weights)``."""
+    scores, allowed = formula.scores(query, key, arrays)
+    weights, lse = softmax_with_logsumexp(scores, allowed)
+    dropped = formula.drop(weights, arrays.dropout_rng)
+    out = weighted_sum(dropped, value, precision=formula.precision)
+    return Result(out.astype(value.dtype), lse, weights)
 
-    This is the function :func:`jax_sdpa.dot_product_attention` ``jax.vmap``-s over heads and
-    batch for ``implementation="xla"``.
+
+def _weights_head(formula: Formula, query, key, value, arrays: CallArrays) -> Result:
+    """The weights after dropout, as flax's ``dot_product_attention_weights`` returns them."""
+    out, lse, weights = attention_head(
+        formula, query, key, value, dataclasses.replace(arrays, dropout_rng=None)
+    )
+    return Result(out, lse, formula.drop(weights, arrays.dropout_rng))
+
+
+def dense_sequence(
+    formula: Formula, query, key, value, arrays: CallArrays, *, dropped_weights: bool = False
+) -> Result:
+    """The dense head over the heads of one sequence: ``(T, N, H)`` queries, ``(S, K, ·)`` keys.
+
+    Returns ``(T, N, V)`` outputs, a ``(T, N)`` log-sum-exp and ``(N, T, S)`` weights (after
+    dropout with ``dropped_weights``); each key/value head serves its ``G = N // K`` query heads.
     """
-    scores, mask = score_block(
-        query, key, bias, mask, rule, scale=scale, soft_cap=soft_cap, precision=precision
-    )
-    weights, lse = softmax_with_logsumexp(scores, mask)
-    dropped = (
-        weights if dropout_rng is None else dropout_weights(weights, dropout_rng, rate=dropout_rate)
-    )
-    out = weighted_sum(dropped, value, precision=precision)
-    return out.astype(value.dtype), lse, weights
+    seq, heads, _ = query.shape
+    grouped = (key.shape[1], heads // key.shape[1])  # (K, G)
+    head = _weights_head if dropped_weights else attention_head
+
+    def each(per_query, per_kv, _):
+        return head(formula, per_query[0], *per_kv, per_query[1])
+
+    query = jnp.moveaxis(query.reshape(seq, *grouped, -1), 0, 2)  # (K, G, T, H)
+    kv = (jnp.moveaxis(key, 1, 0), jnp.moveaxis(value, 1, 0))
+    result = over_heads(each, grouped, (query, arrays.by_head(grouped)), kv)
+    out, lse, weights = (x.reshape(heads, *x.shape[2:]) for x in result)
+    # (N, T, V) → (T, N, V) and (N, T) → (T, N), the layout of jax.nn.
+    return Result(jnp.moveaxis(out, 0, 1), jnp.moveaxis(lse, 0, 1), weights)
 
 
 def attention(
@@ -219,15 +142,9 @@ def attention(
         mask = jnp.asarray(mask)
         _checks.check_broadcastable("mask", mask, target, "(q_seq, kv_seq)")
         mask = jnp.reshape(mask != 0, (1,) * (2 - mask.ndim) + mask.shape)
-    out, _, weights = attention_head(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        CausalMask() if is_causal else None,
-        None,
-        scale=default_scale(query.shape[1]) if scale is None else scale,
-        precision=precision,
+    formula = Formula(
+        default_scale(query.shape[1]) if scale is None else scale, precision=precision
     )
+    arrays = CallArrays(bias, mask, CausalMask() if is_causal else None)
+    out, _, weights = attention_head(formula, query, key, value, arrays)
     return (out, weights) if return_weights else out

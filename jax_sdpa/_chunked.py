@@ -1,23 +1,20 @@
 r"""Memory-efficient exact attention: online softmax over key blocks, with its own backward.
 
 The dense composition materialises the ``(T, S)`` scores. This one never holds more than a
-``(block_q, block_kv)`` tile per head: for each block of queries it walks the key/value blocks,
-keeping per query a running max :math:`m`, a running denominator :math:`\ell` and an
-un-normalised output :math:`\tilde o` (Milakov & Gimelshein 2018; Rabe & Staats 2021;
-FlashAttention-2, Dao 2023)::
+``(block_q, block_kv)`` tile per head: for each block of queries it walks the key/value blocks
+with the online softmax (:mod:`jax_sdpa._online_softmax`; Milakov & Gimelshein 2018; Rabe &
+Staats 2021; FlashAttention-2, Dao 2023)::
 
-    s      = score_block(q_i, k_j, ...)              # the dense path's score steps, on a tile
-    m_new  = max(m, rowmax(s))                       # running max
-    p      = exp(s − m_new)        (masked → 0)      # the dense softmax's numerator, same code
-    ℓ      = e^{m − m_new} ℓ + rowsum(p)
-    õ      = e^{m − m_new} õ + weighted_sum(p, v_j)
-    out    = õ / ℓ,   lse = m + log ℓ
+    state    = init()
+    for j:  s, allowed = formula.scores(q_i, k_j, arrays_ij)   # the dense path's score steps
+            state = update(state, s, allowed, v_j)             # running max, denominator, output
+    out, lse = finish(state)
 
 The backward pass (FlashAttention-2, Alg. 2) recomputes each tile's weights from the saved
 log-sum-exp, :math:`P = e^{S - \mathrm{lse}}`, and uses :math:`dS = P \circ (dP - D)` with
-:math:`D = \mathrm{rowsum}(dO \circ O)`; every other derivative is ``jax.vjp`` of the same step
-functions. Gradients are carried as whole arrays and updated tile by tile, so memory stays
-linear in the sequence length.
+:math:`D = \mathrm{rowsum}(dO \circ O)` less the log-sum-exp's cotangent; every other
+derivative is ``jax.vjp`` of the same step functions. Gradients are carried as whole arrays
+and updated tile by tile, so memory stays linear in the sequence length.
 
 Every tile covers all heads: the ``K`` key/value heads and the ``G`` query heads that share
 each of them (GQA), mapped with ``jax.vmap`` inside the loops. The sequences stay in their
@@ -33,25 +30,18 @@ the rule; only the tiles it cuts through pay for the mask.
 
 import dataclasses
 import functools
-from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Bool, Float, Key
 
-from jax_sdpa._attention import by_head, per_query_head, score_block
-from jax_sdpa._masks import AndMask, LengthMask, MaskRule
-from jax_sdpa._steps import (
-    _exp_scores,
-    _logsumexp,
-    _masked,
-    _normalize,
-    accumulation_dtype,
-    dropout_weights,
-    large_negative,
-    weighted_sum,
-)
+from jax_sdpa import _online_softmax as online_softmax
+from jax_sdpa._formula import CallArrays, Formula, window
+from jax_sdpa._heads import Result, over_heads
+from jax_sdpa._masks import LengthMask, MaskRule
+from jax_sdpa._online_softmax import State, zeros_from
+from jax_sdpa._steps import accumulation_dtype, weighted_sum
 
 # The fastest tile measured on a 2-core CPU, causal or not, forward and backward (BENCHMARKS.md):
 # smaller tiles pay more per-iteration overhead than they save in cache misses.
@@ -60,22 +50,40 @@ DEFAULT_BLOCK_KV = 512
 
 
 @dataclasses.dataclass(frozen=True)
-class _Blocks:
-    """The static part of one call: the formula's options, the heads and the tiling.
+class Tiling:
+    """The tile the chunked and ring implementations ask for: queries × keys (static)."""
 
-    A ``nondiff_argnum``. Tiles are addressed by the global positions of their first query and
-    first key (``q_at``, ``kv_at``): those are what mask rules and dropout see.
+    block_q: int = DEFAULT_BLOCK_Q
+    block_kv: int = DEFAULT_BLOCK_KV
+
+
+class BackwardRows(NamedTuple):
+    """Per-row inputs of the backward pass, in the accumulation dtype.
+
+    ``d_out`` the output's cotangent as ``(T, N·V)`` rows; ``delta`` = rowsum(dO ∘ O) and
+    ``shift``, the log-sum-exp (0 where −∞), ``(T, N)``. One head's block has them
+    ``(block_q, V)``, ``(block_q,)`` and ``(block_q,)``.
     """
 
-    scale: float
-    soft_cap: float | None
-    dropout_rate: float
-    precision: Any
+    d_out: jax.Array
+    delta: jax.Array
+    shift: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One call's formula and tiles, fitted to its sequences and heads (a ``nondiff_argnum``).
+
+    Tiles are addressed by the global positions of their first query and first key
+    (``q_offset``, ``kv_offset``): those are what mask rules and dropout see.
+    """
+
+    formula: Formula
     block_q: int
     block_kv: int
     heads: tuple[int, int]  # (K, G): key/value heads, query heads per key/value head
 
-    def scores(self, q_i, k_j, bias_ij, mask_ij, rule, q_at, kv_at):
+    def scores(self, q_i, k_j, arrays: CallArrays, q_offset, kv_offset):
         """Scores and allowed-mask of one head's tile: the dense path's steps.
 
         In float32 and wider the scale multiplies the ``(block_q, d)`` queries instead of the
@@ -83,59 +91,60 @@ class _Blocks:
         to once per query block); in a 16-bit dtype that would round the queries, so there it
         multiplies the scores, as on the dense path.
         """
-        scale = self.scale
+        formula = self.formula
         if jnp.finfo(q_i.dtype).bits >= 32:
-            q_i, scale = q_i * jnp.asarray(scale, q_i.dtype), 1.0
-        return score_block(
-            q_i, k_j, bias_ij, mask_ij, rule,
-            scale=scale, soft_cap=self.soft_cap, precision=self.precision,
-            q_offset=q_at, kv_offset=kv_at,
-        )  # fmt: skip
+            q_i = q_i * jnp.asarray(formula.scale, q_i.dtype)
+            formula = dataclasses.replace(formula, scale=1.0)
+        return formula.scores(q_i, k_j, arrays, q_offset, kv_offset)
 
-    def drop(self, x, rng, q_at, kv_at):
-        """Dropout of a tile: the mask the dense path draws at the same positions."""
-        if rng is None:
-            return x
-        return dropout_weights(x, rng, rate=self.dropout_rate, q_offset=q_at, kv_offset=kv_at)
+    def dropout(self, arrays: CallArrays, q_offset, kv_offset):
+        """Dropout of this tile's weights: the mask the dense path draws at the same positions."""
+        return functools.partial(
+            self.formula.drop,
+            dropout_rng=arrays.dropout_rng,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+        )
 
-    def forward_tile(self, carry, q_i, k_j, v_j, bias_ij, mask_ij, rule, rng, q_at, kv_at):
-        """One online-softmax update of one head's running ``(max, denominator, output)``."""
-        row_max, denom, acc = carry
-        masked = _masked(*self.scores(q_i, k_j, bias_ij, mask_ij, rule, q_at, kv_at))
-        new_max = jnp.maximum(row_max, masked.max(axis=-1))
-        # Until a row meets its first allowed key, its max stays at the fill and p counts masked
-        # entries as 1; the correction e^{fill − real max} = 0 erases them when it does.
-        p = _exp_scores(masked, new_max)
-        correction = jnp.exp(row_max - new_max)
-        denom = correction * denom + p.sum(axis=-1)
-        update = weighted_sum(self.drop(p, rng, q_at, kv_at), v_j, precision=self.precision)
-        return new_max, denom, correction[:, None] * acc + update
+    def forward_tile(self, state: State, q_i, k_j, v_j, arrays: CallArrays, q_offset, kv_offset):
+        """One online-softmax update of one head's state by one tile."""
+        scores, allowed = self.scores(q_i, k_j, arrays, q_offset, kv_offset)
+        drop = self.dropout(arrays, q_offset, kv_offset)
+        return online_softmax.update(
+            state, scores, allowed, v_j, precision=self.formula.precision, drop=drop
+        )
 
     def backward_tile(
-        self, q_i, k_j, v_j, bias_ij, mask_ij, rule, rng, d_out_i, delta_i, lse_i, q_at, kv_at
+        self, q_i, k_j, v_j, arrays: CallArrays, rows: BackwardRows, q_offset, kv_offset
     ):
         """One head's gradients from one tile: ``(dq_i, dk_j, dv_j, dbias_ij)``."""
-        scores, scores_vjp, allowed = jax.vjp(
-            lambda q, k, b: self.scores(q, k, b, mask_ij, rule, q_at, kv_at),
-            q_i, k_j, bias_ij, has_aux=True,
-        )  # fmt: skip
-        p = _exp_scores(_masked(scores, allowed), lse_i)  # the weights, P = e^{S − lse}
+
+        def tile_scores(q, k, bias):
+            return self.scores(q, k, dataclasses.replace(arrays, bias=bias), q_offset, kv_offset)
+
+        scores, scores_vjp, allowed = jax.vjp(tile_scores, q_i, k_j, arrays.bias, has_aux=True)
+        p = online_softmax.recompute(scores, allowed, rows.shift)  # the weights, P = e^{S − lse}
+        drop = self.dropout(arrays, q_offset, kv_offset)
         _, sum_vjp = jax.vjp(
-            lambda p, v: weighted_sum(p, v, precision=self.precision),
-            self.drop(p, rng, q_at, kv_at), v_j,
-        )  # fmt: skip
-        d_dropped, d_v_j = sum_vjp(d_out_i)
-        d_p = self.drop(d_dropped, rng, q_at, kv_at)  # dropout is diagonal: its own adjoint
-        d_q_i, d_k_j, d_bias_ij = scores_vjp(p * (d_p - delta_i[:, None]))
+            lambda p, v: weighted_sum(p, v, precision=self.formula.precision), drop(p), v_j
+        )
+        d_dropped, d_v_j = sum_vjp(rows.d_out)
+        d_p = drop(d_dropped)  # dropout is diagonal: its own adjoint
+        d_q_i, d_k_j, d_bias_ij = scores_vjp(p * (d_p - rows.delta[:, None]))
         return d_q_i, d_k_j, d_v_j, d_bias_ij
 
-    def window(self, shape, i, j):
-        """Start and size of tile ``(i, j)`` in a ``(K, G, t, s)`` bias or mask."""
-        return window(shape, (i * self.block_q, self.block_q), (j * self.block_kv, self.block_kv))
+    def rows(self, i) -> tuple:
+        """Query block ``i`` as ``(start, count)``."""
+        return i * self.block_q, self.block_q
 
-    def tile(self, x, i, j):
-        """Tile ``(i, j)`` of a bias or mask (broadcast axes stay broadcast)."""
-        return None if x is None else lax.dynamic_slice(x, *self.window(x.shape, i, j))
+    def cols(self, j) -> tuple:
+        """Key block ``j`` as ``(start, count)``."""
+        return j * self.block_kv, self.block_kv
+
+    def tile(self, arrays: CallArrays, i, j, rule: MaskRule | None) -> CallArrays:
+        """The arrays of tile ``(i, j)`` for each head, with the rule that tile needs."""
+        arrays = arrays.window(self.rows(i), self.cols(j))
+        return dataclasses.replace(arrays, rule=rule).by_head(self.heads)
 
     def queries(self, x, i, vector: bool = False):
         """Query block ``i`` of ``(T, N·d)`` rows as ``(K, G, block_q, d)``.
@@ -149,218 +158,171 @@ class _Blocks:
         return _heads_first(_rows(x, j, self.block_kv), self.heads[:1], False)
 
 
-def window(shape, rows: tuple, cols: tuple):
-    """Start and size of ``rows = (start, count)`` × ``cols`` in a ``(..., t, s)`` bias or mask.
-
-    Its ``t`` and ``s`` axes are either full or 1 (broadcast): a broadcast axis stays at 0 and 1.
-    """
-    (row, n_rows), (col, n_cols) = rows, cols
-    full_rows, full_cols = shape[-2] > 1, shape[-1] > 1
-    start = (0,) * (len(shape) - 2) + (row if full_rows else 0, col if full_cols else 0)
-    return start, shape[:-2] + (n_rows if full_rows else 1, n_cols if full_cols else 1)
-
-
-def _rows(x: Array, i, block: int) -> Array:
+def _rows(x: jax.Array, i, block: int) -> jax.Array:
     return lax.dynamic_slice_in_dim(x, i * block, block, axis=0)
 
 
-def _heads_first(rows: Array, heads: tuple, vector: bool) -> Array:
+def _heads_first(rows: jax.Array, heads: tuple, vector: bool) -> jax.Array:
     """``(r, heads·d)`` → ``(*heads, r, d)``; with ``vector``, ``(r, heads)`` → ``(*heads, r)``."""
     split = rows.reshape(rows.shape[0], *heads, *(() if vector else (-1,)))
     return jnp.moveaxis(split, 0, len(heads))
 
 
-def _rows_first(x: Array, n_heads: int) -> Array:
+def _rows_first(x: jax.Array, n_heads: int) -> jax.Array:
     """``(*heads, r, d)`` → ``(r, heads·d)`` and ``(*heads, r)`` → ``(r, heads)``: the inverse."""
     x = jnp.moveaxis(x, n_heads, 0)
     return x.reshape(x.shape[0], -1)
 
 
-def _add_at(total: Array, part: Array, start: tuple) -> Array:
+def _add_at(total: jax.Array, part: jax.Array, start: tuple) -> jax.Array:
     """``total[start : start + part.shape] += part``, in place under ``jit``."""
     current = lax.dynamic_slice(total, start, part.shape)
     return lax.dynamic_update_slice(total, current + part.astype(total.dtype), start)
 
 
-def _sweep(step, rule: MaskRule | None, reach, full_reach, at, block: int, count: int, carry):
+def _sweep(step, rule: MaskRule | None, reach, full_reach, offset, block: int, count: int, carry):
     """``carry = step(n, carry, tile_rule)`` over the blocks ``n`` that ``rule`` may allow.
 
     ``reach(rule)`` and ``full_reach(rule)`` are the global index ranges that may be, and that
     certainly are, allowed (``MaskRule.kv_range``/``kv_full_range`` or their ``q_`` twins); block
-    ``n`` covers global indices ``at + n·block`` onwards. Blocks outside the first range are
+    ``n`` covers global indices ``offset + n·block`` onwards. Blocks outside the first range are
     skipped; blocks wholly inside the second run with ``tile_rule=None``, no mask to evaluate;
     the blocks in between run with the rule.
     """
     if rule is None:
         return lax.fori_loop(0, count, lambda n, c: step(n, c, None), carry)
-    lo, hi = (x - at for x in reach(rule))
+    lo, hi = (x - offset for x in reach(rule))
     lo, hi = jnp.clip(lo // block, 0, count), jnp.clip(-(-hi // block), 0, count)
-    full_lo, full_hi = (x - at for x in full_reach(rule))
+    full_lo, full_hi = (x - offset for x in full_reach(rule))
     full_lo = jnp.clip(-(-full_lo // block), lo, hi)
     full_hi = jnp.clip(full_hi // block, full_lo, hi)
     runs = ((lo, full_lo, rule), (full_lo, full_hi, None), (full_hi, hi, rule))
     for start, stop, tile_rule in runs:
-        carry = lax.fori_loop(start, stop, functools.partial(step, tile_rule=tile_rule), carry)
+        carry = lax.fori_loop(start, stop, functools.partial(step, rule=tile_rule), carry)
     return carry
 
 
-def _zeros_from(x: Array, dtype, shape: tuple | None = None) -> Array:
-    """Zeros of ``shape`` (``x``'s by default) computed from ``x``, whatever it holds (−∞ biases).
-
-    Under ``jax.shard_map`` a loop carry must vary over devices as its updates do
-    (``check_vma``); zeros computed from a varying array vary too, on every JAX version. One
-    element of ``x`` is enough for that, and its broadcast costs no pass over ``x``.
-    """
-    first = jnp.isnan(x.reshape(-1)[0]).astype(dtype) * 0
-    return jnp.broadcast_to(first, x.shape if shape is None else shape)
-
-
-def initial_state(query: Array, rows: tuple, output: tuple) -> tuple[Array, Array, Array]:
-    """The online softmax before any key: ``(row max = fill, denominator = 0, output = 0)``.
-
-    Of shapes ``rows``, ``rows`` and ``output`` — ``(T, N)`` and ``(T, N·V)`` for the rows of a
-    whole sequence, ``(K, G, block_q)`` and ``(K, G, block_q, V)`` for one block, heads first —
-    computed from the queries (:func:`_zeros_from`), not built from constants.
-    """
-    dtype = accumulation_dtype(query.dtype)
-    zeros = _zeros_from(query, dtype, rows)
-    return zeros + large_negative(dtype), zeros, _zeros_from(query, dtype, output)
-
-
-def sweep_keys(blocks: _Blocks, q_i, key, value, bias, mask, rule, rngs, state_i, i, q_at, kv_at):
+def sweep_keys(
+    tiles: Tiles, q_i, key, value, arrays: CallArrays, state: State, i, q_offset, kv_offset
+):
     """Updates the heads-first state of query block ``i``, ``q_i``, with keys ``(S, K·H)``.
 
-    ``S`` is a whole number of blocks; the block's queries start at global position
-    ``q_at + i·block_q``, the keys at ``kv_at``; bias and mask are ``(K, G, t, s)`` for all the
+    ``S`` is a whole number of blocks; the sweep's queries start at global position
+    ``q_offset``, its keys at ``kv_offset``; bias and mask are ``(N, t, s)`` for all the
     queries of the sweep and exactly these keys.
     """
-    q_lo = q_at + i * blocks.block_q
+    tile_q = q_offset + i * tiles.block_q
 
-    def step(j, carry, tile_rule):
-        kv_lo = kv_at + j * blocks.block_kv
-        update = per_query_head(
-            lambda carry, q_i, k_j, v_j, bias_ij, mask_ij, rng: blocks.forward_tile(
-                carry, q_i, k_j, v_j, bias_ij, mask_ij, tile_rule, rng, q_lo, kv_lo
-            ),
-            2, blocks.tile(bias, i, j), blocks.tile(mask, i, j), rngs,
-        )  # fmt: skip
-        return update(carry, q_i, blocks.keys(key, j), blocks.keys(value, j))
+    def step(j, state, rule):
+        tile_kv = kv_offset + j * tiles.block_kv
 
-    rows = (q_lo, q_lo + blocks.block_q)
+        def head(per_query, per_kv, _):
+            state, q, arrays = per_query
+            return tiles.forward_tile(state, q, *per_kv, arrays, tile_q, tile_kv)
+
+        kv = (tiles.keys(key, j), tiles.keys(value, j))
+        return over_heads(head, tiles.heads, (state, q_i, tiles.tile(arrays, i, j, rule)), kv)
+
+    rows = (tile_q, tile_q + tiles.block_q)
     return _sweep(
-        step, rule, lambda r: r.kv_range(*rows), lambda r: r.kv_full_range(*rows),
-        kv_at, blocks.block_kv, key.shape[0] // blocks.block_kv, state_i,
+        step, arrays.rule, lambda r: r.kv_range(*rows), lambda r: r.kv_full_range(*rows),
+        kv_offset, tiles.block_kv, key.shape[0] // tiles.block_kv, state,
     )  # fmt: skip
 
 
-def forward_sweep(blocks: _Blocks, query, key, value, bias, mask, rule, rngs, state, q_at, kv_at):
+def forward_sweep(
+    tiles: Tiles, query, key, value, arrays: CallArrays, state: State, q_offset, kv_offset
+):
     """Updates the online-softmax ``state`` of queries ``(T, N·H)`` with keys ``(S, K·H)``.
 
-    ``T`` and ``S`` are whole numbers of blocks; the queries start at global position ``q_at``,
-    the keys at ``kv_at``; bias and mask are ``(K, G, t, s)`` for exactly these queries and keys;
-    the state is ``(T, N)``, ``(T, N)``, ``(T, N·V)`` rows.
+    ``T`` and ``S`` are whole numbers of blocks; the queries start at global position
+    ``q_offset``, the keys at ``kv_offset``; bias and mask are ``(N, t, s)`` for exactly these
+    queries and keys; the state is ``(T, N)``, ``(T, N)``, ``(T, N·V)`` rows.
     """
 
     def query_block(i, state):
-        row_max, denom, acc = state
-        state_i = (
-            blocks.queries(row_max, i, vector=True),
-            blocks.queries(denom, i, vector=True),
-            blocks.queries(acc, i),
+        state_i = State(
+            tiles.queries(state.row_max, i, vector=True),
+            tiles.queries(state.denom, i, vector=True),
+            tiles.queries(state.acc, i),
         )
-        state_i = sweep_keys(
-            blocks, blocks.queries(query, i), key, value, bias, mask, rule, rngs, state_i, i,
-            q_at, kv_at,
-        )  # fmt: skip
-        return tuple(  # in place: the state is a loop carry
-            lax.dynamic_update_slice_in_dim(x, _rows_first(x_i, 2), i * blocks.block_q, axis=0)
-            for x, x_i in zip(state, state_i, strict=True)
+        q_i = tiles.queries(query, i)
+        state_i = sweep_keys(tiles, q_i, key, value, arrays, state_i, i, q_offset, kv_offset)
+        return State(  # in place: the state is a loop carry
+            *(
+                lax.dynamic_update_slice_in_dim(x, _rows_first(x_i, 2), i * tiles.block_q, axis=0)
+                for x, x_i in zip(state, state_i, strict=True)
+            )
         )
 
-    return lax.fori_loop(0, query.shape[0] // blocks.block_q, query_block, state)
+    return lax.fori_loop(0, query.shape[0] // tiles.block_q, query_block, state)
 
 
-def finish(state, dtype) -> tuple[Array, Array]:
-    """``(out, lse)`` from a final online-softmax state; a row that met no key gives 0 and −∞.
-
-    Any layout of rows: ``(..., r)`` maxima and denominators with ``(..., r·V)`` or
-    ``(..., r, V)`` outputs give ``(..., r, V)`` and ``(..., r)``.
-    """
-    row_max, denom, acc = state
-    rows = (row_max.size, -1)
-    out = _normalize(acc.reshape(rows), denom.reshape(-1), row_max.reshape(-1))
-    return out.reshape(*row_max.shape, -1).astype(dtype), _logsumexp(row_max, denom)
+def _accumulate(tiles: Tiles, grads: tuple, tile_grads: tuple, i, j) -> tuple:
+    """Adds one tile's ``(K, G, …)`` gradients into the whole ``(dq, dk, dv, dbias)``."""
+    d_query, d_key, d_value, d_bias = grads
+    d_q_i, d_k_j, d_v_j, d_bias_ij = tile_grads
+    d_query = _add_at(d_query, _rows_first(d_q_i, 2), (i * tiles.block_q, 0))
+    # A key/value head's tile gets the sum over the query heads that share it.
+    d_key = _add_at(d_key, _rows_first(d_k_j.sum(axis=1), 1), (j * tiles.block_kv, 0))
+    d_value = _add_at(d_value, _rows_first(d_v_j.sum(axis=1), 1), (j * tiles.block_kv, 0))
+    if d_bias is not None:  # a bias all heads share gets the sum over them
+        d_bias_ij = d_bias_ij.reshape(-1, *d_bias_ij.shape[2:])
+        if d_bias.shape[0] == 1:
+            d_bias_ij = d_bias_ij.sum(axis=0, keepdims=True)
+        d_bias = _add_at(d_bias, d_bias_ij, window(d_bias.shape, tiles.rows(i), tiles.cols(j))[0])
+    return d_query, d_key, d_value, d_bias
 
 
 def backward_sweep(
-    blocks: _Blocks,
+    tiles: Tiles,
     query,
     key,
     value,
-    bias,
-    mask,
-    rule,
-    rngs,
-    d_out,
-    delta,
-    shift,
+    arrays: CallArrays,
+    rows: BackwardRows,
     grads,
-    q_at,
-    kv_at,
+    q_offset,
+    kv_offset,
 ):
     """Adds the gradients of queries ``(T, N·H)`` against keys ``(S, K·H)`` into ``grads``.
 
     ``grads = (dq, dk, dv, dbias)`` has the shapes of the operands (``dbias`` None without a
-    bias); ``d_out`` is ``(T, N·V)``, ``delta`` = rowsum(dO ∘ O) and ``shift``, the log-sum-exp
-    (0 where −∞), are ``(T, N)``.
+    bias); ``rows`` are the queries' :class:`BackwardRows`.
     """
-    n_q, n_kv = query.shape[0] // blocks.block_q, key.shape[0] // blocks.block_kv
 
     def key_block(j, grads):
-        k_j, v_j = blocks.keys(key, j), blocks.keys(value, j)
-        kv_lo = kv_at + j * blocks.block_kv
+        kv = (tiles.keys(key, j), tiles.keys(value, j))
+        tile_kv = kv_offset + j * tiles.block_kv
 
-        def step(i, grads, tile_rule):
-            d_query, d_key, d_value, d_bias = grads
-            q_lo = q_at + i * blocks.block_q
-            tile_grads = per_query_head(
-                lambda q_i, d_out_i, delta_i, lse_i, k_j, v_j, bias_ij, mask_ij, rng: (
-                    blocks.backward_tile(
-                        q_i, k_j, v_j, bias_ij, mask_ij, tile_rule, rng, d_out_i, delta_i,
-                        lse_i, q_lo, kv_lo,
-                    )
-                ),
-                4, blocks.tile(bias, i, j), blocks.tile(mask, i, j), rngs,
-            )  # fmt: skip
-            d_q_i, d_k_j, d_v_j, d_bias_ij = tile_grads(
-                blocks.queries(query, i), blocks.queries(d_out, i),
-                blocks.queries(delta, i, vector=True), blocks.queries(shift, i, vector=True),
-                k_j, v_j,
-            )  # fmt: skip
-            d_query = _add_at(d_query, _rows_first(d_q_i, 2), (i * blocks.block_q, 0))
-            # A key/value head's tile gets the sum over the query heads that share it.
-            d_key = _add_at(d_key, _rows_first(d_k_j.sum(axis=1), 1), (j * blocks.block_kv, 0))
-            d_value = _add_at(d_value, _rows_first(d_v_j.sum(axis=1), 1), (j * blocks.block_kv, 0))
-            if d_bias is not None:  # a bias all heads share gets the sum over them
-                shared = tuple(axis for axis in (0, 1) if d_bias.shape[axis] == 1)
-                d_bias_ij = d_bias_ij.sum(axis=shared, keepdims=True)
-                d_bias = _add_at(d_bias, d_bias_ij, blocks.window(d_bias.shape, i, j)[0])
-            return d_query, d_key, d_value, d_bias
+        def step(i, grads, rule):
+            tile_q = q_offset + i * tiles.block_q
 
-        cols = (kv_lo, kv_lo + blocks.block_kv)
+            def head(per_query, per_kv, _):
+                q, rows, arrays = per_query
+                return tiles.backward_tile(q, *per_kv, arrays, rows, tile_q, tile_kv)
+
+            rows_i = BackwardRows(
+                tiles.queries(rows.d_out, i),
+                tiles.queries(rows.delta, i, vector=True),
+                tiles.queries(rows.shift, i, vector=True),
+            )
+            per_query = (tiles.queries(query, i), rows_i, tiles.tile(arrays, i, j, rule))
+            return _accumulate(tiles, grads, over_heads(head, tiles.heads, per_query, kv), i, j)
+
+        cols = (tile_kv, tile_kv + tiles.block_kv)
         return _sweep(
-            step, rule,
-            lambda r: r.q_range(*cols), lambda r: r.q_full_range(*cols),
-            q_at, blocks.block_q, n_q, grads,
+            step, arrays.rule, lambda r: r.q_range(*cols), lambda r: r.q_full_range(*cols),
+            q_offset, tiles.block_q, query.shape[0] // tiles.block_q, grads,
         )  # fmt: skip
 
-    return lax.fori_loop(0, n_kv, key_block, grads)
+    return lax.fori_loop(0, key.shape[0] // tiles.block_kv, key_block, grads)
 
 
 def zeros_like_grads(*operands):
     """Gradient accumulators, in at least float32, for operands that may be None."""
     return tuple(
-        None if x is None else _zeros_from(x, accumulation_dtype(x.dtype)) for x in operands
+        None if x is None else zeros_from(x, accumulation_dtype(x.dtype)) for x in operands
     )
 
 
@@ -375,29 +337,31 @@ def grads_like(grads, operands) -> tuple:
     )
 
 
-def backward_inputs(out, lse, d_out):
-    """``(dO, D, shift)`` for ``(T, N, V)`` outputs.
+def backward_rows(out, lse, cotangents) -> BackwardRows:
+    r"""The :class:`BackwardRows` of ``(T, N, V)`` outputs and their ``(T, N)`` log-sum-exp.
 
-    The cotangent in the accumulation dtype, as ``(T, N·V)`` rows; D = rowsum(dO ∘ O) and the
-    log-sum-exp or 0, ``(T, N)``.
+    ``cotangents = (d_out, d_lse)``. As :math:`\partial\,\mathrm{lse}_i / \partial s_{ij} =
+    P_{ij}`, the log-sum-exp's cotangent joins the scores' gradient as
+    :math:`dS = P \circ (dP - D + d\mathrm{lse})`: it is subtracted from :math:`D`.
     """
+    d_out, d_lse = cotangents
     d_out = d_out.astype(accumulation_dtype(out.dtype))
     delta = jnp.sum(d_out * out.astype(d_out.dtype), axis=-1)  # D = rowsum(dO ∘ O) = rowsum(P ∘ dP)
     shift = jnp.where(jnp.isfinite(lse), lse, 0)  # rows without keys: e^{fill − 0} = 0
-    return d_out.reshape(d_out.shape[0], -1), delta, shift
+    return BackwardRows(d_out.reshape(d_out.shape[0], -1), delta - d_lse.astype(delta.dtype), shift)
 
 
-def flat(x: Array) -> Array:
+def flat(x: jax.Array) -> jax.Array:
     """``(T, heads, d)`` → ``(T, heads·d)``: the layout the sweeps slice rows from."""
     return x.reshape(x.shape[0], -1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(blocks: _Blocks, query, key, value, bias, mask, rule, rngs):
-    return _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs)[0]
+def _flash(tiles: Tiles, query, key, value, arrays: CallArrays):
+    return _flash_fwd(tiles, query, key, value, arrays)[0]
 
 
-def _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs):
+def _flash_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
     """Sweeps each query block from a fresh state and finishes it in place.
 
     No whole-sequence state to zero, slice and write back (the ring needs one: it meets the keys
@@ -405,47 +369,47 @@ def _flash_fwd(blocks, query, key, value, bias, mask, rule, rngs):
     products.
     """
     queries, keys, values = flat(query), flat(key), flat(value)
-    block = (*blocks.heads, blocks.block_q)
+    block = (*tiles.heads, tiles.block_q)
 
     def query_block(i, outputs):
-        q_i = blocks.queries(queries, i)
+        q_i = tiles.queries(queries, i)
         # From the rows, not the block: the block's only use is then its scores, as in the
         # backward pass, and XLA builds both passes' products alike, so that where one tile
         # covers the sequences it computes them once (BENCHMARKS.md).
-        state = initial_state(queries, block, (*block, value.shape[-1]))
-        state = sweep_keys(blocks, q_i, keys, values, bias, mask, rule, rngs, state, i, 0, 0)
+        state = online_softmax.init(queries, block, (*block, value.shape[-1]))
+        state = sweep_keys(tiles, q_i, keys, values, arrays, state, i, 0, 0)
         return tuple(
             lax.dynamic_update_slice_in_dim(
-                x, _rows_first(part, 2).reshape(-1, *x.shape[1:]), i * blocks.block_q, axis=0
+                x, _rows_first(part, 2).reshape(-1, *x.shape[1:]), i * tiles.block_q, axis=0
             )
-            for x, part in zip(outputs, finish(state, value.dtype), strict=True)
+            for x, part in zip(outputs, online_softmax.finish(state, value.dtype), strict=True)
         )
 
     outputs = (
-        _zeros_from(queries, value.dtype, (*query.shape[:2], value.shape[-1])),
-        _zeros_from(queries, accumulation_dtype(query.dtype), query.shape[:2]),
+        zeros_from(queries, value.dtype, (*query.shape[:2], value.shape[-1])),
+        zeros_from(queries, accumulation_dtype(query.dtype), query.shape[:2]),
     )
-    out, lse = lax.fori_loop(0, query.shape[0] // blocks.block_q, query_block, outputs)
-    return (out, lse), (query, key, value, bias, mask, rule, rngs, out, lse)
+    out, lse = lax.fori_loop(0, query.shape[0] // tiles.block_q, query_block, outputs)
+    return (out, lse), (query, key, value, arrays, out, lse)
 
 
-def _flash_bwd(blocks: _Blocks, residuals, cotangents):
-    query, key, value, bias, mask, rule, rngs, out, lse = residuals
-    # The log-sum-exp leaves with stop_gradient: only the output's cotangent is passed on.
-    d_out, delta, shift = backward_inputs(out, lse, cotangents[0])
+def _flash_bwd(tiles: Tiles, residuals, cotangents):
+    query, key, value, arrays, out, lse = residuals
+    rows = backward_rows(out, lse, cotangents)
     queries, keys, values = flat(query), flat(key), flat(value)
-    grads = backward_sweep(
-        blocks, queries, keys, values, bias, mask, rule, rngs, d_out, delta, shift,
-        zeros_like_grads(queries, keys, values, bias), 0, 0,
-    )  # fmt: skip
-    return (*grads_like(grads, (query, key, value, bias)), None, None, None)
+    grads = zeros_like_grads(queries, keys, values, arrays.bias)
+    grads = backward_sweep(tiles, queries, keys, values, arrays, rows, grads, 0, 0)
+    d_query, d_key, d_value, d_bias = grads_like(grads, (query, key, value, arrays.bias))
+    return d_query, d_key, d_value, CallArrays(bias=d_bias)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _pad_to(x: Array, axis: int, multiple: int, value=0) -> Array:
+def _pad_to(x: jax.Array | None, axis: int, multiple: int, value=0) -> jax.Array | None:
     """Pads ``axis`` to a multiple of ``multiple`` (an axis of size 1 is broadcast: left alone)."""
+    if x is None:
+        return None
     extra = -x.shape[axis] % multiple
     if extra == 0 or x.shape[axis] == 1:
         return x
@@ -454,44 +418,30 @@ def _pad_to(x: Array, axis: int, multiple: int, value=0) -> Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
-def chunked_attention_sequence(
-    query: Float[Array, "q_seq heads d_k"],
-    key: Float[Array, "kv_seq kv_heads d_k"],
-    value: Float[Array, "kv_seq kv_heads d_v"],
-    bias: Float[Array, "#heads #q_seq #kv_seq"] | None,
-    mask: Bool[Array, "#heads #q_seq #kv_seq"] | None,
-    rule: MaskRule | None,
-    dropout_rngs: Key[Array, " #heads"] | None,
-    *,
-    scale: float,
-    soft_cap: float | None = None,
-    dropout_rate: float = 0.0,
-    precision: Any = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_kv: int = DEFAULT_BLOCK_KV,
-) -> tuple[Float[Array, "q_seq heads d_v"], Float[Array, "q_seq heads"], None]:
+def chunked_sequence(
+    formula: Formula, tiling: Tiling, query, key, value, arrays: CallArrays
+) -> Result:
     """Blocked attention of one sequence, all heads: ``(out, lse, None)`` in jax.nn's layout.
 
-    Per head the same results as :func:`jax_sdpa._attention.attention_head` (the weights are
-    never formed); this is what :func:`jax_sdpa.dot_product_attention` ``jax.vmap``-s over
-    batch for ``implementation="chunked"``. Sequences are padded up to whole blocks; padded
-    keys are masked by a length rule and padded queries dropped.
+    ``(T, N, H)`` queries and ``(S, K, ·)`` keys and values; per head the same results as
+    :func:`jax_sdpa._attention.attention_head` (the weights are never formed). Sequences are
+    padded up to whole blocks; padded keys are masked by a length rule and padded queries
+    dropped.
     """
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
-    blocks = _Blocks(
-        scale=scale, soft_cap=soft_cap, dropout_rate=dropout_rate, precision=precision,
-        block_q=min(block_q, seq_q), block_kv=min(block_kv, seq_kv),
-        heads=(kv_heads, heads // kv_heads),
-    )  # fmt: skip
-    if seq_kv % blocks.block_kv:
-        pad_rule = LengthMask(None, jnp.asarray(seq_kv))
-        rule = pad_rule if rule is None else AndMask((rule, pad_rule))
-    query = _pad_to(query, 0, blocks.block_q)
-    key, value = (_pad_to(x, 0, blocks.block_kv) for x in (key, value))
-    bias, mask, dropout_rngs = (by_head(x, blocks.heads) for x in (bias, mask, dropout_rngs))
-    if bias is not None:
-        bias = _pad_to(_pad_to(bias, 2, blocks.block_q), 3, blocks.block_kv)
-    if mask is not None:
-        mask = _pad_to(_pad_to(mask, 2, blocks.block_q, False), 3, blocks.block_kv, False)
-    out, lse = _flash(blocks, query, key, value, bias, mask, rule, dropout_rngs)
-    return out[:seq_q], lse[:seq_q], None
+    block_q, block_kv = min(tiling.block_q, seq_q), min(tiling.block_kv, seq_kv)
+    tiles = Tiles(formula, block_q, block_kv, (kv_heads, heads // kv_heads))
+    if seq_kv % block_kv:
+        padding = LengthMask(None, jnp.asarray(seq_kv))
+        arrays = dataclasses.replace(
+            arrays, rule=padding if arrays.rule is None else arrays.rule & padding
+        )
+    arrays = dataclasses.replace(
+        arrays,
+        bias=_pad_to(_pad_to(arrays.bias, -2, block_q), -1, block_kv),
+        mask=_pad_to(_pad_to(arrays.mask, -2, block_q, False), -1, block_kv, False),
+    )
+    query = _pad_to(query, 0, block_q)
+    key, value = (_pad_to(x, 0, block_kv) for x in (key, value))
+    out, lse = _flash(tiles, query, key, value, arrays)
+    return Result(out[:seq_q], lse[:seq_q], None)

@@ -9,8 +9,11 @@ blocked implementation skip blocks that are wholly masked; ``kv_full_range`` and
 ``q_full_range`` say which keys (queries) a whole block certainly may see, which lets it drop the
 mask on those tiles.
 
-Array fields (sequence lengths, segment ids) are pytree leaves, so rules can be ``jax.vmap``-ed
-over the batch; integer fields (offsets, window sizes) are static.
+Rules combine with ``&`` (:class:`AndMask`) and ``|`` (:class:`OrMask`), whose ranges are built
+from their parts'; ``bool(rule)`` raises, so that ``a and b`` cannot silently mean ``b``. Array
+fields (sequence lengths, segment ids) are pytree leaves, so rules can be ``jax.vmap``-ed over the
+batch; integer fields (offsets, window sizes) are static (``metadata={"static": True}``, JAX's
+dataclass convention).
 
 Every rule answers ``rule(q_idx, kv_idx)`` for broadcasting integer arrays of positions::
 
@@ -35,6 +38,7 @@ __all__ = [
     "LengthMask",
     "LocalWindowMask",
     "MaskRule",
+    "OrMask",
     "SegmentMask",
     "materialize_mask",
 ]
@@ -44,16 +48,13 @@ _NO_LIMIT = 2**31 - 1
 
 
 def _rule(cls: type) -> type:
-    """Makes ``cls`` a frozen dataclass pytree: array fields are leaves, the rest static."""
-    cls = dataclasses.dataclass(frozen=True)(cls)
-    fields = dataclasses.fields(cls)
-    data = [f.name for f in fields if f.metadata.get("leaf", False)]
-    meta = [f.name for f in fields if not f.metadata.get("leaf", False)]
-    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+    """A frozen dataclass pytree: array fields are leaves, ``static=True`` fields are not."""
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
 
 
-def _leaf(default: Any = None) -> Any:
-    return dataclasses.field(default=default, metadata={"leaf": True})
+def _static(default: Any = dataclasses.MISSING) -> Any:
+    """A field that is part of the rule's type, not a leaf: it may set loop bounds and shapes."""
+    return dataclasses.field(default=default, metadata={"static": True})
 
 
 class MaskRule:
@@ -84,6 +85,15 @@ class MaskRule:
     def __and__(self, other: "MaskRule") -> "AndMask":
         return AndMask((self, other))
 
+    def __or__(self, other: "MaskRule") -> "OrMask":
+        return OrMask((self, other))
+
+    def __bool__(self) -> bool:
+        raise TypeError(
+            "A mask rule has no truth value: combine rules with `&` and `|`, not `and` and `or` "
+            f"(`a and b` would silently mean `b`); got {type(self).__name__}."
+        )
+
 
 @_rule
 class CausalMask(MaskRule):
@@ -94,7 +104,7 @@ class CausalMask(MaskRule):
     (KV-cache decoding, FlashAttention's convention).
     """
 
-    offset: int = 0
+    offset: int = _static(0)
 
     def __call__(self, q_idx, kv_idx):
         return kv_idx <= q_idx + self.offset
@@ -120,9 +130,9 @@ class LocalWindowMask(MaskRule):
     keys 3 to 8.
     """
 
-    left: int
-    right: int
-    offset: int = 0
+    left: int = _static()
+    right: int = _static()
+    offset: int = _static(0)
 
     def __call__(self, q_idx, kv_idx):
         centre = q_idx + self.offset
@@ -149,8 +159,8 @@ class LengthMask(MaskRule):
     carry leading batch axes, which ``jax.vmap`` maps away.
     """
 
-    q_length: Integer[Array, "*batch"] | None = _leaf()
-    kv_length: Integer[Array, "*batch"] | None = _leaf()
+    q_length: Integer[Array, "*batch"] | None = None
+    kv_length: Integer[Array, "*batch"] | None = None
 
     def __call__(self, q_idx, kv_idx):
         allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
@@ -192,8 +202,8 @@ class SegmentMask(MaskRule):
     ``q_segment_ids`` has one id per query position, ``kv_segment_ids`` one per key position.
     """
 
-    q_segment_ids: Integer[Array, "*batch q_seq"] = _leaf()
-    kv_segment_ids: Integer[Array, "*batch kv_seq"] = _leaf()
+    q_segment_ids: Integer[Array, "*batch q_seq"] = None
+    kv_segment_ids: Integer[Array, "*batch kv_seq"] = None
 
     def __call__(self, q_idx, kv_idx):
         return self.q_segment_ids[q_idx] == self.kv_segment_ids[kv_idx]
@@ -203,7 +213,7 @@ class SegmentMask(MaskRule):
 class AndMask(MaskRule):
     """Allowed where every one of ``rules`` allows; no rules at all allows everything."""
 
-    rules: tuple[MaskRule, ...] = _leaf(())
+    rules: tuple[MaskRule, ...] = ()
 
     def __call__(self, q_idx, kv_idx):
         if not self.rules:
@@ -223,10 +233,60 @@ class AndMask(MaskRule):
         return _intersect(rule.q_full_range(kv_lo, kv_hi) for rule in self.rules)
 
 
+@_rule
+class OrMask(MaskRule):
+    """Allowed where any one of ``rules`` allows; no rules at all allows nothing."""
+
+    rules: tuple[MaskRule, ...] = ()
+
+    def __call__(self, q_idx, kv_idx):
+        allowed = jnp.zeros(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
+        return functools.reduce(
+            jnp.logical_or, (rule(q_idx, kv_idx) for rule in self.rules), allowed
+        )
+
+    def kv_range(self, q_lo, q_hi):
+        return _hull(rule.kv_range(q_lo, q_hi) for rule in self.rules)
+
+    def q_range(self, kv_lo, kv_hi):
+        return _hull(rule.q_range(kv_lo, kv_hi) for rule in self.rules)
+
+    def kv_full_range(self, q_lo, q_hi):
+        return _union_within(rule.kv_full_range(q_lo, q_hi) for rule in self.rules)
+
+    def q_full_range(self, kv_lo, kv_hi):
+        return _union_within(rule.q_full_range(kv_lo, kv_hi) for rule in self.rules)
+
+
 def _intersect(ranges) -> tuple[Index, Index]:
+    """The intersection of half-open ranges (empty when ``lo >= hi``)."""
     lo, hi = 0, _NO_LIMIT
     for r_lo, r_hi in ranges:
         lo, hi = jnp.maximum(lo, r_lo), jnp.minimum(hi, r_hi)
+    return lo, hi
+
+
+def _hull(ranges) -> tuple[Index, Index]:
+    """The smallest range that contains every one of ``ranges``: it contains their union."""
+    lo, hi = _NO_LIMIT, 0
+    for r_lo, r_hi in ranges:
+        lo, hi = jnp.minimum(lo, r_lo), jnp.maximum(hi, r_hi)
+    return lo, hi
+
+
+def _union_within(ranges) -> tuple[Index, Index]:
+    """A range inside the union of ``ranges``: overlapping ones joined, else the longest.
+
+    Positions are never negative, so each range starts at 0 at the lowest (which also keeps its
+    length within int32).
+    """
+    lo, hi = 0, 0
+    for r_lo, r_hi in ranges:
+        r_lo = jnp.maximum(r_lo, 0)
+        overlap = (r_lo <= hi) & (lo <= r_hi)
+        longer = r_hi - r_lo > hi - lo
+        lo = jnp.where(overlap, jnp.minimum(lo, r_lo), jnp.where(longer, r_lo, lo))
+        hi = jnp.where(overlap, jnp.maximum(hi, r_hi), jnp.where(longer, r_hi, hi))
     return lo, hi
 
 

@@ -24,28 +24,27 @@ from typing import Literal
 import jax
 from jax import lax
 
-from jax_sdpa._attention import by_head
 from jax_sdpa._chunked import (
-    _Blocks,
-    backward_inputs,
+    Tiles,
+    Tiling,
+    backward_rows,
     backward_sweep,
-    finish,
     flat,
     forward_sweep,
     grads_like,
-    initial_state,
-    window,
     zeros_like_grads,
 )
+from jax_sdpa._formula import CallArrays, Formula, window
+from jax_sdpa._heads import Result
+from jax_sdpa._online_softmax import finish, init
 
 Layout = Literal["contiguous", "striped"]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Ring:
-    """The static part of a ring call (a ``nondiff_argnum``)."""
+class Ring:
+    """The ring a call runs on (static): the mesh axis, its size and the sequence layout."""
 
-    blocks: _Blocks
     axis_name: str
     shards: int
     layout: Layout
@@ -62,49 +61,46 @@ class _Ring:
         perm = [(i, (i + 1) % self.shards) for i in range(self.shards)]
         return lax.ppermute(xs, self.axis_name, perm)
 
+    def runs(self, me, src, seq_q: int, seq_kv: int):
+        """Every (query run, key run) pair of one step: ``((start, size), global start)`` each.
 
-def _window(x, q_run, kv_run, seq_kv: int, src):
-    """Start and size of a query run's rows and a key run's columns in a ``(K, G, t, S)`` array.
-
-    Bias and mask columns follow the sharded key order: shard ``src`` starts at ``src · seq_kv``.
-    """
-    return window(x.shape, q_run, (src * seq_kv + kv_run[0], kv_run[1]))
-
-
-def _piece(x, q_run, kv_run, seq_kv: int, src):
-    return None if x is None else lax.dynamic_slice(x, *_window(x, q_run, kv_run, seq_kv, src))
+        The key run's columns in a bias or mask follow the sharded key order: shard ``src``
+        starts at column ``src · seq_kv``.
+        """
+        for q_start, q_offset, q_size in self.pieces(me, seq_q):
+            for kv_start, kv_offset, kv_size in self.pieces(src, seq_kv):
+                cols = (src * seq_kv + kv_start, kv_size)
+                yield ((q_start, q_size), q_offset), ((kv_start, kv_size), kv_offset), cols
 
 
-def _slice(x, run, axis: int):
+def _slice(x, run, axis: int = 0):
     return lax.slice_in_dim(x, run[0], run[0] + run[1], axis=axis)
 
 
-def _runs(ring: _Ring, me, src, seq_q: int, seq_kv: int):
-    """Every (query run, key run) pair of this step: ``((start, size), global start)`` each."""
-    for q_start, q_at, q_size in ring.pieces(me, seq_q):
-        for kv_start, kv_at, kv_size in ring.pieces(src, seq_kv):
-            yield ((q_start, q_size), q_at), ((kv_start, kv_size), kv_at)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(tiles: Tiles, ring: Ring, query, key, value, arrays: CallArrays):
+    return _ring_fwd(tiles, ring, query, key, value, arrays)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(ring: _Ring, query, key, value, bias, mask, rule):
-    return _ring_fwd(ring, query, key, value, bias, mask, rule)[0]
-
-
-def _ring_fwd(ring: _Ring, query, key, value, bias, mask, rule):
+def _ring_fwd(tiles: Tiles, ring: Ring, query, key, value, arrays: CallArrays):
     me = lax.axis_index(ring.axis_name)
     seq_q, seq_kv = query.shape[0], key.shape[0]
     queries = flat(query)
 
     def visit(step, state, key, value):
         src = (me - step) % ring.shards
-        for (q_run, q_at), (kv_run, kv_at) in _runs(ring, me, src, seq_q, seq_kv):
-            rows = functools.partial(_slice, run=q_run, axis=0)
+        for (q_run, q_offset), (kv_run, kv_offset), cols in ring.runs(me, src, seq_q, seq_kv):
+            rows = functools.partial(_slice, run=q_run)
             part = forward_sweep(
-                ring.blocks, rows(queries), _slice(key, kv_run, 0), _slice(value, kv_run, 0),
-                _piece(bias, q_run, kv_run, seq_kv, src), _piece(mask, q_run, kv_run, seq_kv, src),
-                rule, None, jax.tree.map(rows, state), q_at, kv_at,
-            )  # fmt: skip
+                tiles,
+                rows(queries),
+                _slice(key, kv_run),
+                _slice(value, kv_run),
+                arrays.window(q_run, cols),
+                jax.tree.map(rows, state),
+                q_offset,
+                kv_offset,
+            )
             put = functools.partial(lax.dynamic_update_slice_in_dim, start_index=q_run[0], axis=0)
             state = jax.tree.map(put, state, part)
         return state
@@ -117,15 +113,15 @@ def _ring_fwd(ring: _Ring, query, key, value, bias, mask, rule):
         return (visit(s, state, key, value), *passed)
 
     rows = query.shape[:2]  # (T, N)
-    state = initial_state(queries, rows, (rows[0], rows[1] * value.shape[-1]))
+    state = init(queries, rows, (rows[0], rows[1] * value.shape[-1]))
     state, _, _ = lax.fori_loop(0, ring.shards, step, (state, flat(key), flat(value)))
     out, lse = finish(state, value.dtype)
-    return (out, lse), (query, key, value, bias, mask, rule, out, lse)
+    return (out, lse), (query, key, value, arrays, out, lse)
 
 
-def _ring_bwd(ring: _Ring, residuals, cotangents):
-    query, key, value, bias, mask, rule, out, lse = residuals
-    d_out, delta, shift = backward_inputs(out, lse, cotangents[0])
+def _ring_bwd(tiles: Tiles, ring: Ring, residuals, cotangents):
+    query, key, value, arrays, out, lse = residuals
+    grad_rows = backward_rows(out, lse, cotangents)
     me = lax.axis_index(ring.axis_name)
     seq_q, seq_kv = query.shape[0], key.shape[0]
     queries, keys, values = flat(query), flat(key), flat(value)
@@ -133,77 +129,62 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
     def step(s, carry):
         d_query, d_bias, key, value, d_key, d_value = carry
         src = (me - s) % ring.shards
-        for (q_run, q_at), (kv_run, kv_at) in _runs(ring, me, src, seq_q, seq_kv):
-            rows, cols = (
-                functools.partial(_slice, run=q_run, axis=0),
-                functools.partial(_slice, run=kv_run, axis=0),
-            )
-            piece = functools.partial(_piece, q_run=q_run, kv_run=kv_run, seq_kv=seq_kv, src=src)
+        for (q_run, q_offset), (kv_run, kv_offset), cols in ring.runs(me, src, seq_q, seq_kv):
+            rows = functools.partial(_slice, run=q_run)
+            kv = functools.partial(_slice, run=kv_run)
+            bias_at = None if d_bias is None else window(d_bias.shape, q_run, cols)
+            d_bias_run = None if d_bias is None else lax.dynamic_slice(d_bias, *bias_at)
+            grads = (rows(d_query), kv(d_key), kv(d_value), d_bias_run)
             d_q, d_k, d_v, d_b = backward_sweep(
-                ring.blocks, rows(queries), cols(key), cols(value), piece(bias), piece(mask), rule,
-                None, rows(d_out), rows(delta), rows(shift),
-                (rows(d_query), cols(d_key), cols(d_value), piece(d_bias)), q_at, kv_at,
-            )  # fmt: skip
+                tiles,
+                rows(queries),
+                kv(key),
+                kv(value),
+                arrays.window(q_run, cols),
+                jax.tree.map(rows, grad_rows),
+                grads,
+                q_offset,
+                kv_offset,
+            )
             d_query = lax.dynamic_update_slice_in_dim(d_query, d_q, q_run[0], 0)
             d_key = lax.dynamic_update_slice_in_dim(d_key, d_k, kv_run[0], 0)
             d_value = lax.dynamic_update_slice_in_dim(d_value, d_v, kv_run[0], 0)
             if d_bias is not None:
-                d_bias = lax.dynamic_update_slice(
-                    d_bias, d_b, _window(d_bias, q_run, kv_run, seq_kv, src)[0]
-                )
+                d_bias = lax.dynamic_update_slice(d_bias, d_b, bias_at[0])
         # Keys, values and their gradients travel on together; after a full turn they are home.
         return (d_query, d_bias, *ring.rotate((key, value, d_key, d_value)))
 
-    d_query, d_key, d_value, d_bias = zeros_like_grads(queries, keys, values, bias)
+    d_query, d_key, d_value, d_bias = zeros_like_grads(queries, keys, values, arrays.bias)
     carry = (d_query, d_bias, keys, values, d_key, d_value)
     d_query, d_bias, _, _, d_key, d_value = lax.fori_loop(0, ring.shards, step, carry)
-    grads = (d_query, d_key, d_value, d_bias)
-    return (*grads_like(grads, (query, key, value, bias)), None, None)
+    grads = grads_like((d_query, d_key, d_value, d_bias), (query, key, value, arrays.bias))
+    return (*grads[:3], CallArrays(bias=grads[3]))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention_sequence(
-    query,
-    key,
-    value,
-    bias,
-    mask,
-    rule,
-    dropout_rngs,
-    *,
-    scale,
-    soft_cap,
-    dropout_rate,
-    precision,
-    block_q,
-    block_kv,
-    axis_name,
-    shards,
-    layout,
-):
+def ring_sequence(
+    formula: Formula, tiling: Tiling, ring: Ring, query, key, value, arrays: CallArrays
+) -> Result:
     """Ring attention for this device's queries ``(T/P, N, H)``, all heads.
 
-    The signature of :func:`jax_sdpa._chunked.chunked_attention_sequence`, plus the ring's axis
-    name, size and layout: ``(out, lse, None)`` for this device's queries, in jax.nn's layout.
+    :func:`jax_sdpa._chunked.chunked_sequence` on a ring: ``(out, lse, None)`` for this device's
+    queries, in jax.nn's layout. Shards are never padded: each tile is the largest divisor of a
+    run's length not above the tiling's.
     """
-    del dropout_rngs, dropout_rate  # ring attention has no dropout
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
-    pieces_q = seq_q // (2 if layout == "striped" else 1)
-    pieces_kv = seq_kv // (2 if layout == "striped" else 1)
-    blocks = _Blocks(
-        scale=scale, soft_cap=soft_cap, dropout_rate=0.0, precision=precision,
-        block_q=_largest_divisor(pieces_q, block_q), block_kv=_largest_divisor(pieces_kv, block_kv),
-        heads=(kv_heads, heads // kv_heads),
-    )  # fmt: skip
-    ring = _Ring(blocks=blocks, axis_name=axis_name, shards=shards, layout=layout)
-    out, lse = _ring(
-        ring, query, key, value, by_head(bias, blocks.heads), by_head(mask, blocks.heads), rule
+    runs = 2 if ring.layout == "striped" else 1
+    tiles = Tiles(
+        formula,
+        _largest_divisor(seq_q // runs, tiling.block_q),
+        _largest_divisor(seq_kv // runs, tiling.block_kv),
+        (kv_heads, heads // kv_heads),
     )
-    return out, lse, None
+    out, lse = _ring(tiles, ring, query, key, value, arrays)
+    return Result(out, lse, None)
 
 
 def _largest_divisor(n: int, cap: int) -> int:
-    """The largest block size ``≤ cap`` that divides ``n``: shards are never padded."""
+    """The largest block size ``≤ cap`` that divides ``n``."""
     return max(b for b in range(1, min(n, cap) + 1) if n % b == 0)

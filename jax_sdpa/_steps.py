@@ -13,8 +13,8 @@ Shape letters: ``T`` query length, ``S`` key/value length, ``d_k`` query/key fea
 value features. Nothing here is batched or jitted: batching is one ``jax.vmap`` in
 :func:`jax_sdpa.dot_product_attention`.
 
-The softmax is also written in its *block form* (``_masked``, ``_exp_scores``, ``_normalize``,
-``_logsumexp``) so that the memory-efficient implementation runs the very same arithmetic over
+The softmax is written from small parts (``masked_scores``, ``exp_scores``, ``normalize``,
+``logsumexp``) that :mod:`jax_sdpa._online_softmax` reuses to run the very same arithmetic over
 key blocks instead of whole rows (Milakov & Gimelshein 2018; Rabe & Staats 2021).
 """
 
@@ -151,51 +151,51 @@ def soft_cap_scores(
     return cap * jnp.tanh(scores / cap)
 
 
-def _masked(
+def masked_scores(
     scores: Float[Array, "q kv"], mask: Bool[Array, "#q #kv"] | None
 ) -> Float[Array, "q kv"]:
     r"""The scores with masked entries replaced by a finite −∞ (``large_negative``).
 
     After subtracting a real row max, :math:`e^{\text{fill} - r}` is exactly 0, so masked keys
     drop out without a second mask on the exponentials. A row with no allowed key keeps the fill
-    as its max; :func:`_normalize` and :func:`_logsumexp` recognise it by that and return 0 and
+    as its max; :func:`normalize` and :func:`logsumexp` recognise it by that and return 0 and
     −∞. The fill being finite, ``fill − fill = 0`` there: no NaN, forward or backward.
     """
     return scores if mask is None else jnp.where(mask, scores, large_negative(scores.dtype))
 
 
-def _exp_scores(masked: Float[Array, "q kv"], row_max: Float[Array, " q"]) -> Float[Array, "q kv"]:
+def exp_scores(masked: Float[Array, "q kv"], row_max: Float[Array, " q"]) -> Float[Array, "q kv"]:
     r"""Un-normalised weights :math:`p_{ij} = e^{s_{ij} - r_i}` for a row shift :math:`r_i`."""
     return jnp.exp(masked - row_max[:, None])
 
 
-def _has_key(row_max: Float[Array, "*q"]) -> Bool[Array, "*q"]:
+def has_key(row_max: Float[Array, "*q"]) -> Bool[Array, "*q"]:
     """Rows that saw at least one allowed key: their max rose above the fill."""
     return row_max > large_negative(row_max.dtype)
 
 
-def _normalize(
+def normalize(
     x: Float[Array, "q ..."], denom: Float[Array, " q"], row_max: Float[Array, " q"]
 ) -> Float[Array, "q ..."]:
     """Divides each row by its softmax denominator; a row with no allowed key becomes 0."""
-    has_key = _has_key(row_max).reshape(row_max.shape + (1,) * (x.ndim - 1))
-    return jnp.where(has_key, x / denom.reshape(has_key.shape), 0)
+    seen = has_key(row_max).reshape(row_max.shape + (1,) * (x.ndim - 1))
+    return jnp.where(seen, x / denom.reshape(seen.shape), 0)
 
 
-def _logsumexp(row_max: Float[Array, "*q"], denom: Float[Array, "*q"]) -> Float[Array, "*q"]:
+def logsumexp(row_max: Float[Array, "*q"], denom: Float[Array, "*q"]) -> Float[Array, "*q"]:
     r"""The log of the softmax denominator, :math:`\log \sum_j m_{ij} e^{s_{ij}}`; −∞ for no key."""
-    has_key = _has_key(row_max)
-    return jnp.where(has_key, row_max + jnp.log(jnp.where(has_key, denom, 1)), -jnp.inf)
+    seen = has_key(row_max)
+    return jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1)), -jnp.inf)
 
 
 def _softmax_parts(
     scores: Float[Array, "q kv"], mask: Bool[Array, "#q #kv"] | None
 ) -> tuple[Float[Array, "q kv"], Float[Array, " q"], Float[Array, " q"]]:
     """The softmax before its division: numerators, the row max they are shifted by, row sums."""
-    masked = _masked(scores, mask)
+    masked = masked_scores(scores, mask)
     # Subtracting the row max keeps exp() in range; the result does not depend on it.
     row_max = lax.stop_gradient(masked.max(axis=-1))
-    p = _exp_scores(masked, row_max)
+    p = exp_scores(masked, row_max)
     return p, row_max, p.sum(axis=-1)
 
 
@@ -204,7 +204,7 @@ def softmax_with_logsumexp(
 ) -> tuple[Float[Array, "q_seq kv_seq"], Float[Array, " q_seq"]]:
     """:func:`softmax_weights` together with each row's log-sum-exp (−∞ for a row with no key)."""
     p, row_max, denom = _softmax_parts(scores, mask)
-    return _normalize(p, denom, row_max), _logsumexp(row_max, denom)
+    return normalize(p, denom, row_max), logsumexp(row_max, denom)
 
 
 def softmax_weights(
@@ -244,7 +244,7 @@ def softmax_weights(
     p, row_max, denom = _softmax_parts(
         scores, allowed if mask is None else allowed & jnp.asarray(mask)
     )
-    return _normalize(p, denom, row_max)
+    return normalize(p, denom, row_max)
 
 
 def _keep_bits(

@@ -10,17 +10,7 @@ from hypothesis import strategies as st
 
 import jax_sdpa as js
 from tests import reference as ref
-from tests.util import broadcast_shape, enable_x64, qkv
-
-# The chunked path runs with tiles that divide neither T nor S, so every test crosses blocks,
-# pads, and (with masks) skips blocks.
-IMPLEMENTATIONS = {
-    "xla": {"implementation": "xla"},
-    "chunked": {"implementation": "chunked", "block_q": 3, "block_kv": 4},
-}
-each_implementation = pytest.mark.parametrize(
-    "impl", IMPLEMENTATIONS.values(), ids=IMPLEMENTATIONS.keys()
-)
+from tests.util import broadcast_shape, each_implementation, enable_x64, qkv
 
 
 def grads(fn, q, k, v, bias, d_out):
@@ -535,3 +525,34 @@ def test_automatic_choice_of_implementation(rng, monkeypatch):
     assert not _uses_chunked(f, q, k, v)
     big = jax.ShapeDtypeStruct((1, 4097, 1, 4), jnp.float32)
     assert _uses_chunked(f, big, big, big)
+
+
+def test_cudnn_is_handed_the_call_in_jax_nn_arguments(rng, monkeypatch):
+    # No GPU here: pretend there is one and let jax.nn's xla path stand in for its cuDNN kernel,
+    # so that what is checked is the call jax_sdpa hands over after its own checks (the mask
+    # rules back as jax.nn's flags and lengths).
+    q, k, v = qkv(rng, 2, 6, 6, 4, 2, 8)
+    bias = jnp.asarray(rng.normal(size=(1, 4, 6, 6)), jnp.float32)
+    nn_attention = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(
+        jax.nn,
+        "dot_product_attention",
+        lambda *a, implementation, **kw: nn_attention(*a, implementation="xla", **kw),
+    )
+    kwargs = dict(
+        is_causal=True,
+        local_window_size=(2, 1),
+        query_seq_lengths=jnp.array([6, 5], jnp.int32),
+        key_value_seq_lengths=jnp.array([6, 4], jnp.int32),
+        scale=0.3,
+    )
+    out = js.dot_product_attention(q, k, v, bias, implementation="cudnn", **kwargs)
+    np.testing.assert_allclose(out, nn_attention(q, k, v, bias, **kwargs), atol=1e-6)
+    expected = ref.attention(q, k, v, bias, is_causal=True, window=(2, 1), scale=0.3,
+                             q_lengths=kwargs["query_seq_lengths"], kv_lengths=kwargs["key_value_seq_lengths"])  # fmt: skip
+    np.testing.assert_allclose(out, expected["out"], atol=2e-6)
+    with pytest.raises(ValueError, match="supports only jax.nn's arguments; got logits_soft_cap"):
+        js.dot_product_attention(q, k, v, implementation="cudnn", logits_soft_cap=2.0)
+    with pytest.raises(ValueError, match="never forms the attention weights"):
+        js.dot_product_attention(q, k, v, implementation="chunked", module=object())

@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,6 +73,11 @@ def test_property_block_ranges_are_sound(t, s, offset, left, right, q_len, kv_le
         js.LocalWindowMask(left, right, offset),
         js.LengthMask(jnp.array(q_len), jnp.array(kv_len)),
         js.CausalMask(offset) & js.LengthMask(None, jnp.array(kv_len)),
+        js.CausalMask(offset) | js.LocalWindowMask(left, right, -offset),
+        js.LocalWindowMask(left, 0, offset) | js.LocalWindowMask(0, right, offset + 3),
+        js.LengthMask(jnp.array(q_len), None)
+        | (js.CausalMask(offset) & js.LocalWindowMask(left, right)),
+        js.OrMask(()),
     ]
     for rule in rules:
         allowed = np.asarray(js.materialize_mask(rule, t, s))
@@ -118,3 +124,20 @@ def test_rule_definitions_match_numpy():
     ]
     for rule, expected in cases:
         np.testing.assert_array_equal(js.materialize_mask(rule, 7, 9), expected)
+
+
+def test_or_combines_rules_and_no_rule_allows_nothing():
+    either = js.LocalWindowMask(0, 0) | js.CausalMask(-2)  # the diagonal, or 2+ steps back
+    np.testing.assert_array_equal(
+        js.materialize_mask(either, 4, 4),
+        [[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]],
+    )
+    assert not bool(js.materialize_mask(js.OrMask(()), 2, 2).any())
+
+
+def test_rules_refuse_to_be_truth_values():
+    # `a and b` would silently evaluate to `b`: rules combine with & and | only.
+    with pytest.raises(TypeError, match="combine rules with `&` and `|`"):
+        js.CausalMask() and js.LocalWindowMask(2, 0)  # noqa: B018
+    with pytest.raises(TypeError, match="no truth value"):
+        bool(js.LengthMask(jnp.array(3), None))

@@ -155,3 +155,15 @@ def test_striped_layout_balances_causal_work():
     np.testing.assert_array_equal(
         js.from_striped(js.to_striped(positions, shards, axis=0), shards, axis=0), positions
     )
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "striped"])
+def test_ring_log_sum_exp_and_its_gradients(layout):
+    # The residual is differentiable (merge_attention needs it): its cotangent joins dS.
+    ring = functools.partial(
+        js.ring_dot_product_attention, mesh=mesh((8,), ("seq",)), seq_axis="seq", is_causal=True,
+        layout=layout, block_q=4, block_kv=4, return_residual=True,
+    )  # fmt: skip
+    dense = functools.partial(js.dot_product_attention, is_causal=True, return_residual=True)
+    # The log-sum-exp does not depend on the values: gradients for queries and keys.
+    check(lambda *a: ring(*a)[1], lambda *a: dense(*a)[1], inputs(4), argnums=(0, 1))

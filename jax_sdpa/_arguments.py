@@ -1,0 +1,284 @@
+"""Binding a public call: every argument checked and put in canonical form, once.
+
+:func:`bind` takes the keyword arguments of a public function as they were given and hands each
+to the small checker that owns it (query/key/value, per-logit bias and mask, the mask rule, the
+dropout keys, the formula, the tiling, the ring); each keyword and its default is written in one
+checker, which ignores the others (``**_``). The result is one :class:`~jax_sdpa._implementations.
+Inputs` pytree and one static :class:`~jax_sdpa._implementations.Config`, with the implementation
+chosen from the table.
+"""
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_sdpa import _checks
+from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, Tiling
+from jax_sdpa._formula import CallArrays, Formula
+from jax_sdpa._implementations import Config, Inputs, Output, choose
+from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule, SegmentMask
+from jax_sdpa._ring import Ring
+from jax_sdpa._steps import default_scale
+
+
+class _Shapes(NamedTuple):
+    """The sizes of a call, once its query, key and value are checked."""
+
+    batch: tuple[int, ...]
+    seq_q: int
+    heads: int
+    seq_kv: int  # this device's keys, on a ring
+    kv_heads: int
+    shards: int  # the ring's size (1 off a ring)
+
+    def per_logit(self) -> tuple[tuple[int, ...], str]:
+        """The shape of the scores, and its letters: keys span the whole ring."""
+        letters = f"({'batch, ' * len(self.batch)}heads, q_seq, kv_seq)"
+        return (*self.batch, self.heads, self.seq_q, self.seq_kv * self.shards), letters
+
+
+def bind(
+    query, key, value, bias=None, mask=None, *, output: Output, implementation=None, **keywords
+) -> tuple[Inputs, Config]:
+    """Checks every argument of a public call (raising on the first problem) and bundles them.
+
+    ``keywords`` are the public function's other arguments, by name.
+    """
+    _flax_only(**keywords)
+    ring = _ring(query, key, **keywords)
+    query, key, value, shapes = _query_key_value(
+        query, key, value, 1 if ring is None else ring.shards, **keywords
+    )
+    arrays = CallArrays(
+        bias=_per_logit("bias", bias, shapes),
+        mask=_per_logit("mask", mask, shapes),
+        rule=_mask_rule(shapes, **keywords),
+        dropout_rng=_dropout_rngs(shapes, **keywords),
+        batch=_index(shapes.batch),
+        head=_index((1,) * len(shapes.batch) + (shapes.heads,)),
+    )
+    inputs = Inputs(query, key, value, arrays)
+    config = Config(
+        _formula(query.shape[-1], **keywords), output, tiling=_tiling(**keywords), ring=ring
+    )
+    return inputs, dataclasses.replace(
+        config, implementation=choose(inputs, config, implementation)
+    )
+
+
+def _index(shape: tuple[int, ...]) -> jax.Array:
+    """``0, 1, …`` over the last axis of ``shape`` (the rest 1) or over all of it (the batch)."""
+    return jnp.arange(math.prod(shape)).reshape(shape)
+
+
+def _flax_only(qk_attn_weights_einsum=None, attn_weights_value_einsum=None, **_) -> None:
+    """Flax's custom einsums: accepted as keywords, refused unless None."""
+    for name, fn in (
+        ("qk_attn_weights_einsum", qk_attn_weights_einsum),
+        ("attn_weights_value_einsum", attn_weights_value_einsum),
+    ):
+        if fn is not None:
+            raise ValueError(
+                f"`{name}` must be None: jax_sdpa computes its own products; got {fn!r}."
+            )
+
+
+def _ring(query, key, axis_name=None, layout="contiguous", **_) -> Ring | None:
+    """The ring of a ``ring_attention`` call (``None`` off a ring)."""
+    if axis_name is None:
+        return None
+    _checks.check_choice("layout", layout, ("contiguous", "striped"))
+    if layout == "striped":
+        for name, x in (("query", query), ("key", key)):
+            if jnp.shape(x)[-3] % 2:
+                raise ValueError(
+                    f"`{name}` must have an even local length for layout='striped' (two chunks "
+                    f"per device); got {jnp.shape(x)[-3]}."
+                )
+    return Ring(axis_name, lax.axis_size(axis_name), layout)
+
+
+def _query_key_value(query, key, value, shards: int, dtype=None, **_):
+    """The three arrays (cast to ``dtype`` if given), checked against each other, and the sizes."""
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    if dtype is not None:
+        query, key, value = query.astype(dtype), key.astype(dtype), value.astype(dtype)
+    layout = {
+        "query": "(batch, q_seq, heads, d_k)",
+        "key": "(batch, kv_seq, kv_heads, d_k)",
+        "value": "(batch, kv_seq, kv_heads, d_v)",
+    }
+    for name, x in zip(layout, (query, key, value), strict=True):
+        if x.ndim < 3:
+            raise ValueError(
+                f"`{name}` must have rank 4 {layout[name]} or rank 3 without batch; "
+                f"got shape {x.shape}."
+            )
+        _checks.check_float(name, x)
+    _checks.check_same_dtype(("query", "key", "value"), (query, key, value))
+    batch_shape = query.shape[:-3]
+    for name, x in (("key", key), ("value", value)):
+        _checks.check_equal("batch shape", ("query", name), (batch_shape, x.shape[:-3]))
+    *_, seq_q, heads, d_k = query.shape
+    *_, seq_kv, kv_heads, _ = key.shape
+    _checks.check_equal("feature size d_k", ("query", "key"), (d_k, key.shape[-1]))
+    _checks.check_equal("length kv_seq", ("key", "value"), (seq_kv, value.shape[-3]))
+    _checks.check_equal("number of heads kv_heads", ("key", "value"), (kv_heads, value.shape[-2]))
+    if heads % kv_heads:
+        raise ValueError(
+            f"The number of query heads must be a multiple of the key/value heads; got "
+            f"{heads} query heads and {kv_heads} key/value heads."
+        )
+    return query, key, value, _Shapes(batch_shape, seq_q, heads, seq_kv, kv_heads, shards)
+
+
+def _squeeze_leading_ones(x: jax.Array, ndim: int) -> jax.Array:
+    """Drops extra leading size-1 axes (e.g. a 4-D mask for unbatched TNH inputs)."""
+    extra = x.ndim - ndim
+    if extra > 0 and all(s == 1 for s in x.shape[:extra]):
+        return x.reshape(x.shape[extra:])
+    return x
+
+
+def _per_logit(name: str, x, shapes: _Shapes) -> jax.Array | None:
+    """A bias or mask of rank ``len(batch) + 3``, each axis 1 or full; a mask becomes boolean."""
+    if x is None:
+        return None
+    target, letters = shapes.per_logit()
+    x = _squeeze_leading_ones(jnp.asarray(x), len(target))
+    _checks.check_broadcastable(name, x, target, letters)
+    x = x.reshape((1,) * (len(target) - x.ndim) + x.shape)
+    if name == "bias":
+        _checks.check_float(name, x)
+        return x
+    return x if x.dtype == bool else x != 0  # flax masks are float: nonzero = keep
+
+
+def _per_batch(name: str, x, shapes: _Shapes, seq: int | None = None) -> jax.Array:
+    """Lengths ``(batch)`` or segment ids ``(batch, seq)``: integers, exactly that shape."""
+    extra = () if seq is None else (seq,)
+    x = _squeeze_leading_ones(jnp.asarray(x), len(shapes.batch) + len(extra))
+    dims = ["batch"] * bool(shapes.batch) + ["seq"] * bool(extra)
+    _checks.check_shape(name, x, (*shapes.batch, *extra), f"({', '.join(dims)})")
+    _checks.check_integer(name, x)
+    return x
+
+
+def _mask_rule(
+    shapes: _Shapes,
+    is_causal=False,
+    local_window_size=None,
+    causal_alignment="top_left",
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    query_segment_ids=None,
+    key_value_segment_ids=None,
+    **_,
+) -> MaskRule | None:
+    """The mask rules a call asks for, as one :class:`~jax_sdpa.AndMask` (``None``: none)."""
+    _checks.check_choice("causal_alignment", causal_alignment, ("top_left", "bottom_right"))
+    offset = 0 if causal_alignment == "top_left" else (shapes.seq_kv - shapes.seq_q) * shapes.shards
+    rules: list[MaskRule] = [CausalMask(offset)] if is_causal else []
+    if local_window_size is not None:
+        rules.append(LocalWindowMask(*_window(local_window_size), offset=offset))
+    if query_seq_lengths is not None or key_value_seq_lengths is not None:
+        lengths = {
+            "query_seq_lengths": query_seq_lengths,
+            "key_value_seq_lengths": key_value_seq_lengths,
+        }
+        rules.append(
+            LengthMask(
+                *(None if x is None else _per_batch(n, x, shapes) for n, x in lengths.items())
+            )
+        )
+    if query_segment_ids is not None or key_value_segment_ids is not None:
+        if key_value_segment_ids is None and shapes.seq_q == shapes.seq_kv:
+            key_value_segment_ids = query_segment_ids
+        if query_segment_ids is None or key_value_segment_ids is None:
+            raise ValueError(
+                "`query_segment_ids` and `key_value_segment_ids` must both be given when "
+                f"q_seq != kv_seq; got q_seq {shapes.seq_q} and kv_seq {shapes.seq_kv}."
+            )
+        rules.append(
+            SegmentMask(
+                _per_batch("query_segment_ids", query_segment_ids, shapes, shapes.seq_q),
+                _per_batch("key_value_segment_ids", key_value_segment_ids, shapes, shapes.seq_kv),
+            )
+        )
+    return AndMask(tuple(rules)) if rules else None
+
+
+def _window(local_window_size) -> tuple[int, int]:
+    """``(left, right)`` from ``jax.nn``'s ``local_window_size``, an int or a pair."""
+    window = (
+        (local_window_size, local_window_size)
+        if isinstance(local_window_size, int)
+        else tuple(local_window_size)
+    )
+    if len(window) != 2 or any(not isinstance(w, int) or w < 0 for w in window):
+        raise ValueError(
+            "`local_window_size` must be a non-negative int or a pair (left, right) of them; "
+            f"got {local_window_size!r}."
+        )
+    return window
+
+
+def _dropout_rngs(
+    shapes: _Shapes,
+    dropout_rng=None,
+    dropout_rate=0.0,
+    broadcast_dropout=True,
+    deterministic=True,
+    **_,
+) -> jax.Array | None:
+    """One dropout key per batch element and head, or one for all (``None``: no dropout)."""
+    _checks.check_range("dropout_rate", dropout_rate, 0.0, 1.0)
+    if dropout_rate == 0 or deterministic:
+        return None
+    if dropout_rng is None:
+        raise ValueError(
+            "`dropout_rng` must be a PRNG key when `dropout_rate` > 0 and `deterministic` is "
+            f"False; got None (dropout_rate={dropout_rate})."
+        )
+    if broadcast_dropout:  # one mask for every batch element and head, as flax
+        return jnp.reshape(dropout_rng, (1,) * (len(shapes.batch) + 1) + jnp.shape(dropout_rng))
+    dropout_rngs = jax.random.split(dropout_rng, math.prod(shapes.batch) * shapes.heads)
+    return dropout_rngs.reshape(*shapes.batch, shapes.heads, *dropout_rngs.shape[1:])
+
+
+def _formula(d_k: int, scale=None, logits_soft_cap=None, dropout_rate=0.0, precision=None, **_):
+    """The static formula: the scale (``1/√d_k`` by default), soft cap, dropout rate, precision."""
+    if logits_soft_cap is not None:
+        logits_soft_cap = _static_float("logits_soft_cap", logits_soft_cap)
+        if not logits_soft_cap > 0:
+            raise ValueError(f"`logits_soft_cap` must be positive; got {logits_soft_cap}.")
+    return Formula(
+        scale=default_scale(d_k) if scale is None else _static_float("scale", scale),
+        soft_cap=logits_soft_cap,
+        dropout_rate=float(dropout_rate),
+        precision=precision,
+    )
+
+
+def _static_float(name: str, value) -> float:
+    """A Python number (static under ``jax.jit``), e.g. ``scale``."""
+    if isinstance(value, (bool, str)):
+        raise TypeError(f"`{name}` must be a Python float; got {type(value).__name__}.")
+    try:
+        return float(value)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` must be a Python float (a static value); got {type(value).__name__}."
+        ) from None
+
+
+def _tiling(block_q=DEFAULT_BLOCK_Q, block_kv=DEFAULT_BLOCK_KV, **_) -> Tiling:
+    """The chunked and ring paths' tile, checked."""
+    for name, block in (("block_q", block_q), ("block_kv", block_kv)):
+        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+            raise ValueError(f"`{name}` must be a positive int; got {block!r}.")
+    return Tiling(block_q, block_kv)

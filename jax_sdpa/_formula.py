@@ -1,0 +1,147 @@
+r"""What one call computes: a static :class:`Formula` and the per-call arrays it reads.
+
+.. math:: \mathrm{out} = \mathrm{dropout}\big(\mathrm{softmax}_{\text{mask}}(
+    \mathrm{cap}(\text{scale} \cdot Q K^\top) + \text{bias})\big)\, V
+
+:meth:`Formula.scores` is the score side of that formula for any block of queries and keys
+(the whole matrix is one block): the dense head calls it once, every tile of the chunked and ring
+implementations once per tile, forward and backward, so that they cannot drift apart.
+:class:`CallArrays` carries everything else a call brings besides the queries, keys and values
+(bias, mask, mask rule, dropout keys, and the batch and head index of each row), one pytree that
+is mapped over batch and heads and cut into tiles whole.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Bool, Float
+
+from jax_sdpa._masks import Index, MaskRule, materialize_mask
+from jax_sdpa._steps import dropout_weights, raw_scores, scale_scores, soft_cap_scores
+
+
+@dataclasses.dataclass(frozen=True)
+class Formula:
+    """The static part of the formula: hashable, so it can key ``jax.jit``'s cache.
+
+    Attributes:
+        scale: Factor on the raw scores.
+        soft_cap: If set, scores become ``cap · tanh(scores / cap)`` before the bias.
+        dropout_rate: Probability of dropping a weight (applied where a dropout key is given).
+        precision: ``jax.lax`` precision of the two matrix products.
+    """
+
+    scale: float
+    soft_cap: float | None = None
+    dropout_rate: float = 0.0
+    precision: Any = None
+
+    def scores(
+        self,
+        query: Float[Array, "q d_k"],
+        key: Float[Array, "kv d_k"],
+        arrays: "CallArrays",
+        q_offset: Index = 0,
+        kv_offset: Index = 0,
+    ) -> tuple[Float[Array, "q kv"], Bool[Array, "#q #kv"] | None]:
+        """Scores of a block of queries against a block of keys, and which of them are allowed.
+
+        raw scores → scale → optional soft cap → + bias; the mask is the given array AND the rule
+        evaluated at the block's global positions (``q_offset``, ``kv_offset``) AND, with a bias,
+        "the score is not −∞". ``None`` when nothing is masked.
+        """
+        scores = scale_scores(raw_scores(query, key, precision=self.precision), self.scale)
+        if self.soft_cap is not None:
+            scores = soft_cap_scores(scores, self.soft_cap)
+        mask = arrays.mask
+        if arrays.bias is not None:
+            scores = scores + arrays.bias.astype(scores.dtype)
+            finite = scores != -jnp.inf  # a −∞ bias masks its key exactly
+            mask = finite if mask is None else mask & finite
+        if arrays.rule is not None:
+            allowed = materialize_mask(
+                arrays.rule, query.shape[0], key.shape[0], q_offset=q_offset, kv_offset=kv_offset
+            )
+            mask = allowed if mask is None else mask & allowed
+        return scores, mask
+
+    def drop(
+        self, weights: Array, dropout_rng: Array | None, q_offset: Index = 0, kv_offset: Index = 0
+    ) -> Array:
+        """Dropout of a block of weights (none without a key): the same mask at any tiling."""
+        if dropout_rng is None:
+            return weights
+        return dropout_weights(
+            weights, dropout_rng, rate=self.dropout_rate, q_offset=q_offset, kv_offset=kv_offset
+        )
+
+
+def window(shape: tuple, rows: tuple, cols: tuple) -> tuple[tuple, tuple]:
+    """Start and size of ``rows = (start, count)`` × ``cols`` in a ``(..., t, s)`` bias or mask.
+
+    Its ``t`` and ``s`` axes are either full or 1 (broadcast): a broadcast axis stays at 0 and 1.
+    """
+    (row, n_rows), (col, n_cols) = rows, cols
+    full_rows, full_cols = shape[-2] > 1, shape[-1] > 1
+    start = (0,) * (len(shape) - 2) + (row if full_rows else 0, col if full_cols else 0)
+    return start, shape[:-2] + (n_rows if full_rows else 1, n_cols if full_cols else 1)
+
+
+def _per_head(x: Array | None, heads: tuple[int, int]) -> Array | None:
+    """``(N, ...)`` → ``(K, G, ...)``; a leading 1 (shared by all heads) → ``(1, 1, ...)``."""
+    if x is None:
+        return None
+    return x.reshape((heads if x.shape[0] > 1 else (1, 1)) + x.shape[1:])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CallArrays:
+    """The per-call arrays besides query, key and value: one pytree, passed whole.
+
+    Batched (as the front end builds it) every leaf leads with the batch axes, each full or 1
+    (shared); per sequence, ``bias`` and ``mask`` are ``(N or 1, T or 1, S or 1)``, the dropout
+    keys ``(N or 1,)`` and ``head`` ``(N,)``; per head, all of them lose that axis.
+
+    Attributes:
+        bias: Added to the scores.
+        mask: ``True`` = may attend.
+        rule: A :class:`~jax_sdpa.MaskRule` on global positions (causal, window, lengths, …).
+        dropout_rng: The dropout key of each head, or one key for all (``None``: no dropout).
+        batch: The index of each sequence in the (flattened) batch.
+        head: The index of each query head.
+    """
+
+    bias: Array | None = None
+    mask: Array | None = None
+    rule: MaskRule | None = None
+    dropout_rng: Array | None = None
+    batch: Array | None = None
+    head: Array | None = None
+
+    def by_head(self, heads: tuple[int, int]) -> "CallArrays":
+        """The per-sequence arrays with ``(K, G)`` leading every leaf, or ``(1, 1)`` if shared.
+
+        ``K`` key/value heads each serve ``G`` query heads (:func:`jax_sdpa._heads.over_heads`);
+        the rule and the batch index are the same for every head.
+        """
+        rule, batch = jax.tree.map(lambda x: jnp.expand_dims(x, (0, 1)), (self.rule, self.batch))
+        return CallArrays(
+            bias=_per_head(self.bias, heads),
+            mask=_per_head(self.mask, heads),
+            rule=rule,
+            dropout_rng=_per_head(self.dropout_rng, heads),
+            batch=batch,
+            head=_per_head(self.head, heads),
+        )
+
+    def window(self, rows: tuple, cols: tuple) -> "CallArrays":
+        """The arrays of queries ``rows = (start, count)`` against keys ``cols`` (bias, mask)."""
+
+        def cut(x):
+            return None if x is None else lax.dynamic_slice(x, *window(x.shape, rows, cols))
+
+        return dataclasses.replace(self, bias=cut(self.bias), mask=cut(self.mask))

@@ -1,0 +1,221 @@
+"""The implementations, in one table: each computes a checked call, or says why it cannot.
+
+=========  ==================================================================================
+``xla``    the dense composition per head: materialises the ``(T, S)`` scores and weights
+``chunked`` the online softmax over key tiles, its own backward, memory linear in ``T``
+``ring``   the chunked tiles with the keys passed round a ring of devices (``ring_attention``)
+``cudnn``  ``jax.nn``'s fused cuDNN kernel on a GPU, for the calls that ``jax.nn`` accepts
+=========  ==================================================================================
+
+Every implementation takes the same :class:`Inputs` (a pytree of arrays: the batched query, key,
+value and :class:`~jax_sdpa._formula.CallArrays`) and :class:`Config` (static: the formula, what
+to return, the tiling and the ring) and returns a :class:`~jax_sdpa._heads.Result`, batched.
+``unsupported`` returns ``None`` or the message that a user who asked for that implementation
+sees; ``implementation=None`` takes the first in order of preference that supports the call.
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from jax_sdpa._attention import dense_sequence
+from jax_sdpa._chunked import Tiling, chunked_sequence
+from jax_sdpa._formula import CallArrays, Formula
+from jax_sdpa._heads import Result, over_batch
+from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
+from jax_sdpa._ring import Ring, ring_sequence
+from jax_sdpa._steps import accumulation_dtype
+
+Output = Literal["attention", "attention_and_weights", "weights"]
+# implementation=None: on CPU the chunked path was measured at least as fast as the dense one at
+# every benchmark size, forward and backward (BENCHMARKS.md), so it is the default there. On
+# accelerators (not measured here) fused dense kernels are fast while the scores of the call,
+# B·N·T·S floats, stay small: dense up to this many, chunked above.
+_DENSE_MAX_SCORES = 2**24
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The checked arrays of one call, in canonical form (a pytree, so it can enter ``jax.jit``).
+
+    ``query`` ``(*batch, T, N, H)``, ``key`` ``(*batch, S, K, H)``, ``value`` ``(*batch, S, K, V)``;
+    the leaves of ``arrays`` lead with the batch axes (each full or 1).
+    """
+
+    query: Array
+    key: Array
+    value: Array
+    arrays: CallArrays
+
+    def over_batch(self, sequence: Callable) -> Result:
+        """``sequence(query, key, value, arrays)`` for one sequence, mapped over the batch."""
+        batch_shape = self.query.shape[:-3]
+        return over_batch(sequence, batch_shape, self.query, self.key, self.value, self.arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything static about one call: hashable, so it can key ``jax.jit``'s cache."""
+
+    formula: Formula
+    output: Output = "attention"
+    implementation: str = "xla"
+    tiling: Tiling = Tiling()
+    ring: Ring | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One way to compute attention: ``run`` a call, or say why it cannot (``unsupported``)."""
+
+    run: Callable[[Inputs, Config], Result]
+    unsupported: Callable[[Inputs, Config], str | None] = lambda inputs, config: None
+
+
+def _dense(inputs: Inputs, config: Config) -> Result:
+    dropped_weights = config.output == "weights"  # flax: the weights returned after dropout
+    return inputs.over_batch(
+        functools.partial(dense_sequence, config.formula, dropped_weights=dropped_weights)
+    )
+
+
+def _chunked(inputs: Inputs, config: Config) -> Result:
+    return inputs.over_batch(functools.partial(chunked_sequence, config.formula, config.tiling))
+
+
+def _chunked_unsupported(inputs: Inputs, config: Config) -> str | None:
+    if config.output != "attention":
+        return (
+            "`implementation='chunked'` never forms the attention weights, which `module` (sown "
+            "weights) needs; use implementation=None or 'xla'."
+        )
+    return None
+
+
+def _ring(inputs: Inputs, config: Config) -> Result:
+    sequence = functools.partial(ring_sequence, config.formula, config.tiling, config.ring)
+    return inputs.over_batch(sequence)
+
+
+def _rule_parts(rule: MaskRule | None) -> tuple[MaskRule, ...]:
+    if rule is None:
+        return ()
+    return rule.rules if isinstance(rule, AndMask) else (rule,)
+
+
+def _beyond_jax_nn(inputs: Inputs, config: Config) -> list[str]:
+    """The arguments of the call that ``jax.nn.dot_product_attention`` does not take."""
+    parts = _rule_parts(inputs.arrays.rule)
+    used = {
+        "more than one batch axis": inputs.query.ndim > 4,
+        "causal_alignment='bottom_right'": any(getattr(r, "offset", 0) for r in parts),
+        "logits_soft_cap": config.formula.soft_cap is not None,
+        "segment ids": any(
+            not isinstance(r, (CausalMask, LocalWindowMask, LengthMask)) for r in parts
+        ),
+        "dropout_rate": inputs.arrays.dropout_rng is not None,
+        "module": config.output != "attention",
+    }
+    return [name for name, on in used.items() if on]
+
+
+def _cudnn_unsupported(inputs: Inputs, config: Config) -> str | None:
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return (
+            f"`implementation='cudnn'` needs a CUDA GPU with cuDNN; JAX's backend is {backend!r}. "
+            "Use implementation=None or 'xla'."
+        )
+    used = _beyond_jax_nn(inputs, config)
+    if used:
+        return f"`implementation='cudnn'` supports only jax.nn's arguments; got {', '.join(used)}."
+    return None
+
+
+def _jax_nn_arguments(inputs: Inputs, config: Config) -> dict:
+    """The call in ``jax.nn.dot_product_attention``'s own arguments (mask rules as flags)."""
+    arrays = inputs.arrays
+    kwargs = dict(
+        query=inputs.query,
+        key=inputs.key,
+        value=inputs.value,
+        bias=arrays.bias,
+        mask=arrays.mask,
+        scale=config.formula.scale,
+    )
+    for rule in _rule_parts(arrays.rule):
+        if isinstance(rule, CausalMask):
+            kwargs["is_causal"] = True
+        elif isinstance(rule, LocalWindowMask):
+            kwargs["local_window_size"] = (rule.left, rule.right)
+        elif isinstance(rule, LengthMask):
+            lengths = (rule.q_length, rule.kv_length)
+            kwargs["query_seq_lengths"], kwargs["key_value_seq_lengths"] = (
+                None if x is None else jnp.asarray(x, jnp.int32) for x in lengths
+            )
+    return kwargs
+
+
+def _cudnn(inputs: Inputs, config: Config) -> Result:
+    out, lse = jax.nn.dot_product_attention(
+        **_jax_nn_arguments(inputs, config), implementation="cudnn", return_residual=True
+    )
+    return Result(out, lse.astype(accumulation_dtype(lse.dtype)), None)
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "xla": Implementation(_dense),
+    "chunked": Implementation(_chunked, _chunked_unsupported),
+    "cudnn": Implementation(_cudnn, _cudnn_unsupported),
+    "ring": Implementation(_ring),
+}
+
+
+def _preference(inputs: Inputs) -> tuple[str, ...]:
+    """The order ``implementation=None`` tries: the faster first, where it was measured."""
+    batch_heads = math.prod(inputs.query.shape[:-3]) * inputs.query.shape[-2]
+    scores = batch_heads * inputs.query.shape[-3] * inputs.key.shape[-3]
+    if jax.default_backend() == "cpu" or scores > _DENSE_MAX_SCORES:
+        return ("chunked", "xla")
+    return ("xla", "chunked")
+
+
+def choose(inputs: Inputs, config: Config, requested: str | None) -> str:
+    """The implementation that runs the call: ``requested``, or the first that supports it.
+
+    Raises:
+        ValueError: With the implementation's own message, if ``requested`` cannot run it.
+    """
+    names = _preference(inputs) if requested is None else (requested,)
+    reasons = [IMPLEMENTATIONS[name].unsupported(inputs, config) for name in names]
+    for name, reason in zip(names, reasons, strict=True):
+        if reason is None:
+            return name
+    raise ValueError(reasons[0])
+
+
+def _without_positions(inputs: Inputs) -> Result:
+    """``T = 0`` or ``S = 0``: no query, or no key to attend to — rows of 0 with lse −∞."""
+    *batch, seq_q, heads, _ = inputs.query.shape
+    dtype = accumulation_dtype(inputs.query.dtype)
+    weights = jnp.zeros((*batch, heads, seq_q, inputs.key.shape[-3]), dtype)
+    out = jnp.zeros((*batch, seq_q, heads, inputs.value.shape[-1]), inputs.value.dtype)
+    return Result(out, jnp.full((*batch, seq_q, heads), -jnp.inf, dtype), weights)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def run(inputs: Inputs, *, config: Config) -> Result:
+    """The jitted batched computation of a bound call; the weights only where asked for."""
+    if 0 in (inputs.query.shape[-3], inputs.key.shape[-3]):
+        result = _without_positions(inputs)
+    else:
+        result = IMPLEMENTATIONS[config.implementation].run(inputs, config)
+    weights = None if config.output == "attention" else result.weights
+    return Result(result.out, result.lse, weights)

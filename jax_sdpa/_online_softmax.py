@@ -1,0 +1,196 @@
+r"""The online softmax: attention over keys that arrive a block at a time.
+
+For each query row it keeps a running max :math:`m`, a running denominator :math:`\ell` and an
+un-normalised output :math:`\tilde o` (Milakov & Gimelshein 2018; Rabe & Staats 2021;
+FlashAttention-2, Dao 2023)::
+
+    state  = init(...)                                   # m = fill (no key yet), ℓ = 0, õ = 0
+    state  = update(state, scores_j, allowed_j, v_j)     # once per key block j:
+             #   m_new = max(m, rowmax(s_j)),  p = exp(s_j − m_new)  (masked → 0)
+             #   ℓ = e^{m − m_new} ℓ + rowsum(p),  õ = e^{m − m_new} õ + p v_j
+    out, lse = finish(state)                             # õ / ℓ,  m + log ℓ
+
+Two states over disjoint sets of keys :func:`merge` into the state over their union, and a
+finished ``(out, lse)`` is itself a state (max ``lse``, denominator 1, output ``out``), so
+:func:`merge_attention` combines results computed separately: split keys in decoding, a cached
+prefix, or the shards of a ring. The arithmetic is the dense softmax's own
+(:func:`jax_sdpa._steps.masked_scores`, :func:`~jax_sdpa._steps.exp_scores`, …), run block by
+block.
+"""
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, ArrayLike, Bool, Float
+
+from jax_sdpa import _checks
+from jax_sdpa._steps import (
+    accumulation_dtype,
+    exp_scores,
+    large_negative,
+    logsumexp,
+    masked_scores,
+    normalize,
+    weighted_sum,
+)
+
+__all__ = ["merge_attention"]
+
+
+class State(NamedTuple):
+    """The online softmax of some rows after some keys, in the accumulation dtype.
+
+    ``row_max`` and ``denom`` have one entry per row, ``(..., r)``; ``acc`` adds the value
+    features, ``(..., r, V)``, or holds them flattened into the rows, ``(r, N·V)`` for
+    ``(r, N)`` rows.
+    """
+
+    row_max: Array
+    denom: Array
+    acc: Array
+
+
+def zeros_from(x: Array, dtype, shape: tuple | None = None) -> Array:
+    """Zeros of ``shape`` (``x``'s by default) computed from ``x``, whatever it holds (−∞ biases).
+
+    Under ``jax.shard_map`` a loop carry must vary over devices as its updates do
+    (``check_vma``); zeros computed from a varying array vary too, on every JAX version. One
+    element of ``x`` is enough for that, and its broadcast costs no pass over ``x``.
+    """
+    first = jnp.isnan(x.reshape(-1)[0]).astype(dtype) * 0
+    return jnp.broadcast_to(first, x.shape if shape is None else shape)
+
+
+def init(query: Array, rows: tuple, output: tuple) -> State:
+    """The state before any key: ``(row max = fill, denominator = 0, output = 0)``.
+
+    Of shapes ``rows``, ``rows`` and ``output``, computed from the queries (:func:`zeros_from`).
+    """
+    dtype = accumulation_dtype(query.dtype)
+    zeros = zeros_from(query, dtype, rows)
+    return State(zeros + large_negative(dtype), zeros, zeros_from(query, dtype, output))
+
+
+def update(
+    state: State,
+    scores: Float[Array, "q kv"],
+    allowed: Bool[Array, "#q #kv"] | None,
+    value: Float[Array, "kv d_v"],
+    *,
+    precision=None,
+    drop=lambda p: p,
+) -> State:
+    """The state of ``(q,)`` rows after one more block of keys: their scores and values.
+
+    ``drop`` is applied to the block's un-normalised weights before they meet the values
+    (dropout: the denominator counts every weight, as the dense softmax does).
+    """
+    masked = masked_scores(scores, allowed)
+    new_max = jnp.maximum(state.row_max, masked.max(axis=-1))
+    # Until a row meets its first allowed key, its max stays at the fill and p counts masked
+    # entries as 1; the correction e^{fill − real max} = 0 erases them when it does.
+    p = exp_scores(masked, new_max)
+    correction = jnp.exp(state.row_max - new_max)
+    denom = correction * state.denom + p.sum(axis=-1)
+    acc = correction[:, None] * state.acc + weighted_sum(drop(p), value, precision=precision)
+    return State(new_max, denom, acc)
+
+
+def recompute(
+    scores: Float[Array, "q kv"], allowed: Bool[Array, "#q #kv"] | None, lse: Float[Array, " q"]
+) -> Float[Array, "q kv"]:
+    """A block's normalised weights from its rows' final log-sum-exp: :math:`P = e^{S - lse}`.
+
+    ``lse`` must be finite (0 for a row with no key, whose weights then come out 0).
+    """
+    return exp_scores(masked_scores(scores, allowed), lse)
+
+
+def finish(state: State, dtype) -> tuple[Array, Array]:
+    """``(out, lse)`` from a final state; a row that met no key gives 0 and −∞.
+
+    Any layout of rows: ``(..., r)`` maxima and denominators with ``(..., r·V)`` or
+    ``(..., r, V)`` outputs give ``(..., r, V)`` and ``(..., r)``.
+    """
+    rows = (state.row_max.size, -1)
+    out = normalize(state.acc.reshape(rows), state.denom.reshape(-1), state.row_max.reshape(-1))
+    return out.reshape(*state.row_max.shape, -1).astype(dtype), logsumexp(
+        state.row_max, state.denom
+    )
+
+
+def from_result(out: Array, lse: Array) -> State:
+    """The state that :func:`finish` turns back into ``(out, lse)``: max lse, denominator 1."""
+    dtype = accumulation_dtype(out.dtype)
+    lse = lse.astype(dtype)
+    row_max = jnp.where(jnp.isfinite(lse), lse, large_negative(dtype))
+    return State(row_max, jnp.ones_like(lse), out.astype(dtype))
+
+
+def merge(a: State, b: State) -> State:
+    r"""The state over the union of two disjoint sets of keys, rows ``(..., r)``, ``(..., r, V)``.
+
+    .. math:: m = \max(m_a, m_b), \quad \ell = e^{m_a - m} \ell_a + e^{m_b - m} \ell_b, \quad
+        \tilde o = e^{m_a - m} \tilde o_a + e^{m_b - m} \tilde o_b
+    """
+    # The shift does not change the result (as the softmax's row max): no gradient through it.
+    row_max = lax.stop_gradient(jnp.maximum(a.row_max, b.row_max))
+    scale_a, scale_b = jnp.exp(a.row_max - row_max), jnp.exp(b.row_max - row_max)
+    return State(
+        row_max,
+        scale_a * a.denom + scale_b * b.denom,
+        scale_a[..., None] * a.acc + scale_b[..., None] * b.acc,
+    )
+
+
+def merge_attention(
+    a: tuple[ArrayLike, ArrayLike], b: tuple[ArrayLike, ArrayLike]
+) -> tuple[Array, Array]:
+    r"""Attention over the union of two sets of keys, from the attention over each set.
+
+    ``a = (out_a, lse_a)`` is what :func:`jax_sdpa.dot_product_attention` returns with
+    ``return_residual=True`` for the keys of one set, ``b`` the same for the other set (same
+    queries): the result is, up to rounding, that call over both sets of keys at once.
+
+    .. math:: \mathrm{lse} = \log(e^{\mathrm{lse}_a} + e^{\mathrm{lse}_b}), \qquad
+        \mathrm{out} = e^{\mathrm{lse}_a - \mathrm{lse}}\, \mathrm{out}_a
+        + e^{\mathrm{lse}_b - \mathrm{lse}}\, \mathrm{out}_b
+
+    A row with no key in either set (``lse = −∞`` in both) stays 0 with ``lse = −∞``, with zero
+    gradients. Differentiable in all four arrays. Decoding with keys split over several calls,
+    attention over a cached prefix plus new tokens, and ring attention all combine results so.
+
+    Args:
+        a: ``(out, lse)``: outputs ``(..., V)`` and log-sum-exp ``(...)``, e.g. ``(B, T, N, V)``
+            and ``(B, T, N)``.
+        b: The same for the other set of keys, same shapes and dtypes.
+
+    Returns:
+        ``(out, lse)``: the output in ``out_a``'s dtype and the log-sum-exp in at least float32.
+
+    Raises:
+        ValueError: If the shapes do not fit together.
+        TypeError: If the outputs' dtypes differ or are not floating point.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax_sdpa import dot_product_attention
+        >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 4, 2, 8))
+        >>> left = dot_product_attention(q, k[:, :3], v[:, :3], return_residual=True)
+        >>> right = dot_product_attention(q, k[:, 3:], v[:, 3:], return_residual=True)
+        >>> out, lse = merge_attention(left, right)
+        >>> bool(jnp.abs(out - dot_product_attention(q, k, v)).max() < 1e-6)
+        True
+
+    References:
+        Milakov & Gimelshein, Online normalizer calculation for softmax, 2018.
+    """
+    (out_a, lse_a), (out_b, lse_b) = (tuple(map(jnp.asarray, x)) for x in (a, b))
+    _checks.check_float("out_a", out_a)
+    _checks.check_same_dtype(("out_a", "out_b"), (out_a, out_b))
+    _checks.check_equal("shape", ("out_a", "out_b"), (out_a.shape, out_b.shape))
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        _checks.check_float(name, lse)
+        _checks.check_shape(name, lse, out_a.shape[:-1], "out.shape[:-1]")
+    return finish(merge(from_result(out_a, lse_a), from_result(out_b, lse_b)), out_a.dtype)

@@ -1,0 +1,17 @@
+"""Every ``>>>`` example in the package runs and prints what it shows."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import jax_sdpa
+
+MODULES = sorted(m.name for m in pkgutil.iter_modules(jax_sdpa.__path__, "jax_sdpa."))
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_examples_in_docstrings(name):
+    results = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert results.failed == 0
