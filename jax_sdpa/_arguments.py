@@ -3,9 +3,9 @@
 :func:`bind` takes the keyword arguments of a public function as they were given and hands each
 to the small checker that owns it (query/key/value, per-logit bias and mask, the mask rule, the
 dropout keys, the formula, the tiling, the ring); each keyword and its default is written in one
-checker, which ignores the others (``**_``). The result is one :class:`~jax_sdpa._implementations.
-Inputs` pytree and one static :class:`~jax_sdpa._implementations.Config`, with the implementation
-chosen from the table.
+checker, which ignores the others (``**_``); the dropout keys take the rate from the formula.
+The result is one :class:`~jax_sdpa._implementations.Inputs` pytree and one static
+:class:`~jax_sdpa._implementations.Config`, with the implementation chosen from the table.
 """
 
 import dataclasses
@@ -49,22 +49,21 @@ def bind(
     ``keywords`` are the public function's other arguments, by name.
     """
     _flax_only(**keywords)
-    ring = _ring(query, key, **keywords)
+    ring = _ring_spec(query, key, **keywords)
     query, key, value, shapes = _query_key_value(
         query, key, value, 1 if ring is None else ring.shards, **keywords
     )
+    formula = _formula(query.shape[-1], **keywords)
     arrays = CallArrays(
         bias=_per_logit("bias", bias, shapes),
         mask=_per_logit("mask", mask, shapes),
         rule=_mask_rule(shapes, **keywords),
-        dropout_rng=_dropout_rngs(shapes, **keywords),
+        dropout_rng=_dropout_rng(shapes, formula.dropout_rate, **keywords),
         batch=_index(shapes.batch),
         head=_index((1,) * len(shapes.batch) + (shapes.heads,)),
     )
     inputs = Inputs(query, key, value, arrays)
-    config = Config(
-        _formula(query.shape[-1], **keywords), output, tiling=_tiling(**keywords), ring=ring
-    )
+    config = Config(formula, output, tiling=_tiling(**keywords), ring=ring)
     return inputs, dataclasses.replace(
         config, implementation=choose(inputs, config, implementation)
     )
@@ -87,7 +86,7 @@ def _flax_only(qk_attn_weights_einsum=None, attn_weights_value_einsum=None, **_)
             )
 
 
-def _ring(query, key, axis_name=None, layout="contiguous", **_) -> Ring | None:
+def _ring_spec(query, key, axis_name=None, layout="contiguous", **_) -> Ring | None:
     """The ring of a ``ring_attention`` call (``None`` off a ring)."""
     if axis_name is None:
         return None
@@ -227,31 +226,31 @@ def _window(local_window_size) -> tuple[int, int]:
     return window
 
 
-def _dropout_rngs(
+def _dropout_rng(
     shapes: _Shapes,
+    rate: float,
     dropout_rng=None,
-    dropout_rate=0.0,
     broadcast_dropout=True,
-    deterministic=True,
+    deterministic=False,
     **_,
 ) -> jax.Array | None:
     """One dropout key per batch element and head, or one for all (``None``: no dropout)."""
-    _checks.check_range("dropout_rate", dropout_rate, 0.0, 1.0)
-    if dropout_rate == 0 or deterministic:
+    if rate == 0 or deterministic:
         return None
     if dropout_rng is None:
         raise ValueError(
             "`dropout_rng` must be a PRNG key when `dropout_rate` > 0 and `deterministic` is "
-            f"False; got None (dropout_rate={dropout_rate})."
+            f"False; got None (dropout_rate={rate})."
         )
     if broadcast_dropout:  # one mask for every batch element and head, as flax
         return jnp.reshape(dropout_rng, (1,) * (len(shapes.batch) + 1) + jnp.shape(dropout_rng))
-    dropout_rngs = jax.random.split(dropout_rng, math.prod(shapes.batch) * shapes.heads)
-    return dropout_rngs.reshape(*shapes.batch, shapes.heads, *dropout_rngs.shape[1:])
+    split = jax.random.split(dropout_rng, math.prod(shapes.batch) * shapes.heads)
+    return split.reshape(*shapes.batch, shapes.heads, *split.shape[1:])
 
 
 def _formula(d_k: int, scale=None, logits_soft_cap=None, dropout_rate=0.0, precision=None, **_):
     """The static formula: the scale (``1/√d_k`` by default), soft cap, dropout rate, precision."""
+    _checks.check_range("dropout_rate", dropout_rate, 0.0, 1.0)
     if logits_soft_cap is not None:
         logits_soft_cap = _static_float("logits_soft_cap", logits_soft_cap)
         if not logits_soft_cap > 0:

@@ -58,7 +58,7 @@ def dense_sequence(
     grouped = (key.shape[1], heads // key.shape[1])  # (K, G)
     head = _weights_head if dropped_weights else attention_head
 
-    def each(per_query, per_kv, _):
+    def each(per_query, per_kv):
         return head(formula, per_query[0], *per_kv, per_query[1])
 
     query = jnp.moveaxis(query.reshape(seq, *grouped, -1), 0, 2)  # (K, G, T, H)

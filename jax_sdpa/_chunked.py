@@ -60,9 +60,9 @@ class Tiling:
 class BackwardRows(NamedTuple):
     """Per-row inputs of the backward pass, in the accumulation dtype.
 
-    ``d_out`` the output's cotangent as ``(T, N·V)`` rows; ``delta`` = rowsum(dO ∘ O) and
-    ``shift``, the log-sum-exp (0 where −∞), ``(T, N)``. One head's block has them
-    ``(block_q, V)``, ``(block_q,)`` and ``(block_q,)``.
+    ``d_out`` the output's cotangent as ``(T, N·V)`` rows; ``delta`` = rowsum(dO ∘ O) less the
+    log-sum-exp's cotangent, and ``shift``, the log-sum-exp (0 where −∞), ``(T, N)``. One
+    head's block has them ``(block_q, V)``, ``(block_q,)`` and ``(block_q,)``.
     """
 
     d_out: jax.Array
@@ -97,7 +97,7 @@ class Tiles:
             formula = dataclasses.replace(formula, scale=1.0)
         return formula.scores(q_i, k_j, arrays, q_offset, kv_offset)
 
-    def dropout(self, arrays: CallArrays, q_offset, kv_offset):
+    def drop_at(self, arrays: CallArrays, q_offset, kv_offset):
         """Dropout of this tile's weights: the mask the dense path draws at the same positions."""
         return functools.partial(
             self.formula.drop,
@@ -109,7 +109,7 @@ class Tiles:
     def forward_tile(self, state: State, q_i, k_j, v_j, arrays: CallArrays, q_offset, kv_offset):
         """One online-softmax update of one head's state by one tile."""
         scores, allowed = self.scores(q_i, k_j, arrays, q_offset, kv_offset)
-        drop = self.dropout(arrays, q_offset, kv_offset)
+        drop = self.drop_at(arrays, q_offset, kv_offset)
         return online_softmax.update(
             state, scores, allowed, v_j, precision=self.formula.precision, drop=drop
         )
@@ -124,7 +124,7 @@ class Tiles:
 
         scores, scores_vjp, allowed = jax.vjp(tile_scores, q_i, k_j, arrays.bias, has_aux=True)
         p = online_softmax.recompute(scores, allowed, rows.shift)  # the weights, P = e^{S − lse}
-        drop = self.dropout(arrays, q_offset, kv_offset)
+        drop = self.drop_at(arrays, q_offset, kv_offset)
         _, sum_vjp = jax.vjp(
             lambda p, v: weighted_sum(p, v, precision=self.formula.precision), drop(p), v_j
         )
@@ -216,7 +216,7 @@ def sweep_keys(
     def step(j, state, rule):
         tile_kv = kv_offset + j * tiles.block_kv
 
-        def head(per_query, per_kv, _):
+        def head(per_query, per_kv):
             state, q, arrays = per_query
             return tiles.forward_tile(state, q, *per_kv, arrays, tile_q, tile_kv)
 
@@ -298,7 +298,7 @@ def backward_sweep(
         def step(i, grads, rule):
             tile_q = q_offset + i * tiles.block_q
 
-            def head(per_query, per_kv, _):
+            def head(per_query, per_kv):
                 q, rows, arrays = per_query
                 return tiles.backward_tile(q, *per_kv, arrays, rows, tile_q, tile_kv)
 

@@ -175,7 +175,8 @@ def dot_product_attention(
             ``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU.
         return_residual: Also return the log-sum-exp of each row's scores, shape ``(B, T, N)``, in
             at least float32 (``jax.nn`` returns it in the input dtype); −∞ for a row with no key.
-            Differentiable; :func:`jax_sdpa.merge_attention` joins such pairs.
+            Differentiable (not with ``"cudnn"``, whose backward drops it);
+            :func:`jax_sdpa.merge_attention` joins such pairs.
         causal_alignment: ``"top_left"`` (``jax.nn``, PyTorch) or ``"bottom_right"`` (the last
             query sees the last key: KV-cache decoding, FlashAttention). Shifts the window too.
         logits_soft_cap: If set, scores become ``cap · tanh(scores / cap)`` before the bias.

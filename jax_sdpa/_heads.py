@@ -33,20 +33,18 @@ def _split(tree: Any) -> tuple[Any, Any]:
     return args, treedef.unflatten([None if s else 0 for s in shared])
 
 
-def over_heads(
-    fn: Callable, heads: tuple[int, int], per_query: Any, per_kv: Any = (), shared: Any = ()
-) -> Any:
-    """``fn(per_query, per_kv, shared)`` for every query head, results stacked ``(K, G, ...)``.
+def over_heads(fn: Callable, heads: tuple[int, int], per_query: Any, per_kv: Any = ()) -> Any:
+    """``fn(per_query, per_kv)`` for every query head, results stacked ``(K, G, ...)``.
 
-    ``heads = (K, G)``: ``per_query`` is a pytree whose leaves lead with ``(K, G)`` (or
-    ``(1, 1)``), ``per_kv`` one whose leaves lead with ``K`` (or 1); ``shared`` is passed as it
-    is. ``fn`` sees one head's slices of each.
+    ``heads = (K, G)``: ``per_query`` is a pytree whose leaves lead with ``(K, G)``, or with
+    ``(1, 1)`` where all heads share them; ``per_kv`` one whose leaves lead with ``K`` (or 1).
+    ``fn`` sees one head's slices of each.
     """
     kv_heads, group = heads
 
     def kv_head(per_query, per_kv):
         args, axes = _split(per_query)
-        each = jax.vmap(lambda q: fn(q, per_kv, shared), in_axes=(axes,), axis_size=group)
+        each = jax.vmap(lambda q: fn(q, per_kv), in_axes=(axes,), axis_size=group)
         return each(args)
 
     args, axes = _split((per_query, per_kv))

@@ -22,6 +22,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array
 
 from jax_sdpa._attention import dense_sequence
@@ -72,7 +73,7 @@ class Config:
 
 
 @dataclasses.dataclass(frozen=True)
-class Implementation:
+class Entry:
     """One way to compute attention: ``run`` a call, or say why it cannot (``unsupported``)."""
 
     run: Callable[[Inputs, Config], Result]
@@ -158,7 +159,7 @@ def _jax_nn_arguments(inputs: Inputs, config: Config) -> dict:
         elif isinstance(rule, LengthMask):
             lengths = (rule.q_length, rule.kv_length)
             kwargs["query_seq_lengths"], kwargs["key_value_seq_lengths"] = (
-                None if x is None else jnp.asarray(x, jnp.int32) for x in lengths
+                None if x is None else jnp.reshape(x, (-1,)).astype(jnp.int32) for x in lengths
             )
     return kwargs
 
@@ -167,14 +168,16 @@ def _cudnn(inputs: Inputs, config: Config) -> Result:
     out, lse = jax.nn.dot_product_attention(
         **_jax_nn_arguments(inputs, config), implementation="cudnn", return_residual=True
     )
-    return Result(out, lse.astype(accumulation_dtype(lse.dtype)), None)
+    # jax.nn's cuDNN backward drops the log-sum-exp's cotangent: say so rather than be wrong.
+    lse = lax.stop_gradient(lse.astype(accumulation_dtype(lse.dtype)))
+    return Result(out, lse, None)
 
 
-IMPLEMENTATIONS: dict[str, Implementation] = {
-    "xla": Implementation(_dense),
-    "chunked": Implementation(_chunked, _chunked_unsupported),
-    "cudnn": Implementation(_cudnn, _cudnn_unsupported),
-    "ring": Implementation(_ring),
+IMPLEMENTATIONS: dict[str, Entry] = {
+    "xla": Entry(_dense),
+    "chunked": Entry(_chunked, _chunked_unsupported),
+    "cudnn": Entry(_cudnn, _cudnn_unsupported),
+    "ring": Entry(_ring),
 }
 
 

@@ -42,8 +42,8 @@ class State(NamedTuple):
     """The online softmax of some rows after some keys, in the accumulation dtype.
 
     ``row_max`` and ``denom`` have one entry per row, ``(..., r)``; ``acc`` adds the value
-    features, ``(..., r, V)``, or holds them flattened into the rows, ``(r, N·V)`` for
-    ``(r, N)`` rows.
+    features, ``(..., r, V)`` (or, in a loop over whole sequences, holds them flattened into the
+    rows: ``(T, N·V)`` for ``(T, N)`` rows).
     """
 
     row_max: Array
@@ -91,10 +91,18 @@ def update(
     # Until a row meets its first allowed key, its max stays at the fill and p counts masked
     # entries as 1; the correction e^{fill − real max} = 0 erases them when it does.
     p = exp_scores(masked, new_max)
-    correction = jnp.exp(state.row_max - new_max)
-    denom = correction * state.denom + p.sum(axis=-1)
-    acc = correction[:, None] * state.acc + weighted_sum(drop(p), value, precision=precision)
-    return State(new_max, denom, acc)
+    denom, acc = _shifted(state, new_max)
+    return State(
+        new_max,
+        denom + p.sum(axis=-1),
+        acc + weighted_sum(drop(p), value, precision=precision),
+    )
+
+
+def _shifted(state: State, row_max: Array) -> tuple[Array, Array]:
+    r"""The denominator and output of ``state`` re-based on a larger max: :math:`e^{m - m'}`."""
+    correction = jnp.exp(state.row_max - row_max)
+    return correction * state.denom, correction[..., None] * state.acc
 
 
 def recompute(
@@ -108,16 +116,15 @@ def recompute(
 
 
 def finish(state: State, dtype) -> tuple[Array, Array]:
-    """``(out, lse)`` from a final state; a row that met no key gives 0 and −∞.
+    """``(out, lse)``, ``(..., r, V)`` and ``(..., r)``, from a final state of ``(..., r)`` rows.
 
-    Any layout of rows: ``(..., r)`` maxima and denominators with ``(..., r·V)`` or
-    ``(..., r, V)`` outputs give ``(..., r, V)`` and ``(..., r)``.
+    A row that met no key gives 0 and −∞.
     """
-    rows = (state.row_max.size, -1)
+    features = state.acc.shape[-1]
+    rows = (-1, features)
     out = normalize(state.acc.reshape(rows), state.denom.reshape(-1), state.row_max.reshape(-1))
-    return out.reshape(*state.row_max.shape, -1).astype(dtype), logsumexp(
-        state.row_max, state.denom
-    )
+    lse = logsumexp(state.row_max, state.denom)
+    return out.reshape(state.acc.shape).astype(dtype), lse
 
 
 def from_result(out: Array, lse: Array) -> State:
@@ -136,12 +143,8 @@ def merge(a: State, b: State) -> State:
     """
     # The shift does not change the result (as the softmax's row max): no gradient through it.
     row_max = lax.stop_gradient(jnp.maximum(a.row_max, b.row_max))
-    scale_a, scale_b = jnp.exp(a.row_max - row_max), jnp.exp(b.row_max - row_max)
-    return State(
-        row_max,
-        scale_a * a.denom + scale_b * b.denom,
-        scale_a[..., None] * a.acc + scale_b[..., None] * b.acc,
-    )
+    (denom_a, acc_a), (denom_b, acc_b) = _shifted(a, row_max), _shifted(b, row_max)
+    return State(row_max, denom_a + denom_b, acc_a + acc_b)
 
 
 def merge_attention(

@@ -115,7 +115,7 @@ def _ring_fwd(tiles: Tiles, ring: Ring, query, key, value, arrays: CallArrays):
     rows = query.shape[:2]  # (T, N)
     state = init(queries, rows, (rows[0], rows[1] * value.shape[-1]))
     state, _, _ = lax.fori_loop(0, ring.shards, step, (state, flat(key), flat(value)))
-    out, lse = finish(state, value.dtype)
+    out, lse = finish(state._replace(acc=state.acc.reshape(*rows, -1)), value.dtype)
     return (out, lse), (query, key, value, arrays, out, lse)
 
 

@@ -552,6 +552,13 @@ def test_cudnn_is_handed_the_call_in_jax_nn_arguments(rng, monkeypatch):
     expected = ref.attention(q, k, v, bias, is_causal=True, window=(2, 1), scale=0.3,
                              q_lengths=kwargs["query_seq_lengths"], kv_lengths=kwargs["key_value_seq_lengths"])  # fmt: skip
     np.testing.assert_allclose(out, expected["out"], atol=2e-6)
+    # Unbatched (TNH): jax.nn wants lengths of shape (1,), which ours hold as ().
+    lengths = jnp.array([4], jnp.int32)
+    unbatched = js.dot_product_attention(
+        q[1], k[1], v[1], implementation="cudnn", key_value_seq_lengths=lengths
+    )
+    expected = ref.attention(q[1:], k[1:], v[1:], kv_lengths=lengths)["out"][0]
+    np.testing.assert_allclose(unbatched, expected, atol=2e-6)
     with pytest.raises(ValueError, match="supports only jax.nn's arguments; got logits_soft_cap"):
         js.dot_product_attention(q, k, v, implementation="cudnn", logits_soft_cap=2.0)
     with pytest.raises(ValueError, match="never forms the attention weights"):

@@ -80,6 +80,11 @@ def test_merge_gradients_reach_out_and_lse_and_stay_finite_without_keys():
         assert np.isfinite(np.asarray(g)).all() and float(np.abs(np.asarray(g)[1]).max()) == 0
 
 
+def test_merge_of_results_without_query_rows():
+    out, lse = js.merge_attention(*[(jnp.zeros((2, 0, 4, 8)), jnp.zeros((2, 0, 4)))] * 2)
+    assert out.shape == (2, 0, 4, 8) and lse.shape == (2, 0, 4)
+
+
 def test_merge_under_jit_and_in_low_precision(rng):
     q, k, v = qkv(rng, 2, 4, 6, 2, 2, 8, dtype=jnp.bfloat16)
     mask = jnp.ones((1, 1, 4, 6), bool)
