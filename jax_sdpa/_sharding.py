@@ -7,7 +7,7 @@ way. The same code runs on one host with several devices or on many hosts after
 ``jax.distributed.initialize()``: the mesh is what spans them.
 """
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,46 @@ def from_striped(x: ArrayLike, shards: int, *, axis: int = 1) -> Array:
     """Undoes :func:`to_striped`."""
     x = jnp.asarray(x)
     return jnp.take(x, jnp.argsort(_striped_order(x.shape[axis], shards)), axis=axis)
+
+
+@overload
+def ring_dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    return_residual: Literal[False] = False,
+    mesh: jax.sharding.Mesh,
+    seq_axis: str,
+    batch_axis: str | None = None,
+    head_axis: str | None = None,
+    layout: Layout = "contiguous",
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    **options: Any,
+) -> Array: ...
+
+
+@overload
+def ring_dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    return_residual: Literal[True],
+    mesh: jax.sharding.Mesh,
+    seq_axis: str,
+    batch_axis: str | None = None,
+    head_axis: str | None = None,
+    layout: Layout = "contiguous",
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    **options: Any,
+) -> tuple[Array, Array]: ...
 
 
 def ring_dot_product_attention(
