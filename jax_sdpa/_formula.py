@@ -111,8 +111,9 @@ class CallArrays:
         mask: ``True`` = may attend.
         rule: A :class:`~jax_sdpa.MaskRule` on global positions (causal, window, lengths, …).
         dropout_rng: The dropout key of each head, or one key for all (``None``: no dropout).
-        batch: The index of each sequence in the (flattened) batch.
-        head: The index of each query head.
+        batch: The index of each sequence in the (flattened) batch, and
+        head: the index of each query head: what functions of positions (score and mask
+            functions) are given besides the query and key positions.
     """
 
     bias: Array | None = None
