@@ -9,20 +9,31 @@ The result is one :class:`~jax_sdpa._implementations.Inputs` pytree and one stat
 """
 
 import dataclasses
+import inspect
 import math
+import weakref
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from jax_sdpa import _checks
 from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, Tiling
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._implementations import Config, Inputs, Output, choose
-from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule, SegmentMask
+from jax_sdpa._masks import (
+    AndMask,
+    CausalMask,
+    FunctionMask,
+    LengthMask,
+    LocalWindowMask,
+    MaskRule,
+    SegmentMask,
+)
 from jax_sdpa._ring import Ring
-from jax_sdpa._steps import default_scale
+from jax_sdpa._steps import accumulation_dtype, default_scale
 
 
 class _Shapes(NamedTuple):
@@ -53,7 +64,8 @@ def bind(
     query, key, value, shapes = _query_key_value(
         query, key, value, 1 if ring is None else ring.shards, **keywords
     )
-    formula = _formula(query.shape[-1], **keywords)
+    score_mod, score_consts = _score_mod(shapes, query.dtype, **keywords)
+    formula = dataclasses.replace(_formula(query.shape[-1], **keywords), score_mod=score_mod)
     arrays = CallArrays(
         bias=_per_logit("bias", bias, shapes),
         mask=_per_logit("mask", mask, shapes),
@@ -61,6 +73,8 @@ def bind(
         dropout_rng=_dropout_rng(shapes, formula.dropout_rate, **keywords),
         batch=_index(shapes.batch),
         head=_index((1,) * len(shapes.batch) + (shapes.heads,)),
+        score_consts=score_consts,
+        sinks=_sinks(shapes, **keywords),
     )
     inputs = Inputs(query, key, value, arrays)
     config = Config(formula, output, tiling=_tiling(**keywords), ring=ring)
@@ -71,7 +85,7 @@ def bind(
 
 def _index(shape: tuple[int, ...]) -> jax.Array:
     """``0, 1, …`` over the last axis of ``shape`` (the rest 1) or over all of it (the batch)."""
-    return jnp.arange(math.prod(shape)).reshape(shape)
+    return jnp.arange(math.prod(shape), dtype=jnp.int32).reshape(shape)
 
 
 def _flax_only(qk_attn_weights_einsum=None, attn_weights_value_einsum=None, **_) -> None:
@@ -176,6 +190,7 @@ def _mask_rule(
     key_value_seq_lengths=None,
     query_segment_ids=None,
     key_value_segment_ids=None,
+    mask_mod=None,
     **_,
 ) -> MaskRule | None:
     """The mask rules a call asks for, as one :class:`~jax_sdpa.AndMask` (``None``: none)."""
@@ -208,7 +223,96 @@ def _mask_rule(
                 _per_batch("key_value_segment_ids", key_value_segment_ids, shapes, shapes.seq_kv),
             )
         )
+    if mask_mod is not None:
+        rules.append(_mask_mod(shapes, mask_mod))
     return AndMask(tuple(rules)) if rules else None
+
+
+def _shared(x: jax.Array, shapes: _Shapes) -> jax.Array:
+    """An array the whole batch shares, as a leaf of the call: with leading batch axes of 1."""
+    return jnp.reshape(x, (1,) * len(shapes.batch) + jnp.shape(x))
+
+
+_INDEX = jax.ShapeDtypeStruct((), jnp.int32)
+
+
+_EVALUATORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _hoisted(fn, args: list) -> tuple:
+    """``(g, arrays)``: ``fn(*args) == g(*args, *arrays)`` for every array ``fn`` closes over.
+
+    As ``jax.closure_convert``, but every closed-over array is hoisted, traced or not: a table
+    the function closes over is an input of the compiled program, not a constant baked into it,
+    and ``g`` is cached per function and shapes, so that the next call with new values of the
+    same shapes reuses the compiled program.
+    """
+    closed = jax.make_jaxpr(fn)(*args)
+    key = tuple(jax.typeof(x) for x in (*args, *closed.consts))
+    try:
+        cached = _EVALUATORS.setdefault(fn, {})
+    except TypeError:  # not weakly referable: no cache
+        cached = {}
+    if key not in cached:
+        jaxpr, count = closed.jaxpr, len(args)
+
+        def evaluate(*args_and_arrays):
+            arrays = list(args_and_arrays[count:])
+            return jaxpr_as_fun(ClosedJaxpr(jaxpr, arrays))(*args_and_arrays[:count])[0]
+
+        cached[key] = evaluate
+    return cached[key], tuple(closed.consts)
+
+
+def _convert(name: str, fn, signature: str, example: tuple, kind: str) -> tuple:
+    """``fn`` with the arrays it closes over as arguments (:func:`_hoisted`), checked."""
+    if not callable(fn):
+        raise TypeError(f"`{name}` must be a function {signature}; got {type(fn).__name__}.")
+    args = [jnp.zeros(x.shape, x.dtype) for x in example]
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError as error:
+        raise TypeError(
+            f"`{name}` must accept {len(example)} scalars {signature}; {error}."
+        ) from None
+    except ValueError:  # no signature to inspect (some built-ins): calling it will tell
+        pass
+    converted, consts = _hoisted(fn, args)
+    out = jax.eval_shape(converted, *args, *consts)
+    is_kind = jnp.issubdtype(out.dtype, jnp.floating if kind == "float" else jnp.bool_)
+    if not hasattr(out, "shape") or out.shape != () or not is_kind:
+        got = f"{out.dtype}{list(out.shape)}" if hasattr(out, "shape") else type(out).__name__
+        raise TypeError(f"`{name}` must return one {kind} scalar; got {got}.")
+    return converted, tuple(consts)
+
+
+def _mask_mod(shapes: _Shapes, mask_mod) -> MaskRule:
+    """A built-in rule as it is; a function of ``(batch, head, q_idx, kv_idx)`` as a rule."""
+    if isinstance(mask_mod, MaskRule):
+        return mask_mod
+    signature = "mask_mod(batch, head, q_idx, kv_idx) -> bool"
+    fn, consts = _convert("mask_mod", mask_mod, signature, (_INDEX,) * 4, "bool")
+    return FunctionMask(fn, tuple(_shared(x, shapes) for x in consts))
+
+
+def _score_mod(shapes: _Shapes, query_dtype, score_mod=None, **_) -> tuple:
+    """``(converted score_mod, the arrays it closed over)``, or ``(None, ())``."""
+    if score_mod is None:
+        return None, ()
+    signature = "score_mod(score, batch, head, q_idx, kv_idx) -> score"
+    score = jax.ShapeDtypeStruct((), accumulation_dtype(query_dtype))
+    fn, consts = _convert("score_mod", score_mod, signature, (score, *(_INDEX,) * 4), "float")
+    return fn, tuple(_shared(x, shapes) for x in consts)
+
+
+def _sinks(shapes: _Shapes, sinks=None, **_) -> jax.Array | None:
+    """One logit per query head, shared by the batch."""
+    if sinks is None:
+        return None
+    sinks = jnp.asarray(sinks)
+    _checks.check_shape("sinks", sinks, (shapes.heads,), "(heads,)")
+    _checks.check_float("sinks", sinks)
+    return _shared(sinks, shapes)
 
 
 def _window(local_window_size) -> tuple[int, int]:

@@ -32,7 +32,7 @@ def attention_head(
 ) -> Result:
     """The dense single-head composition, unchecked: ``(out, logsumexp, weights)``."""
     scores, allowed = formula.scores(query, key, arrays)
-    weights, lse = softmax_with_logsumexp(scores, allowed)
+    weights, lse = softmax_with_logsumexp(scores, allowed, arrays.sinks)
     dropped = formula.drop(weights, arrays.dropout_rng)
     out = weighted_sum(dropped, value, precision=formula.precision)
     return Result(out.astype(value.dtype), lse, weights)

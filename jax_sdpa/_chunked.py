@@ -117,12 +117,21 @@ class Tiles:
     def backward_tile(
         self, q_i, k_j, v_j, arrays: CallArrays, rows: BackwardRows, q_offset, kv_offset
     ):
-        """One head's gradients from one tile: ``(dq_i, dk_j, dv_j, dbias_ij)``."""
+        """One head's gradients from one tile: ``(dq_i, dk_j, dv_j, dbias_ij, dconsts)``.
 
-        def tile_scores(q, k, bias):
-            return self.scores(q, k, dataclasses.replace(arrays, bias=bias), q_offset, kv_offset)
+        ``dconsts`` are those of the arrays the ``score_mod`` closed over (None for integers).
+        """
 
-        scores, scores_vjp, allowed = jax.vjp(tile_scores, q_i, k_j, arrays.bias, has_aux=True)
+        def tile_scores(q, k, bias, consts):
+            consts = tuple(
+                c if d is None else d for c, d in zip(arrays.score_consts, consts, strict=True)
+            )
+            tile = dataclasses.replace(arrays, bias=bias, score_consts=consts)
+            return self.scores(q, k, tile, q_offset, kv_offset)
+
+        scores, scores_vjp, allowed = jax.vjp(
+            tile_scores, q_i, k_j, arrays.bias, differentiable(arrays.score_consts), has_aux=True
+        )
         p = online_softmax.recompute(scores, allowed, rows.shift)  # the weights, P = e^{S − lse}
         drop = self.drop_at(arrays, q_offset, kv_offset)
         _, sum_vjp = jax.vjp(
@@ -130,8 +139,8 @@ class Tiles:
         )
         d_dropped, d_v_j = sum_vjp(rows.d_out)
         d_p = drop(d_dropped)  # dropout is diagonal: its own adjoint
-        d_q_i, d_k_j, d_bias_ij = scores_vjp(p * (d_p - rows.delta[:, None]))
-        return d_q_i, d_k_j, d_v_j, d_bias_ij
+        d_q_i, d_k_j, d_bias_ij, d_consts = scores_vjp(p * (d_p - rows.delta[:, None]))
+        return d_q_i, d_k_j, d_v_j, d_bias_ij, d_consts
 
     def rows(self, i) -> tuple:
         """Query block ``i`` as ``(start, count)``."""
@@ -156,6 +165,11 @@ class Tiles:
     def keys(self, x, j):
         """Block ``j`` of ``(S, K·d)`` key or value rows as ``(K, block_kv, d)``."""
         return _heads_first(_rows(x, j, self.block_kv), self.heads[:1], False)
+
+
+def differentiable(consts: tuple) -> tuple:
+    """The floating-point arrays among ``consts``; None in place of the others."""
+    return tuple(c if jnp.issubdtype(c.dtype, jnp.inexact) else None for c in consts)
 
 
 def _rows(x: jax.Array, i, block: int) -> jax.Array:
@@ -259,9 +273,9 @@ def forward_sweep(
 
 
 def _accumulate(tiles: Tiles, grads: tuple, tile_grads: tuple, i, j) -> tuple:
-    """Adds one tile's ``(K, G, …)`` gradients into the whole ``(dq, dk, dv, dbias)``."""
-    d_query, d_key, d_value, d_bias = grads
-    d_q_i, d_k_j, d_v_j, d_bias_ij = tile_grads
+    """Adds one tile's ``(K, G, …)`` gradients into the whole ``(dq, dk, dv, dbias, dconsts)``."""
+    d_query, d_key, d_value, d_bias, d_consts = grads
+    d_q_i, d_k_j, d_v_j, d_bias_ij, d_consts_ij = tile_grads
     d_query = _add_at(d_query, _rows_first(d_q_i, 2), (i * tiles.block_q, 0))
     # A key/value head's tile gets the sum over the query heads that share it.
     d_key = _add_at(d_key, _rows_first(d_k_j.sum(axis=1), 1), (j * tiles.block_kv, 0))
@@ -271,7 +285,9 @@ def _accumulate(tiles: Tiles, grads: tuple, tile_grads: tuple, i, j) -> tuple:
         if d_bias.shape[0] == 1:
             d_bias_ij = d_bias_ij.sum(axis=0, keepdims=True)
         d_bias = _add_at(d_bias, d_bias_ij, window(d_bias.shape, tiles.rows(i), tiles.cols(j))[0])
-    return d_query, d_key, d_value, d_bias
+    # The score_mod's arrays are shared by every head: each gets the sum over the heads.
+    d_consts = jax.tree.map(lambda d, part: d + part.sum(axis=(0, 1)), d_consts, d_consts_ij)
+    return d_query, d_key, d_value, d_bias, d_consts
 
 
 def backward_sweep(
@@ -287,8 +303,9 @@ def backward_sweep(
 ):
     """Adds the gradients of queries ``(T, N·H)`` against keys ``(S, K·H)`` into ``grads``.
 
-    ``grads = (dq, dk, dv, dbias)`` has the shapes of the operands (``dbias`` None without a
-    bias); ``rows`` are the queries' :class:`BackwardRows`.
+    ``grads = (dq, dk, dv, dbias, dconsts)`` has the shapes of the operands (``dbias`` None
+    without a bias, ``dconsts`` those of the ``score_mod``'s floating-point arrays); ``rows`` are
+    the queries' :class:`BackwardRows`.
     """
 
     def key_block(j, grads):
@@ -319,22 +336,44 @@ def backward_sweep(
     return lax.fori_loop(0, key.shape[0] // tiles.block_kv, key_block, grads)
 
 
-def zeros_like_grads(*operands):
-    """Gradient accumulators, in at least float32, for operands that may be None."""
-    return tuple(
-        None if x is None else zeros_from(x, accumulation_dtype(x.dtype)) for x in operands
-    )
+def zeros_like_grads(query, key, value, arrays: CallArrays) -> tuple:
+    """Gradient accumulators, in at least float32: ``(dq, dk, dv, dbias, dconsts)``."""
+
+    def zeros(x):
+        return None if x is None else zeros_from(x, accumulation_dtype(x.dtype))
+
+    consts = tuple(map(zeros, differentiable(arrays.score_consts)))
+    return (*map(zeros, (query, key, value, arrays.bias)), consts)
 
 
-def grads_like(grads, operands) -> tuple:
-    """The accumulated gradients in their operands' dtypes and shapes (None stays None).
+def grads_like(grads: tuple, query, key, value, arrays: CallArrays) -> tuple:
+    """``(dq, dk, dv, darrays)`` from the accumulators, in the operands' dtypes and shapes.
 
     The sweeps accumulate in the flattened ``(T, N·H)`` rows; the operands may be ``(T, N, H)``.
+    ``darrays`` holds the bias's and the ``score_mod`` arrays' gradients (``sinks`` are added by
+    the caller, which has the rows they need).
     """
-    return tuple(
-        None if g is None else g.astype(x.dtype).reshape(x.shape)
-        for g, x in zip(grads, operands, strict=True)
+    d_query, d_key, d_value, d_bias, d_consts = jax.tree.map(
+        lambda g, x: g.astype(x.dtype).reshape(x.shape),
+        grads,
+        (query, key, value, arrays.bias, differentiable(arrays.score_consts)),
     )
+    return d_query, d_key, d_value, CallArrays(bias=d_bias, score_consts=d_consts)
+
+
+def sinks_grad(sinks: jax.Array | None, lse: jax.Array, rows: BackwardRows) -> jax.Array | None:
+    r"""The sinks' gradient from ``(T, N)`` rows.
+
+    :math:`d\sigma_n = -\sum_i e^{\sigma_n - \mathrm{lse}_{in}} D_{in}`, with :math:`D` less the
+    log-sum-exp's cotangent.
+
+    A sink takes weight :math:`e^{\sigma - \mathrm{lse}}` from every row, as a key whose value
+    is 0: its score's gradient is that weight times :math:`(0 - D)`.
+    """
+    if sinks is None:
+        return None
+    weight = jnp.exp(sinks.astype(lse.dtype)[None, :] - lse)
+    return (-jnp.sum(weight * rows.delta, axis=0)).astype(sinks.dtype)
 
 
 def backward_rows(out, lse, cotangents) -> BackwardRows:
@@ -376,7 +415,8 @@ def _flash_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
         # From the rows, not the block: the block's only use is then its scores, as in the
         # backward pass, and XLA builds both passes' products alike, so that where one tile
         # covers the sequences it computes them once (BENCHMARKS.md).
-        state = online_softmax.init(queries, block, (*block, value.shape[-1]))
+        sink = None if arrays.sinks is None else arrays.sinks.reshape(*tiles.heads, 1)
+        state = online_softmax.init(queries, block, (*block, value.shape[-1]), sink)
         state = sweep_keys(tiles, q_i, keys, values, arrays, state, i, 0, 0)
         return tuple(
             lax.dynamic_update_slice_in_dim(
@@ -397,10 +437,11 @@ def _flash_bwd(tiles: Tiles, residuals, cotangents):
     query, key, value, arrays, out, lse = residuals
     rows = backward_rows(out, lse, cotangents)
     queries, keys, values = flat(query), flat(key), flat(value)
-    grads = zeros_like_grads(queries, keys, values, arrays.bias)
+    grads = zeros_like_grads(queries, keys, values, arrays)
     grads = backward_sweep(tiles, queries, keys, values, arrays, rows, grads, 0, 0)
-    d_query, d_key, d_value, d_bias = grads_like(grads, (query, key, value, arrays.bias))
-    return d_query, d_key, d_value, CallArrays(bias=d_bias)
+    d_query, d_key, d_value, d_arrays = grads_like(grads, query, key, value, arrays)
+    d_sinks = sinks_grad(arrays.sinks, lse, rows)
+    return d_query, d_key, d_value, dataclasses.replace(d_arrays, sinks=d_sinks)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -33,6 +33,7 @@ from jax_sdpa import _checks
 from jax_sdpa._arguments import bind
 from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q
 from jax_sdpa._implementations import run
+from jax_sdpa._masks import MaskRule
 from jax_sdpa._ring import Layout
 
 __all__ = ["dot_product_attention", "dot_product_attention_weights", "ring_attention"]
@@ -58,6 +59,9 @@ def dot_product_attention(
     implementation: Implementation | None = None,
     causal_alignment: CausalAlignment = "top_left",
     logits_soft_cap: float | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | MaskRule | None = None,
+    sinks: ArrayLike | None = None,
     query_segment_ids: ArrayLike | None = None,
     key_value_segment_ids: ArrayLike | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
@@ -92,6 +96,9 @@ def dot_product_attention(
     implementation: Implementation | None = None,
     causal_alignment: CausalAlignment = "top_left",
     logits_soft_cap: float | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | MaskRule | None = None,
+    sinks: ArrayLike | None = None,
     query_segment_ids: ArrayLike | None = None,
     key_value_segment_ids: ArrayLike | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
@@ -125,6 +132,9 @@ def dot_product_attention(
     return_residual: bool = False,
     causal_alignment: CausalAlignment = "top_left",
     logits_soft_cap: float | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | MaskRule | None = None,
+    sinks: ArrayLike | None = None,
     query_segment_ids: ArrayLike | None = None,
     key_value_segment_ids: ArrayLike | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
@@ -180,6 +190,14 @@ def dot_product_attention(
         causal_alignment: ``"top_left"`` (``jax.nn``, PyTorch) or ``"bottom_right"`` (the last
             query sees the last key: KV-cache decoding, FlashAttention). Shifts the window too.
         logits_soft_cap: If set, scores become ``cap · tanh(scores / cap)`` before the bias.
+        score_mod: ``score_mod(score, batch, head, q_idx, kv_idx) -> score`` on scalars (the
+            library maps it over every entry): a new logit from the one the softmax would see
+            (after scale, soft cap and bias), the sequence's index in the batch, the query head
+            and the global positions. Gradients reach the arrays it closes over.
+        mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` on scalars (``True`` = may
+            attend), or a :class:`~jax_sdpa.MaskRule`; ANDed with every other mask argument.
+        sinks: ``(N,)``, one logit per query head for a virtual key without a value that joins
+            every row's softmax (attention sinks); the log-sum-exp includes it.
         query_segment_ids: ``(B, T)`` integers for packed sequences: a query sees only keys with
             the same id.
         key_value_segment_ids: ``(B, S)``; defaults to ``query_segment_ids`` when ``S == T``.
@@ -244,6 +262,9 @@ def dot_product_attention_weights(
     local_window_size: int | tuple[int, int] | None = None,
     causal_alignment: CausalAlignment = "top_left",
     logits_soft_cap: float | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | MaskRule | None = None,
+    sinks: ArrayLike | None = None,
     query_segment_ids: ArrayLike | None = None,
     key_value_segment_ids: ArrayLike | None = None,
     broadcast_dropout: bool = True,
@@ -295,6 +316,9 @@ def ring_attention(
     local_window_size: int | tuple[int, int] | None = None,
     causal_alignment: CausalAlignment = "top_left",
     logits_soft_cap: float | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | MaskRule | None = None,
+    sinks: ArrayLike | None = None,
     layout: Layout = "contiguous",
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
@@ -319,6 +343,9 @@ def ring_attention(
     local_window_size: int | tuple[int, int] | None = None,
     causal_alignment: CausalAlignment = "top_left",
     logits_soft_cap: float | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | MaskRule | None = None,
+    sinks: ArrayLike | None = None,
     layout: Layout = "contiguous",
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
@@ -341,6 +368,9 @@ def ring_attention(
     local_window_size: int | tuple[int, int] | None = None,
     causal_alignment: CausalAlignment = "top_left",
     logits_soft_cap: float | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | MaskRule | None = None,
+    sinks: ArrayLike | None = None,
     layout: Layout = "contiguous",
     return_residual: bool = False,
     block_q: int = DEFAULT_BLOCK_Q,
@@ -356,7 +386,10 @@ def ring_attention(
     result is this device's shard of :func:`dot_product_attention` on the whole sequence, with the
     same meaning for every argument accepted here (masks use global positions; a query with no
     allowed key outputs zeros), and the backward pass rotates the key/value gradients the same
-    way. :func:`jax_sdpa.ring_dot_product_attention` does the sharding for you.
+    way. :func:`jax_sdpa.ring_dot_product_attention` does the sharding for you. With a
+    ``score_mod`` or a ``mask_mod`` function, call it in a ``shard_map`` with ``check_vma=False``
+    (the function is replayed from its trace, whose constants do not vary over the mesh);
+    ``ring_dot_product_attention`` does so.
 
     Args:
         query: This device's queries, ``(B, T/P, N, H)`` (or ``(T/P, N, H)``).
@@ -373,6 +406,14 @@ def ring_attention(
         local_window_size: As in :func:`dot_product_attention`, in global positions.
         causal_alignment: As in :func:`dot_product_attention`, for the global lengths.
         logits_soft_cap: As in :func:`dot_product_attention`.
+        score_mod: ``score_mod(score, batch, head, q_idx, kv_idx) -> score`` on scalars (the
+            library maps it over every entry): a new logit from the one the softmax would see
+            (after scale, soft cap and bias), the sequence's index in the batch, the query head
+            and the global positions. Gradients reach the arrays it closes over.
+        mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` on scalars (``True`` = may
+            attend), or a :class:`~jax_sdpa.MaskRule`; ANDed with every other mask argument.
+        sinks: ``(N,)``, one logit per query head for a virtual key without a value that joins
+            every row's softmax (attention sinks); the log-sum-exp includes it.
         block_q: Queries per tile; the largest divisor of the local run length not above it.
         block_kv: Keys per tile; likewise.
         precision: As in :func:`dot_product_attention`.

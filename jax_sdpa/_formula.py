@@ -12,6 +12,7 @@ is mapped over batch and heads and cut into tiles whole.
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float
 
-from jax_sdpa._masks import Index, MaskRule, materialize_mask
+from jax_sdpa._masks import Index, MaskRule
 from jax_sdpa._steps import dropout_weights, raw_scores, scale_scores, soft_cap_scores
 
 
@@ -32,12 +33,16 @@ class Formula:
         soft_cap: If set, scores become ``cap · tanh(scores / cap)`` before the bias.
         dropout_rate: Probability of dropping a weight (applied where a dropout key is given).
         precision: ``jax.lax`` precision of the two matrix products.
+        score_mod: A user's ``score_mod(score, batch, head, q_idx, kv_idx)``, closure-converted:
+            it takes the arrays it closed over (``CallArrays.score_consts``) after the five
+            scalars.
     """
 
     scale: float
     soft_cap: float | None = None
     dropout_rate: float = 0.0
     precision: Any = None
+    score_mod: Callable | None = None
 
     def scores(
         self,
@@ -49,24 +54,40 @@ class Formula:
     ) -> tuple[Float[Array, "q kv"], Bool[Array, "#q #kv"] | None]:
         """Scores of a block of queries against a block of keys, and which of them are allowed.
 
-        raw scores → scale → optional soft cap → + bias; the mask is the given array AND the rule
-        evaluated at the block's global positions (``q_offset``, ``kv_offset``) AND, with a bias,
-        "the score is not −∞". ``None`` when nothing is masked.
+        raw scores → scale → optional soft cap → + bias → optional ``score_mod``; the mask is the
+        given array AND the rule evaluated at the block's global positions (``q_offset``,
+        ``kv_offset``) AND, with a bias or a ``score_mod``, "the score is not −∞". ``None`` when
+        nothing is masked.
         """
         scores = scale_scores(raw_scores(query, key, precision=self.precision), self.scale)
         if self.soft_cap is not None:
             scores = soft_cap_scores(scores, self.soft_cap)
-        mask = arrays.mask
         if arrays.bias is not None:
             scores = scores + arrays.bias.astype(scores.dtype)
-            finite = scores != -jnp.inf  # a −∞ bias masks its key exactly
+        # int32 positions, as the mods were traced with (also where float64 is enabled).
+        q_idx = jnp.asarray(q_offset, jnp.int32) + jnp.arange(query.shape[0], dtype=jnp.int32)
+        kv_idx = jnp.asarray(kv_offset, jnp.int32) + jnp.arange(key.shape[0], dtype=jnp.int32)
+        if self.score_mod is not None:
+            scores = self._modified(scores, arrays, q_idx, kv_idx)
+        mask = arrays.mask
+        if arrays.bias is not None or self.score_mod is not None:
+            finite = scores != -jnp.inf  # a −∞ logit masks its key exactly
             mask = finite if mask is None else mask & finite
         if arrays.rule is not None:
-            allowed = materialize_mask(
-                arrays.rule, query.shape[0], key.shape[0], q_offset=q_offset, kv_offset=kv_offset
-            )
+            batch, head = arrays.indices()
+            allowed = arrays.rule.at(q_idx[:, None], kv_idx[None, :], batch, head)
             mask = allowed if mask is None else mask & allowed
         return scores, mask
+
+    def _modified(self, scores: Array, arrays: "CallArrays", q_idx: Array, kv_idx: Array) -> Array:
+        """``score_mod`` applied to every entry of a block (``jax.vmap`` over rows and columns)."""
+        batch, head = arrays.indices()
+
+        def entry(score, q, kv):
+            return self.score_mod(score, batch, head, q, kv, *arrays.score_consts)
+
+        grid = jax.vmap(jax.vmap(entry, in_axes=(0, None, 0)), in_axes=(0, 0, None))
+        return grid(scores, q_idx, kv_idx).astype(scores.dtype)
 
     def drop(
         self, weights: Array, dropout_rng: Array | None, q_offset: Index = 0, kv_offset: Index = 0
@@ -114,6 +135,8 @@ class CallArrays:
         batch: The index of each sequence in the (flattened) batch, and
         head: the index of each query head: what functions of positions (score and mask
             functions) are given besides the query and key positions.
+        score_consts: The arrays the ``score_mod`` closed over, shared by every sequence and head.
+        sinks: One logit per query head for a virtual key without a value (attention sinks).
     """
 
     bias: Array | None = None
@@ -122,6 +145,12 @@ class CallArrays:
     dropout_rng: Array | None = None
     batch: Array | None = None
     head: Array | None = None
+    score_consts: tuple = ()
+    sinks: Array | None = None
+
+    def indices(self) -> tuple[Array | int, Array | int]:
+        """``(batch, head)`` of one head's arrays (0 and 0 where they are not tracked)."""
+        return (0 if self.batch is None else self.batch), (0 if self.head is None else self.head)
 
     def by_head(self, heads: tuple[int, int]) -> "CallArrays":
         """The per-sequence arrays with ``(K, G)`` leading every leaf, or ``(1, 1)`` if shared.
@@ -129,7 +158,8 @@ class CallArrays:
         ``K`` key/value heads each serve ``G`` query heads (:func:`jax_sdpa._heads.over_heads`);
         the rule and the batch index are the same for every head.
         """
-        rule, batch = jax.tree.map(lambda x: jnp.expand_dims(x, (0, 1)), (self.rule, self.batch))
+        shared = (self.rule, self.batch, self.score_consts)
+        rule, batch, score_consts = jax.tree.map(lambda x: jnp.expand_dims(x, (0, 1)), shared)
         return CallArrays(
             bias=_per_head(self.bias, heads),
             mask=_per_head(self.mask, heads),
@@ -137,6 +167,8 @@ class CallArrays:
             dropout_rng=_per_head(self.dropout_rng, heads),
             batch=batch,
             head=_per_head(self.head, heads),
+            score_consts=score_consts,
+            sinks=_per_head(self.sinks, heads),
         )
 
     def window(self, rows: tuple, cols: tuple) -> "CallArrays":

@@ -118,9 +118,11 @@ def _beyond_jax_nn(inputs: Inputs, config: Config) -> list[str]:
         "more than one batch axis": inputs.query.ndim > 4,
         "causal_alignment='bottom_right'": any(getattr(r, "offset", 0) for r in parts),
         "logits_soft_cap": config.formula.soft_cap is not None,
-        "segment ids": any(
+        "segment ids or mask_mod": any(
             not isinstance(r, (CausalMask, LocalWindowMask, LengthMask)) for r in parts
         ),
+        "score_mod": config.formula.score_mod is not None,
+        "sinks": inputs.arrays.sinks is not None,
         "dropout_rate": inputs.arrays.dropout_rng is not None,
         "module": config.output != "attention",
     }

@@ -26,6 +26,7 @@ Every rule answers ``rule(q_idx, kv_idx)`` for broadcasting integer arrays of po
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,6 +36,7 @@ from jaxtyping import Array, Bool, Integer
 __all__ = [
     "AndMask",
     "CausalMask",
+    "FunctionMask",
     "LengthMask",
     "LocalWindowMask",
     "MaskRule",
@@ -65,6 +67,14 @@ class MaskRule:
     ) -> Bool[Array, "..."]:
         """``True`` where query ``q_idx`` may attend key ``kv_idx`` (arrays broadcast)."""
         raise NotImplementedError
+
+    def at(self, q_idx, kv_idx, batch: Index, head: Index) -> Bool[Array, "..."]:
+        """``rule(q_idx, kv_idx)`` for sequence ``batch`` and query head ``head``.
+
+        The built-in rules are the same for every head (their arrays are mapped over the batch
+        beforehand); a :class:`FunctionMask` may depend on both.
+        """
+        return self(q_idx, kv_idx)
 
     def kv_range(self, q_lo: Index, q_hi: Index) -> tuple[Index, Index]:
         """A half-open range of keys that contains every key queries ``[q_lo, q_hi)`` may see."""
@@ -216,9 +226,12 @@ class AndMask(MaskRule):
     rules: tuple[MaskRule, ...] = ()
 
     def __call__(self, q_idx, kv_idx):
-        if not self.rules:
-            return jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
-        return functools.reduce(jnp.logical_and, (rule(q_idx, kv_idx) for rule in self.rules))
+        return self.at(q_idx, kv_idx, 0, 0)
+
+    def at(self, q_idx, kv_idx, batch, head):
+        allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
+        parts = (rule.at(q_idx, kv_idx, batch, head) for rule in self.rules)
+        return functools.reduce(jnp.logical_and, parts, allowed)
 
     def kv_range(self, q_lo, q_hi):
         return _intersect(rule.kv_range(q_lo, q_hi) for rule in self.rules)
@@ -240,10 +253,12 @@ class OrMask(MaskRule):
     rules: tuple[MaskRule, ...] = ()
 
     def __call__(self, q_idx, kv_idx):
+        return self.at(q_idx, kv_idx, 0, 0)
+
+    def at(self, q_idx, kv_idx, batch, head):
         allowed = jnp.zeros(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
-        return functools.reduce(
-            jnp.logical_or, (rule(q_idx, kv_idx) for rule in self.rules), allowed
-        )
+        parts = (rule.at(q_idx, kv_idx, batch, head) for rule in self.rules)
+        return functools.reduce(jnp.logical_or, parts, allowed)
 
     def kv_range(self, q_lo, q_hi):
         return _hull(rule.kv_range(q_lo, q_hi) for rule in self.rules)
@@ -256,6 +271,29 @@ class OrMask(MaskRule):
 
     def q_full_range(self, kv_lo, kv_hi):
         return _union_within(rule.q_full_range(kv_lo, kv_hi) for rule in self.rules)
+
+
+@_rule
+class FunctionMask(MaskRule):
+    """A ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` of scalars, evaluated entry by entry.
+
+    ``fn`` takes the four indices and then ``consts``, the arrays ``mask_mod`` closed over
+    (``jax.closure_convert``), which are leaves of the rule. Its ranges claim nothing: no block
+    is skipped, none is taken as wholly allowed.
+    """
+
+    fn: Callable = _static()
+    consts: tuple = ()
+
+    def __call__(self, q_idx, kv_idx):
+        return self.at(q_idx, kv_idx, 0, 0)
+
+    def at(self, q_idx, kv_idx, batch, head):
+        q_idx, kv_idx = jnp.broadcast_arrays(q_idx, kv_idx)
+        allowed = jax.vmap(lambda q, kv: self.fn(batch, head, q, kv, *self.consts))(
+            q_idx.ravel(), kv_idx.ravel()
+        )
+        return allowed.reshape(q_idx.shape)
 
 
 def _intersect(ranges) -> tuple[Index, Index]:
@@ -291,9 +329,18 @@ def _union_within(ranges) -> tuple[Index, Index]:
 
 
 def materialize_mask(
-    rule: MaskRule, q_len: int, kv_len: int, *, q_offset: Index = 0, kv_offset: Index = 0
+    rule: MaskRule,
+    q_len: int,
+    kv_len: int,
+    *,
+    q_offset: Index = 0,
+    kv_offset: Index = 0,
+    batch: Index = 0,
+    head: Index = 0,
 ) -> Bool[Array, "q_len kv_len"]:
     """Evaluates ``rule`` on a ``(q_len, kv_len)`` block of positions as a boolean array.
+
+    ``batch`` and ``head`` are what a :class:`FunctionMask` sees (the built-in rules ignore them).
 
     Examples:
         >>> materialize_mask(LocalWindowMask(1, 0), 3, 3).astype(int)
@@ -303,4 +350,4 @@ def materialize_mask(
     """
     q_idx = q_offset + jnp.arange(q_len)[:, None]
     kv_idx = kv_offset + jnp.arange(kv_len)[None, :]
-    return rule(q_idx, kv_idx)
+    return rule.at(q_idx, kv_idx, batch, head)

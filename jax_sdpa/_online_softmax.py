@@ -62,14 +62,19 @@ def zeros_from(x: Array, dtype, shape: tuple | None = None) -> Array:
     return jnp.broadcast_to(first, x.shape if shape is None else shape)
 
 
-def init(query: Array, rows: tuple, output: tuple) -> State:
+def init(query: Array, rows: tuple, output: tuple, sink: Array | None = None) -> State:
     """The state before any key: ``(row max = fill, denominator = 0, output = 0)``.
 
     Of shapes ``rows``, ``rows`` and ``output``, computed from the queries (:func:`zeros_from`).
+    With a ``sink`` logit (broadcast to ``rows``), the state has already met the sink, a key
+    without a value: ``(sink, 1, 0)``.
     """
     dtype = accumulation_dtype(query.dtype)
     zeros = zeros_from(query, dtype, rows)
-    return State(zeros + large_negative(dtype), zeros, zeros_from(query, dtype, output))
+    output = zeros_from(query, dtype, output)
+    if sink is None:
+        return State(zeros + large_negative(dtype), zeros, output)
+    return State(zeros + jnp.broadcast_to(sink.astype(dtype), rows), zeros + 1, output)
 
 
 def update(

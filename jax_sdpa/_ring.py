@@ -32,6 +32,7 @@ from jax_sdpa._chunked import (
     flat,
     forward_sweep,
     grads_like,
+    sinks_grad,
     zeros_like_grads,
 )
 from jax_sdpa._formula import CallArrays, Formula, window
@@ -113,7 +114,7 @@ def _ring_fwd(tiles: Tiles, ring: Ring, query, key, value, arrays: CallArrays):
         return (visit(s, state, key, value), *passed)
 
     rows = query.shape[:2]  # (T, N)
-    state = init(queries, rows, (rows[0], rows[1] * value.shape[-1]))
+    state = init(queries, rows, (rows[0], rows[1] * value.shape[-1]), arrays.sinks)
     state, _, _ = lax.fori_loop(0, ring.shards, step, (state, flat(key), flat(value)))
     out, lse = finish(state._replace(acc=state.acc.reshape(*rows, -1)), value.dtype)
     return (out, lse), (query, key, value, arrays, out, lse)
@@ -127,15 +128,15 @@ def _ring_bwd(tiles: Tiles, ring: Ring, residuals, cotangents):
     queries, keys, values = flat(query), flat(key), flat(value)
 
     def step(s, carry):
-        d_query, d_bias, key, value, d_key, d_value = carry
+        d_query, d_bias, d_consts, key, value, d_key, d_value = carry
         src = (me - s) % ring.shards
         for (q_run, q_offset), (kv_run, kv_offset), cols in ring.runs(me, src, seq_q, seq_kv):
             rows = functools.partial(_slice, run=q_run)
             kv = functools.partial(_slice, run=kv_run)
             bias_at = None if d_bias is None else window(d_bias.shape, q_run, cols)
             d_bias_run = None if d_bias is None else lax.dynamic_slice(d_bias, *bias_at)
-            grads = (rows(d_query), kv(d_key), kv(d_value), d_bias_run)
-            d_q, d_k, d_v, d_b = backward_sweep(
+            grads = (rows(d_query), kv(d_key), kv(d_value), d_bias_run, d_consts)
+            d_q, d_k, d_v, d_b, d_consts = backward_sweep(
                 tiles,
                 rows(queries),
                 kv(key),
@@ -152,13 +153,15 @@ def _ring_bwd(tiles: Tiles, ring: Ring, residuals, cotangents):
             if d_bias is not None:
                 d_bias = lax.dynamic_update_slice(d_bias, d_b, bias_at[0])
         # Keys, values and their gradients travel on together; after a full turn they are home.
-        return (d_query, d_bias, *ring.rotate((key, value, d_key, d_value)))
+        return (d_query, d_bias, d_consts, *ring.rotate((key, value, d_key, d_value)))
 
-    d_query, d_key, d_value, d_bias = zeros_like_grads(queries, keys, values, arrays.bias)
-    carry = (d_query, d_bias, keys, values, d_key, d_value)
-    d_query, d_bias, _, _, d_key, d_value = lax.fori_loop(0, ring.shards, step, carry)
-    grads = grads_like((d_query, d_key, d_value, d_bias), (query, key, value, arrays.bias))
-    return (*grads[:3], CallArrays(bias=grads[3]))
+    d_query, d_key, d_value, d_bias, d_consts = zeros_like_grads(queries, keys, values, arrays)
+    carry = (d_query, d_bias, d_consts, keys, values, d_key, d_value)
+    d_query, d_bias, d_consts, _, _, d_key, d_value = lax.fori_loop(0, ring.shards, step, carry)
+    grads = (d_query, d_key, d_value, d_bias, d_consts)
+    d_query, d_key, d_value, d_arrays = grads_like(grads, query, key, value, arrays)
+    d_sinks = sinks_grad(arrays.sinks, lse, grad_rows)
+    return d_query, d_key, d_value, dataclasses.replace(d_arrays, sinks=d_sinks)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -186,7 +186,12 @@ def ring_dot_product_attention(
 
     args = (query, key, value, *extras.values(), *lengths.values())
     args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs, strict=True)]
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    # A score_mod or mask_mod is replayed inside the ring as the primitives it was traced to,
+    # whose constants do not vary over the mesh as its operands do: check_vma would refuse them.
+    mods = any(options.get(name) is not None for name in ("score_mod", "mask_mod"))
+    sharded = jax.shard_map(
+        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=not mods
+    )
     result = sharded(*args)
     if layout == "striped":  # back to sequence order, sharded as the contiguous layout would be
 

@@ -200,9 +200,25 @@ def _softmax_parts(
 
 
 def softmax_with_logsumexp(
-    scores: Float[Array, "q_seq kv_seq"], mask: Bool[Array, "#q_seq #kv_seq"] | None = None
+    scores: Float[Array, "q_seq kv_seq"],
+    mask: Bool[Array, "#q_seq #kv_seq"] | None = None,
+    sink: Float[Array, ""] | None = None,
 ) -> tuple[Float[Array, "q_seq kv_seq"], Float[Array, " q_seq"]]:
-    """:func:`softmax_weights` together with each row's log-sum-exp (−∞ for a row with no key)."""
+    r""":func:`softmax_weights` together with each row's log-sum-exp (−∞ for a row with no key).
+
+    With a ``sink`` logit :math:`\sigma`, a virtual key without a value joins every row (an
+    attention sink; Xiao et al. 2024): :math:`w_{ij} = e^{s_{ij}} / (e^{\sigma} + \sum_k
+    e^{s_{ik}})`, the log-sum-exp counts it, and a row with no allowed key has weights 0.
+    """
+    if sink is not None:
+        rows = scores.shape[0]
+        allowed = (
+            jnp.ones(scores.shape, bool) if mask is None else jnp.broadcast_to(mask, scores.shape)
+        )
+        scores = jnp.concatenate([scores, jnp.full((rows, 1), sink, scores.dtype)], axis=1)
+        mask = jnp.concatenate([allowed, jnp.ones((rows, 1), bool)], axis=1)
+        weights, lse = softmax_with_logsumexp(scores, mask)
+        return weights[:, :-1], lse
     p, row_max, denom = _softmax_parts(scores, mask)
     return normalize(p, denom, row_max), logsumexp(row_max, denom)
 

@@ -55,12 +55,21 @@ def _sum_to(x, shape):
     return x.sum(axis=axes, keepdims=True).reshape(shape)
 
 
-def attention(q, k, v, bias=None, *, scale=None, soft_cap=None, d_out=None, **rules):
+def attention(
+    q, k, v, bias=None, *, scale=None, soft_cap=None, d_out=None, score_mod=None, mask_mod=None,
+    sinks=None, **rules,
+):  # fmt: skip
     """Forward (and, given ``d_out``, backward) of BTNH attention in float64.
+
+    ``score_mod(score, b, h, i, j)`` and ``mask_mod(b, h, i, j)`` are applied to the whole
+    (B, N, T, S) grid at once, by broadcasting index arrays; ``sinks`` (N,) add a key without a
+    value to every row. Gradients (``d_out``) are written by hand only without those three.
 
     Returns a dict with ``out`` (B,T,N,V), ``lse`` (B,T,N), ``weights`` (B,N,T,S), ``allowed``
     and, with ``d_out``, the gradients ``dq``, ``dk``, ``dv``, ``dbias``.
     """
+    if d_out is not None and (score_mod or mask_mod or sinks is not None):
+        raise ValueError("the hand-written backward covers no score_mod, mask_mod or sinks")
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
@@ -71,13 +80,21 @@ def attention(q, k, v, bias=None, *, scale=None, soft_cap=None, d_out=None, **ru
     scores = soft_cap * np.tanh(raw / soft_cap) if soft_cap else raw
     if bias is not None:
         scores = scores + np.asarray(bias, np.float64)
+    grid = np.arange(b)[:, None, None, None], np.arange(n)[:, None, None], *np.indices((t, s))
+    if score_mod is not None:
+        scores = score_mod(scores, *grid)
     allowed = allowed_keys((b, n, t, s), **rules) & (scores != -np.inf)
+    if mask_mod is not None:
+        allowed &= np.broadcast_to(mask_mod(*grid), allowed.shape)
     masked = np.where(allowed, scores, -np.inf)
+    if sinks is not None:  # one more key per row, always allowed, whose value is 0
+        sink = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], (b, n, t, 1))
+        masked = np.concatenate([masked, sink], axis=-1)
     row_max = np.max(masked, axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    p = np.where(allowed, np.exp(masked - row_max), 0.0)
+    p = np.where(np.isfinite(masked), np.exp(masked - row_max), 0.0)
     denom = p.sum(-1, keepdims=True)
-    weights = p / np.where(denom > 0, denom, 1.0)
+    weights = (p / np.where(denom > 0, denom, 1.0))[..., :s]
     out = np.einsum("bnts,bsnv->btnv", weights, vf)
     with np.errstate(divide="ignore"):
         lse = np.where(denom[..., 0] > 0, row_max[..., 0] + np.log(denom[..., 0]), -np.inf)

@@ -167,3 +167,32 @@ def test_ring_log_sum_exp_and_its_gradients(layout):
     dense = functools.partial(js.dot_product_attention, is_causal=True, return_residual=True)
     # The log-sum-exp does not depend on the values: gradients for queries and keys.
     check(lambda *a: ring(*a)[1], lambda *a: dense(*a)[1], inputs(4), argnums=(0, 1))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "striped"])
+def test_ring_with_score_mod_mask_mod_and_sinks_in_global_positions(layout):
+    # ALiBi (learned slopes), a document mask and sinks: positions are those of the whole
+    # sequence whatever the layout; gradients reach the slopes and the sinks.
+    q, k, v = inputs(6)
+    gen = np.random.default_rng(7)
+    doc = jnp.asarray(np.sort(gen.integers(0, 4, size=(2, 64)), axis=1), jnp.int32)
+    slopes = jnp.asarray(gen.uniform(0.1, 1.0, size=4), jnp.float32)
+    sinks = jnp.asarray(gen.normal(size=4), jnp.float32)
+
+    def options(slopes, sinks):
+        return dict(
+            score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i).astype(s.dtype),
+            mask_mod=lambda b, h, i, j: (doc[b, i] == doc[b, j]) & (j <= i),
+            sinks=sinks,
+        )
+
+    def ring(q, k, v, slopes, sinks):
+        return js.ring_dot_product_attention(
+            q, k, v, mesh=mesh((8,), ("seq",)), seq_axis="seq", layout=layout, block_q=4,
+            block_kv=4, **options(slopes, sinks),
+        )  # fmt: skip
+
+    def dense(q, k, v, slopes, sinks):
+        return js.dot_product_attention(q, k, v, **options(slopes, sinks))
+
+    check(ring, dense, (q, k, v, slopes, sinks), argnums=(0, 1, 2, 3, 4))

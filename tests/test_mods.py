@@ -1,0 +1,236 @@
+"""score_mod, mask_mod and sinks: against the float64 reference, numerical gradients, and errors.
+
+The mods are written once and run both ways: on jax scalars inside the library, and on whole
+NumPy index grids (broadcast) inside the float64 reference.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jax_sdpa as js
+from tests import reference as ref
+from tests.util import each_implementation, enable_x64, qkv
+
+
+def alibi(slopes):
+    return lambda s, b, h, i, j: s + slopes[h] * (j - i).astype(s.dtype)
+
+
+def relative_bias(table, reach):
+    """A learned bias per head and clipped distance: table[h, clip(j − i) + reach]."""
+    return lambda s, b, h, i, j: s + table[h, (j - i).clip(-reach, reach) + reach].astype(s.dtype)
+
+
+def documents(doc):
+    """Causal within each document: doc[b, i] is the document of position i in sequence b."""
+    return lambda b, h, i, j: (doc[b, i] == doc[b, j]) & (j <= i)
+
+
+def setup(rng, t=7, s=9):
+    q, k, v = qkv(rng, 2, t, s, 4, 2, 6, hv=5)
+    slopes = rng.uniform(0.1, 1.0, size=4)
+    table = rng.normal(size=(4, 7))
+    doc = np.sort(rng.integers(0, 3, size=(2, max(t, s))), axis=1)
+    sinks = rng.normal(size=4)
+    return (q, k, v), slopes, table, doc, sinks
+
+
+@each_implementation
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_mods_and_sinks_against_reference(rng, impl, with_sinks):
+    (q, k, v), slopes, table, doc, sinks = setup(rng)
+    doc[1, 2] = 7  # in sequence 1, query 2 is alone in its document: no key but itself
+
+    def score_mod(lib):
+        a, r = alibi(lib(slopes)), relative_bias(lib(table), 3)
+        return lambda s, b, h, i, j: r(a(s, b, h, i, j), b, h, i, j)
+
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+
+    def head_mask(lib):  # head 3 sees every key
+        return lambda b, h, i, j: documents(lib(doc))(b, h, i, j) | (h == 3)
+
+    out, lse = js.dot_product_attention(
+        q, k, v, score_mod=score_mod(f32), mask_mod=head_mask(jnp.asarray),
+        sinks=f32(sinks) if with_sinks else None, return_residual=True, **impl,
+    )  # fmt: skip
+    expected = ref.attention(
+        q, k, v, score_mod=score_mod(np.asarray), mask_mod=head_mask(np.asarray),
+        sinks=sinks if with_sinks else None,
+    )  # fmt: skip
+    np.testing.assert_allclose(out, expected["out"], atol=2e-6)
+    np.testing.assert_allclose(lse, expected["lse"], atol=2e-5)
+
+
+@each_implementation
+def test_rows_without_keys_output_zero_and_the_sink_is_their_log_sum_exp(rng, impl):
+    q, k, v = qkv(rng, 1, 4, 5, 2, 2, 4)
+    sinks = jnp.array([0.5, -2.0])
+    nothing = lambda b, h, i, j: (i != 2) & (j >= 0)  # noqa: E731  row 2 sees no key
+
+    def f(sinks, q):
+        return js.dot_product_attention(
+            q, k, v, mask_mod=nothing, sinks=sinks, return_residual=True, **impl
+        )
+
+    out, lse = f(sinks, q)
+    np.testing.assert_array_equal(np.asarray(out)[0, 2], 0)
+    np.testing.assert_allclose(lse[0, 2], sinks, atol=1e-6)
+    g = jax.grad(lambda s, q: f(s, q)[0].sum(), argnums=(0, 1))(sinks, q)
+    assert all(np.isfinite(np.asarray(x)).all() for x in g)
+    np.testing.assert_array_equal(np.asarray(g[1])[0, 2], 0)
+
+
+def test_dense_gradients_are_the_numerical_ones_in_float64(rng):
+    (q, k, v), slopes, table, doc, sinks = setup(rng, t=5, s=6)
+    with enable_x64():
+        q, k, v, slopes, table, sinks = (
+            jnp.asarray(x, jnp.float64) for x in (q, k, v, slopes, table, sinks)
+        )
+
+        def f(q, k, v, slopes, table, sinks):
+            a, r = alibi(jnp.asarray(slopes)), relative_bias(jnp.asarray(table), 2)
+            return js.dot_product_attention(
+                q, k, v, implementation="xla", mask_mod=documents(jnp.asarray(doc)), sinks=sinks,
+                score_mod=lambda s, b, h, i, j: r(a(s, b, h, i, j), b, h, i, j),
+            )  # fmt: skip
+
+        check_grads(
+            f, (q, k, v, slopes, table, sinks), order=1, modes=["rev"], atol=1e-6, rtol=1e-6
+        )
+
+
+@pytest.mark.parametrize("block_q,block_kv", [(3, 4), (2, 5), (16, 16)])
+def test_chunked_gradients_equal_dense_for_every_captured_array(rng, block_q, block_kv):
+    (q, k, v), slopes, table, doc, sinks = setup(rng)
+    bias = jnp.asarray(rng.normal(size=(2, 4, 7, 9)), jnp.float32)
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    d_out = jnp.asarray(rng.normal(size=(2, 7, 4, 5)), jnp.float32)
+
+    def loss(impl, q, k, v, bias, slopes, table, sinks):
+        a, r = alibi(slopes), relative_bias(table, 3)
+        out = js.dot_product_attention(
+            q, k, v, bias, mask_mod=documents(jnp.asarray(doc)), sinks=sinks, is_causal=True,
+            score_mod=lambda s, b, h, i, j: r(a(s, b, h, i, j), b, h, i, j), **impl,
+        )  # fmt: skip
+        return (out * d_out).sum()
+
+    args = (q, k, v, bias, f32(slopes), f32(table), f32(sinks))
+    chunked = {"implementation": "chunked", "block_q": block_q, "block_kv": block_kv}
+    got = jax.grad(functools.partial(loss, chunked), argnums=tuple(range(7)))(*args)
+    want = jax.grad(functools.partial(loss, {"implementation": "xla"}), argnums=tuple(range(7)))(
+        *args
+    )
+    for name, a, b in zip(
+        ("q", "k", "v", "bias", "slopes", "table", "sinks"), got, want, strict=True
+    ):
+        assert ref.rel_err(a, b) <= 2e-5, name
+
+
+@each_implementation
+def test_built_in_rules_as_mask_mod_equal_the_keywords(rng, impl):
+    q, k, v = qkv(rng, 2, 6, 8, 2, 1, 4)
+    lengths = jnp.array([8, 5], jnp.int32)
+    rule = js.CausalMask(2) & js.LocalWindowMask(3, 0, 2) & js.LengthMask(None, lengths)
+    got = js.dot_product_attention(q, k, v, mask_mod=rule, **impl)
+    want = js.dot_product_attention(
+        q, k, v, is_causal=True, causal_alignment="bottom_right", local_window_size=(3, 0),
+        key_value_seq_lengths=lengths, **impl,
+    )  # fmt: skip
+    np.testing.assert_array_equal(got, want)
+
+
+@each_implementation
+def test_a_mod_that_writes_minus_infinity_on_masked_entries_leaks_no_nan(rng, impl):
+    # FlexAttention's footgun (pytorch#150321): −∞ from the score_mod masks the entry exactly.
+    q, k, v = qkv(rng, 1, 6, 6, 2, 2, 4)
+    causal_by_hand = lambda s, b, h, i, j: jnp.where(j <= i, s, -jnp.inf)  # noqa: E731
+    f = lambda q: js.dot_product_attention(q, k, v, score_mod=causal_by_hand, **impl)  # noqa: E731
+    np.testing.assert_allclose(f(q), js.dot_product_attention(q, k, v, is_causal=True), atol=1e-6)
+    g = jax.grad(lambda q: f(q).sum())(q)
+    want = jax.grad(lambda q: js.dot_product_attention(q, k, v, is_causal=True).sum())(q)
+    np.testing.assert_allclose(g, want, atol=1e-5)
+
+
+@each_implementation
+def test_mods_under_jit_vmap_and_checkpoint(rng, impl):
+    q, k, v = qkv(rng, 2, 5, 5, 2, 2, 4)
+    slopes = jnp.asarray(rng.uniform(size=(3, 2)), jnp.float32)  # three models' slopes
+
+    def f(slopes, q):
+        return js.dot_product_attention(q, k, v, score_mod=alibi(slopes), is_causal=True, **impl)
+
+    batched = jax.jit(jax.vmap(f, in_axes=(0, None)))(slopes, q)
+    for n in range(3):
+        np.testing.assert_allclose(batched[n], f(slopes[n], q), atol=1e-6)
+    g = jax.grad(lambda s: jax.checkpoint(f)(s, q).sum())(slopes[0])
+    np.testing.assert_allclose(g, jax.grad(lambda s: f(s, q).sum())(slopes[0]), atol=1e-6)
+    assert float(np.abs(g).max()) > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (
+            dict(score_mod=3),
+            TypeError,
+            "`score_mod` must be a function score_mod(score, batch, head, q_idx, kv_idx) -> score; got int.",
+        ),
+        (dict(score_mod=lambda s, b, h: s), TypeError, "`score_mod` must accept 5 scalars"),
+        (
+            dict(score_mod=lambda s, b, h, i, j: i),
+            TypeError,
+            "`score_mod` must return one float scalar; got int32[].",
+        ),
+        (
+            dict(score_mod=lambda s, b, h, i, j: jnp.ones(2)),
+            TypeError,
+            "`score_mod` must return one float scalar; got float32[2].",
+        ),
+        (
+            dict(mask_mod=lambda b, h, i, j: i.astype(jnp.float32)),
+            TypeError,
+            "`mask_mod` must return one bool scalar; got",
+        ),
+        (
+            dict(mask_mod="causal"),
+            TypeError,
+            "`mask_mod` must be a function mask_mod(batch, head, q_idx, kv_idx) -> bool; got str.",
+        ),
+        (
+            dict(sinks=jnp.zeros(3)),
+            ValueError,
+            "`sinks` must have shape (heads,) = (4,); got (3,).",
+        ),
+        (
+            dict(sinks=jnp.zeros(4, jnp.int32)),
+            TypeError,
+            "`sinks` must have a floating-point dtype; got int32.",
+        ),
+        (
+            dict(score_mod=lambda s, b, h, i, j: s, implementation="cudnn"),
+            ValueError,
+            "`implementation='cudnn'` needs a CUDA GPU",
+        ),
+    ],
+)
+def test_mod_errors(kwargs, error, message):
+    q, kv = jnp.ones((2, 5, 4, 8)), jnp.ones((2, 7, 2, 8))
+    with pytest.raises(error, match="^" + re.escape(message)):
+        js.dot_product_attention(q, kv, kv, **kwargs)
+
+
+def test_cudnn_refuses_mods(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    q = jnp.ones((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="got segment ids or mask_mod, score_mod, sinks"):
+        js.dot_product_attention(
+            q, q, q, implementation="cudnn", score_mod=lambda s, b, h, i, j: s,
+            mask_mod=lambda b, h, i, j: i >= j, sinks=jnp.zeros(2),
+        )  # fmt: skip
