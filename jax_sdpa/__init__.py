@@ -8,6 +8,7 @@ in the sequence length (``implementation="chunked"``). :func:`ring_attention` sp
 sequence over many devices.
 """
 
+from jax_sdpa import mods as mods
 from jax_sdpa._attention import attention as attention
 from jax_sdpa._dot_product import dot_product_attention as dot_product_attention
 from jax_sdpa._dot_product import dot_product_attention_weights as dot_product_attention_weights
@@ -50,6 +51,7 @@ __all__ = (
     "from_striped",
     "materialize_mask",
     "merge_attention",
+    "mods",
     "raw_scores",
     "ring_attention",
     "ring_dot_product_attention",
