@@ -234,3 +234,32 @@ def test_cudnn_refuses_mods(monkeypatch):
             q, q, q, implementation="cudnn", score_mod=lambda s, b, h, i, j: s,
             mask_mod=lambda b, h, i, j: i >= j, sinks=jnp.zeros(2),
         )  # fmt: skip
+
+
+def test_flax_attention_fn_with_a_score_mod_and_a_mask_mod(rng):
+    # functools.partial(dot_product_attention, score_mod=...) as a linen attention_fn equals
+    # flax's own attention with the same ALiBi given as a bias and the mask as a mask.
+    from flax import linen
+
+    x = jnp.asarray(rng.normal(size=(2, 6, 16)), jnp.float32)
+    slopes = js.mods.alibi_slopes(4)
+    i, j = jnp.arange(6)[:, None], jnp.arange(6)[None, :]
+    alibi_bias = slopes[:, None, None] * (j - i).astype(jnp.float32)[None]  # (heads, T, S)
+
+    def layer(fn):
+        return linen.MultiHeadDotProductAttention(num_heads=4, qkv_features=16, attention_fn=fn)
+
+    ours = layer(
+        functools.partial(
+            js.dot_product_attention,
+            score_mod=js.mods.alibi(slopes),
+            mask_mod=js.mods.chunked_causal(3),
+        )
+    )
+    theirs = layer(
+        lambda q, k, v, **kw: linen.dot_product_attention(
+            q, k, v, bias=alibi_bias[None], mask=((i // 3 == j // 3) & (j <= i))[None, None]
+        )
+    )
+    params = theirs.init(jax.random.key(0), x)
+    np.testing.assert_allclose(ours.apply(params, x), theirs.apply(params, x), atol=1e-5)
