@@ -292,7 +292,12 @@ def _mask_mod(shapes: _Shapes, mask_mod) -> MaskRule:
         return mask_mod
     signature = "mask_mod(batch, head, q_idx, kv_idx) -> bool"
     fn, consts = _convert("mask_mod", mask_mod, signature, (_INDEX,) * 4, "bool")
-    return FunctionMask(fn, tuple(_shared(x, shapes) for x in consts))
+    jaxpr = jax.make_jaxpr(fn)(*(jnp.int32(0),) * 4, *consts).jaxpr
+    head = jaxpr.invars[1]
+    uses_head = any(head is x for eqn in jaxpr.eqns for x in eqn.invars) or any(
+        head is x for x in jaxpr.outvars
+    )
+    return FunctionMask(fn, tuple(_shared(x, shapes) for x in consts), uses_head)
 
 
 def _score_mod(shapes: _Shapes, query_dtype, score_mod=None, **_) -> tuple:

@@ -216,6 +216,40 @@ def _sweep(step, rule: MaskRule | None, reach, full_reach, offset, block: int, c
     return carry
 
 
+def _tile_class(rule: MaskRule, arrays: CallArrays, rows: tuple, cols: tuple):
+    """``(empty, full)``: whether ``rule`` allows no entry, or every entry, of a tile, all heads.
+
+    ``rows`` and ``cols`` are ``(global start, count)``; ``arrays`` are one sequence's.
+    """
+    q_idx = rows[0] + jnp.arange(rows[1], dtype=jnp.int32)[:, None]
+    kv_idx = cols[0] + jnp.arange(cols[1], dtype=jnp.int32)[None, :]
+    batch, heads = arrays.indices()
+    heads = jnp.atleast_1d(heads) if rule.per_head else jnp.zeros(1, jnp.int32)
+    allowed = jax.vmap(lambda head: rule.at(q_idx, kv_idx, batch, head))(heads)
+    return ~allowed.any(), allowed.all()
+
+
+def _classified(step, classify):
+    """``step(n, carry, rule)`` that first evaluates an opaque rule on the tile (``classify``).
+
+    A tile the rule excludes entirely is skipped; one it allows entirely runs without the rule.
+    Rules with exact ranges (the built-in ones) are left to :func:`_sweep`.
+    """
+
+    def guarded(n, carry, rule):
+        if rule is None or not rule.opaque:
+            return step(n, carry, rule)
+        empty, full = classify(n, rule)
+
+        def run(carry):
+            with_rule = functools.partial(step, n, rule=rule)
+            return lax.cond(full, functools.partial(step, n, rule=None), with_rule, carry)
+
+        return lax.cond(empty, lambda carry: carry, run, carry)
+
+    return guarded
+
+
 def sweep_keys(
     tiles: Tiles, q_i, key, value, arrays: CallArrays, state: State, i, q_offset, kv_offset
 ):
@@ -237,10 +271,15 @@ def sweep_keys(
         kv = (tiles.keys(key, j), tiles.keys(value, j))
         return over_heads(head, tiles.heads, (state, q_i, tiles.tile(arrays, i, j, rule)), kv)
 
+    def classify(j, rule):
+        cols = (kv_offset + j * tiles.block_kv, tiles.block_kv)
+        return _tile_class(rule, arrays, (tile_q, tiles.block_q), cols)
+
     rows = (tile_q, tile_q + tiles.block_q)
     return _sweep(
-        step, arrays.rule, lambda r: r.kv_range(*rows), lambda r: r.kv_full_range(*rows),
-        kv_offset, tiles.block_kv, key.shape[0] // tiles.block_kv, state,
+        _classified(step, classify), arrays.rule, lambda r: r.kv_range(*rows),
+        lambda r: r.kv_full_range(*rows), kv_offset, tiles.block_kv,
+        key.shape[0] // tiles.block_kv, state,
     )  # fmt: skip
 
 
@@ -327,10 +366,15 @@ def backward_sweep(
             per_query = (tiles.queries(query, i), rows_i, tiles.tile(arrays, i, j, rule))
             return _accumulate(tiles, grads, over_heads(head, tiles.heads, per_query, kv), i, j)
 
+        def classify(i, rule):
+            rows = (q_offset + i * tiles.block_q, tiles.block_q)
+            return _tile_class(rule, arrays, rows, (tile_kv, tiles.block_kv))
+
         cols = (tile_kv, tile_kv + tiles.block_kv)
         return _sweep(
-            step, arrays.rule, lambda r: r.q_range(*cols), lambda r: r.q_full_range(*cols),
-            q_offset, tiles.block_q, query.shape[0] // tiles.block_q, grads,
+            _classified(step, classify), arrays.rule, lambda r: r.q_range(*cols),
+            lambda r: r.q_full_range(*cols), q_offset, tiles.block_q,
+            query.shape[0] // tiles.block_q, grads,
         )  # fmt: skip
 
     return lax.fori_loop(0, key.shape[0] // tiles.block_kv, key_block, grads)

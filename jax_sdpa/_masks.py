@@ -76,6 +76,16 @@ class MaskRule:
         """
         return self(q_idx, kv_idx)
 
+    @property
+    def opaque(self) -> bool:
+        """Whether the ranges below say nothing of the rule: tiles must evaluate it to know."""
+        return False
+
+    @property
+    def per_head(self) -> bool:
+        """Whether the rule may differ from one query head to another."""
+        return False
+
     def kv_range(self, q_lo: Index, q_hi: Index) -> tuple[Index, Index]:
         """A half-open range of keys that contains every key queries ``[q_lo, q_hi)`` may see."""
         return 0, _NO_LIMIT
@@ -228,6 +238,14 @@ class AndMask(MaskRule):
     def __call__(self, q_idx, kv_idx):
         return self.at(q_idx, kv_idx, 0, 0)
 
+    @property
+    def opaque(self) -> bool:
+        return any(rule.opaque for rule in self.rules)
+
+    @property
+    def per_head(self) -> bool:
+        return any(rule.per_head for rule in self.rules)
+
     def at(self, q_idx, kv_idx, batch, head):
         allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
         parts = (rule.at(q_idx, kv_idx, batch, head) for rule in self.rules)
@@ -255,6 +273,14 @@ class OrMask(MaskRule):
     def __call__(self, q_idx, kv_idx):
         return self.at(q_idx, kv_idx, 0, 0)
 
+    @property
+    def opaque(self) -> bool:
+        return any(rule.opaque for rule in self.rules)
+
+    @property
+    def per_head(self) -> bool:
+        return any(rule.per_head for rule in self.rules)
+
     def at(self, q_idx, kv_idx, batch, head):
         allowed = jnp.zeros(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
         parts = (rule.at(q_idx, kv_idx, batch, head) for rule in self.rules)
@@ -278,12 +304,22 @@ class FunctionMask(MaskRule):
     """A ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` of scalars, evaluated entry by entry.
 
     ``fn`` takes the four indices and then ``consts``, the arrays ``mask_mod`` closed over
-    (``jax.closure_convert``), which are leaves of the rule. Its ranges claim nothing: no block
-    is skipped, none is taken as wholly allowed.
+    (``jax.closure_convert``), which are leaves of the rule; ``uses_head`` is False where it
+    ignores its head argument (then one head's tiles stand for all). Its ranges claim nothing
+    (:attr:`opaque`): the chunked path evaluates it on each tile to skip the tiles it excludes.
     """
 
     fn: Callable = _static()
     consts: tuple = ()
+    uses_head: bool = _static(True)
+
+    @property
+    def opaque(self) -> bool:
+        return True
+
+    @property
+    def per_head(self) -> bool:
+        return self.uses_head
 
     def __call__(self, q_idx, kv_idx):
         return self.at(q_idx, kv_idx, 0, 0)

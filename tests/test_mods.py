@@ -263,3 +263,29 @@ def test_flax_attention_fn_with_a_score_mod_and_a_mask_mod(rng):
     )
     params = theirs.init(jax.random.key(0), x)
     np.testing.assert_allclose(ours.apply(params, x), theirs.apply(params, x), atol=1e-5)
+
+
+def test_chunked_skips_the_tiles_a_mask_mod_excludes(rng):
+    # NaN in a key block is invisible only if the block is never computed (a masked but
+    # computed block would multiply its NaN values by zero weights): as for is_causal.
+    q, k, v = qkv(rng, 1, 8, 8, 2, 1, 4)
+    v = v.at[:, 4:].set(jnp.nan)
+    chunked = {"implementation": "chunked", "block_q": 4, "block_kv": 4}
+    causal = lambda b, h, i, j: j <= i  # noqa: E731
+    out = js.dot_product_attention(q, k, v, mask_mod=causal, **chunked)
+    assert np.isfinite(np.asarray(out)[:, :4]).all()
+    # Each head its own pattern: a tile is skipped only where every head excludes it.
+    by_head = lambda b, h, i, j: (j <= i) & ((h == 0) | (j < 4))  # noqa: E731
+    out = js.dot_product_attention(q, k, v, mask_mod=by_head, **chunked)
+    assert np.isfinite(np.asarray(out)[:, :4]).all() and np.isnan(np.asarray(out)[:, 4:, 0]).all()
+    g = jax.grad(
+        lambda q: js.dot_product_attention(q, k, v, mask_mod=causal, **chunked)[:, :4].sum()
+    )(q)
+    assert np.isfinite(np.asarray(g)[:, :4]).all()  # the backward skips the tile too
+    # The same with finite values equals the dense path.
+    v = v.at[:, 4:].set(1.0)
+    np.testing.assert_allclose(
+        js.dot_product_attention(q, k, v, mask_mod=by_head, **chunked),
+        js.dot_product_attention(q, k, v, mask_mod=by_head, implementation="xla"),
+        atol=1e-6,
+    )
