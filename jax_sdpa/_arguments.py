@@ -11,7 +11,6 @@ The result is one :class:`~jax_sdpa._implementations.Inputs` pytree and one stat
 import dataclasses
 import inspect
 import math
-import weakref
 from typing import NamedTuple
 
 import jax
@@ -236,32 +235,31 @@ def _shared(x: jax.Array, shapes: _Shapes) -> jax.Array:
 _INDEX = jax.ShapeDtypeStruct((), jnp.int32)
 
 
-_EVALUATORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_EVALUATORS: dict = {}  # jaxpr text and shapes → its evaluator; cleared when it grows large
 
 
 def _hoisted(fn, args: list) -> tuple:
     """``(g, arrays)``: ``fn(*args) == g(*args, *arrays)`` for every array ``fn`` closes over.
 
     As ``jax.closure_convert``, but every closed-over array is hoisted, traced or not: a table
-    the function closes over is an input of the compiled program, not a constant baked into it,
-    and ``g`` is cached per function and shapes, so that the next call with new values of the
-    same shapes reuses the compiled program.
+    the function closes over is an input of the compiled program, not a constant baked into it.
+    ``fn`` is traced afresh on every call (it may read values that changed since), and ``g`` is
+    shared by every function that traces to the same program with the same shapes, so that a
+    call with new values, or with a new but equal lambda, reuses the compiled program.
     """
-    closed = jax.make_jaxpr(fn)(*args)
-    key = tuple(jax.typeof(x) for x in (*args, *closed.consts))
-    try:
-        cached = _EVALUATORS.setdefault(fn, {})
-    except TypeError:  # not weakly referable: no cache
-        cached = {}
-    if key not in cached:
+    closed = jax.make_jaxpr(lambda *a: fn(*a))(*args)
+    key = (str(closed.jaxpr), tuple(jax.typeof(x) for x in (*args, *closed.consts)))
+    if key not in _EVALUATORS:
+        if len(_EVALUATORS) > 256:
+            _EVALUATORS.clear()
         jaxpr, count = closed.jaxpr, len(args)
 
         def evaluate(*args_and_arrays):
             arrays = list(args_and_arrays[count:])
             return jaxpr_as_fun(ClosedJaxpr(jaxpr, arrays))(*args_and_arrays[:count])[0]
 
-        cached[key] = evaluate
-    return cached[key], tuple(closed.consts)
+        _EVALUATORS[key] = evaluate
+    return _EVALUATORS[key], tuple(closed.consts)
 
 
 def _convert(name: str, fn, signature: str, example: tuple, kind: str) -> tuple:
@@ -277,19 +275,24 @@ def _convert(name: str, fn, signature: str, example: tuple, kind: str) -> tuple:
         ) from None
     except ValueError:  # no signature to inspect (some built-ins): calling it will tell
         pass
-    converted, consts = _hoisted(fn, args)
-    out = jax.eval_shape(converted, *args, *consts)
-    is_kind = jnp.issubdtype(out.dtype, jnp.floating if kind == "float" else jnp.bool_)
-    if not hasattr(out, "shape") or out.shape != () or not is_kind:
-        got = f"{out.dtype}{list(out.shape)}" if hasattr(out, "shape") else type(out).__name__
+    out = jax.eval_shape(fn, *args)
+    is_array = isinstance(out, jax.ShapeDtypeStruct)
+    want = jnp.floating if kind == "float" else jnp.bool_
+    if not is_array or out.shape != () or not jnp.issubdtype(out.dtype, want):
+        got = f"{out.dtype}{list(out.shape)}" if is_array else type(out).__name__
         raise TypeError(f"`{name}` must return one {kind} scalar; got {got}.")
-    return converted, tuple(consts)
+    return _hoisted(fn, args)
 
 
 def _mask_mod(shapes: _Shapes, mask_mod) -> MaskRule:
     """A built-in rule as it is; a function of ``(batch, head, q_idx, kv_idx)`` as a rule."""
-    if isinstance(mask_mod, MaskRule):
-        return mask_mod
+    if isinstance(mask_mod, MaskRule):  # array fields without the batch axes: shared by all
+
+        def batched(x):
+            x = jnp.asarray(x)
+            return x if x.shape[: len(shapes.batch)] == shapes.batch else _shared(x, shapes)
+
+        return jax.tree.map(batched, mask_mod)
     signature = "mask_mod(batch, head, q_idx, kv_idx) -> bool"
     fn, consts = _convert("mask_mod", mask_mod, signature, (_INDEX,) * 4, "bool")
     jaxpr = jax.make_jaxpr(fn)(*(jnp.int32(0),) * 4, *consts).jaxpr

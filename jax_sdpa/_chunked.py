@@ -416,7 +416,8 @@ def sinks_grad(sinks: jax.Array | None, lse: jax.Array, rows: BackwardRows) -> j
     """
     if sinks is None:
         return None
-    weight = jnp.exp(sinks.astype(lse.dtype)[None, :] - lse)
+    seen = jnp.isfinite(lse)  # a row without keys and with a −∞ sink has no weight anywhere
+    weight = jnp.where(seen, jnp.exp(sinks.astype(lse.dtype)[None, :] - jnp.where(seen, lse, 0)), 0)
     return (-jnp.sum(weight * rows.delta, axis=0)).astype(sinks.dtype)
 
 

@@ -1,7 +1,9 @@
 r"""What one call computes: a static :class:`Formula` and the per-call arrays it reads.
 
 .. math:: \mathrm{out} = \mathrm{dropout}\big(\mathrm{softmax}_{\text{mask}}(
-    \mathrm{cap}(\text{scale} \cdot Q K^\top) + \text{bias})\big)\, V
+    \mathrm{mod}(\mathrm{cap}(\text{scale} \cdot Q K^\top) + \text{bias}))\big)\, V
+
+(the softmax over the keys and, with sinks, one more logit per head for a key without a value)
 
 :meth:`Formula.scores` is the score side of that formula for any block of queries and keys
 (the whole matrix is one block): the dense head calls it once, every tile of the chunked and ring
@@ -62,16 +64,20 @@ class Formula:
         scores = scale_scores(raw_scores(query, key, precision=self.precision), self.scale)
         if self.soft_cap is not None:
             scores = soft_cap_scores(scores, self.soft_cap)
+        mask = arrays.mask
         if arrays.bias is not None:
             scores = scores + arrays.bias.astype(scores.dtype)
+            finite = scores != -jnp.inf  # a −∞ bias masks its key exactly
+            mask = finite if mask is None else mask & finite
         # int32 positions, as the mods were traced with (also where float64 is enabled).
         q_idx = jnp.asarray(q_offset, jnp.int32) + jnp.arange(query.shape[0], dtype=jnp.int32)
         kv_idx = jnp.asarray(kv_offset, jnp.int32) + jnp.arange(key.shape[0], dtype=jnp.int32)
         if self.score_mod is not None:
-            scores = self._modified(scores, arrays, q_idx, kv_idx)
-        mask = arrays.mask
-        if arrays.bias is not None or self.score_mod is not None:
-            finite = scores != -jnp.inf  # a −∞ logit masks its key exactly
+            # The mod sees 0, not −∞, where the bias masked (no NaN in its gradient there), and
+            # a −∞ it returns masks too.
+            safe = scores if mask is None else jnp.where(mask, scores, 0)
+            scores = self._modified(safe, arrays, q_idx, kv_idx)
+            finite = scores != -jnp.inf
             mask = finite if mask is None else mask & finite
         if arrays.rule is not None:
             batch, head = arrays.indices()

@@ -304,9 +304,10 @@ class FunctionMask(MaskRule):
     """A ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` of scalars, evaluated entry by entry.
 
     ``fn`` takes the four indices and then ``consts``, the arrays ``mask_mod`` closed over
-    (``jax.closure_convert``), which are leaves of the rule; ``uses_head`` is False where it
-    ignores its head argument (then one head's tiles stand for all). Its ranges claim nothing
-    (:attr:`opaque`): the chunked path evaluates it on each tile to skip the tiles it excludes.
+    (hoisted as ``jax.closure_convert`` does), which are leaves of the rule; ``uses_head`` is
+    False where it ignores its head argument (then one head's tiles stand for all). Its ranges
+    claim nothing (:attr:`opaque`): the chunked path evaluates it on each tile to skip the tiles
+    it excludes.
     """
 
     fn: Callable = _static()

@@ -187,8 +187,15 @@ def ring_dot_product_attention(
     args = (query, key, value, *extras.values(), *lengths.values())
     args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs, strict=True)]
     # A score_mod or mask_mod is replayed inside the ring as the primitives it was traced to,
-    # whose constants do not vary over the mesh as its operands do: check_vma would refuse them.
-    mods = any(options.get(name) is not None for name in ("score_mod", "mask_mod"))
+    # whose constants do not vary over the mesh as its operands do, and the sinks' gradient is
+    # summed over the devices: check_vma would refuse both.
+    mods = [name for name in ("score_mod", "mask_mod", "sinks") if options.get(name) is not None]
+    if mods and (batch_axis or head_axis):
+        raise ValueError(
+            f"`{mods[0]}` needs the whole batch and all heads on each device (no `batch_axis` or "
+            f"`head_axis`): its batch and head indices would be the device's; got "
+            f"batch_axis={batch_axis!r}, head_axis={head_axis!r}."
+        )
     sharded = jax.shard_map(
         local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=not mods
     )

@@ -69,7 +69,8 @@ def alibi_slopes(num_heads: int) -> Array:
 def alibi(slopes: ArrayLike) -> ScoreMod:
     r"""Linear biases by distance: :math:`s + m_h (j - i)`, negative for past keys.
 
-    ``slopes`` has one entry per query head (:func:`alibi_slopes`, or learned).
+    ``slopes`` has one entry per query head (:func:`alibi_slopes`, or learned). Meant for causal
+    attention, as in the paper: without a causal mask, future keys would get a growing bonus.
 
     References:
         Press, Smith & Lewis, ICLR 2022.

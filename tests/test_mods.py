@@ -289,3 +289,64 @@ def test_chunked_skips_the_tiles_a_mask_mod_excludes(rng):
         js.dot_product_attention(q, k, v, mask_mod=by_head, implementation="xla"),
         atol=1e-6,
     )
+
+
+@each_implementation
+def test_a_minus_infinity_bias_still_masks_under_a_score_mod(rng, impl):
+    # The mod sees 0 where the bias is −∞ (no NaN in the gradient of what it closes over), and
+    # the entry stays masked whatever the mod returns there.
+    q, k, v = qkv(rng, 1, 5, 6, 2, 2, 4)
+    bias = jnp.zeros((1, 2, 5, 6)).at[:, :, :, 2].set(-jnp.inf)
+    t = jnp.array([2.0, 0.5])
+
+    def f(t):
+        mod = lambda s, b, h, i, j: s * t[h]  # noqa: E731
+        return js.dot_product_attention(q, k, v, bias, score_mod=mod, **impl)
+
+    expected = ref.attention(
+        q, k, v, np.asarray(bias), score_mod=lambda s, b, h, i, j: s * np.asarray(t)[h]
+    )
+    np.testing.assert_allclose(f(t), expected["out"], atol=2e-6)
+    assert np.isfinite(np.asarray(jax.grad(lambda t: f(t).sum())(t))).all()
+    capped = js.dot_product_attention(q, k, v, bias, score_mod=js.mods.soft_cap(1.0), **impl)
+    np.testing.assert_allclose(
+        capped, js.dot_product_attention(q, k, v, bias, logits_soft_cap=1.0, **impl), atol=1e-6
+    )
+
+
+def test_a_mod_reading_a_value_that_changed_is_traced_again(rng):
+    q, k, v = qkv(rng, 1, 4, 4, 2, 2, 4)
+    weight = {"w": 1.0}
+    mod = lambda s, b, h, i, j: s * weight["w"]  # noqa: E731
+    first = js.dot_product_attention(q, k, v, score_mod=mod)
+    weight["w"] = 3.0
+    np.testing.assert_allclose(
+        js.dot_product_attention(q, k, v, score_mod=mod),
+        js.dot_product_attention(q, k, v, scale=3.0 / 2.0),
+        atol=1e-6,
+    )
+    assert float(np.abs(first - js.dot_product_attention(q, k, v, score_mod=mod)).max()) > 1e-3
+
+
+@each_implementation
+def test_minus_infinity_sinks_are_no_sinks(rng, impl):
+    q, k, v = qkv(rng, 1, 4, 5, 2, 2, 4)
+    nothing = lambda b, h, i, j: (i != 1) & (j >= 0)  # noqa: E731
+    sinks = jnp.full((2,), -jnp.inf)
+
+    def f(sinks):
+        return js.dot_product_attention(q, k, v, mask_mod=nothing, sinks=sinks, **impl)
+
+    np.testing.assert_allclose(
+        f(sinks), js.dot_product_attention(q, k, v, mask_mod=nothing, **impl), atol=1e-6
+    )
+    np.testing.assert_array_equal(np.asarray(jax.grad(lambda s: f(s).sum())(sinks)), 0)
+
+
+def test_built_in_rules_without_batch_axes_are_shared():
+    q = jnp.ones((2, 5, 2, 4))
+    shared = js.dot_product_attention(q, q, q, mask_mod=js.LengthMask(None, jnp.array(3)))
+    lengths = jnp.array([3, 3], jnp.int32)
+    np.testing.assert_array_equal(
+        shared, js.dot_product_attention(q, q, q, key_value_seq_lengths=lengths)
+    )

@@ -196,3 +196,23 @@ def test_ring_with_score_mod_mask_mod_and_sinks_in_global_positions(layout):
         return js.dot_product_attention(q, k, v, **options(slopes, sinks))
 
     check(ring, dense, (q, k, v, slopes, sinks), argnums=(0, 1, 2, 3, 4))
+
+
+def test_ring_with_sinks_alone_and_mods_refusing_sharded_heads():
+    q, k, v = inputs(8)
+    sinks = jnp.asarray(np.random.default_rng(9).normal(size=4), jnp.float32)
+    ring = functools.partial(
+        js.ring_dot_product_attention, mesh=mesh((8,), ("seq",)), seq_axis="seq", is_causal=True,
+        block_q=4, block_kv=4,
+    )  # fmt: skip
+    check(
+        lambda q, k, v, s: ring(q, k, v, sinks=s),
+        lambda q, k, v, s: js.dot_product_attention(q, k, v, is_causal=True, sinks=s),
+        (q, k, v, sinks),
+        argnums=(0, 1, 2, 3),
+    )
+    with pytest.raises(ValueError, match="^`sinks` needs the whole batch and all heads"):
+        js.ring_dot_product_attention(
+            q, k, v, mesh=mesh((4, 2), ("seq", "heads")), seq_axis="seq", head_axis="heads",
+            sinks=sinks,
+        )  # fmt: skip
