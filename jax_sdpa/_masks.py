@@ -229,11 +229,12 @@ class SegmentMask(MaskRule):
         return self.q_segment_ids[q_idx] == self.kv_segment_ids[kv_idx]
 
 
-@_rule
-class AndMask(MaskRule):
-    """Allowed where every one of ``rules`` allows; no rules at all allows everything."""
+class _Combination(MaskRule):
+    """Rules combined entry by entry with ``_combine`` (``_empty`` where there are none)."""
 
-    rules: tuple[MaskRule, ...] = ()
+    rules: tuple[MaskRule, ...]
+    _combine: Callable
+    _empty: bool
 
     def __call__(self, q_idx, kv_idx):
         return self.at(q_idx, kv_idx, 0, 0)
@@ -247,9 +248,18 @@ class AndMask(MaskRule):
         return any(rule.per_head for rule in self.rules)
 
     def at(self, q_idx, kv_idx, batch, head):
-        allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
+        shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
         parts = (rule.at(q_idx, kv_idx, batch, head) for rule in self.rules)
-        return functools.reduce(jnp.logical_and, parts, allowed)
+        return functools.reduce(self._combine, parts, jnp.full(shape, self._empty))
+
+
+@_rule
+class AndMask(_Combination):
+    """Allowed where every one of ``rules`` allows; no rules at all allows everything."""
+
+    rules: tuple[MaskRule, ...] = ()
+
+    _combine, _empty = staticmethod(jnp.logical_and), True
 
     def kv_range(self, q_lo, q_hi):
         return _intersect(rule.kv_range(q_lo, q_hi) for rule in self.rules)
@@ -265,26 +275,12 @@ class AndMask(MaskRule):
 
 
 @_rule
-class OrMask(MaskRule):
+class OrMask(_Combination):
     """Allowed where any one of ``rules`` allows; no rules at all allows nothing."""
 
     rules: tuple[MaskRule, ...] = ()
 
-    def __call__(self, q_idx, kv_idx):
-        return self.at(q_idx, kv_idx, 0, 0)
-
-    @property
-    def opaque(self) -> bool:
-        return any(rule.opaque for rule in self.rules)
-
-    @property
-    def per_head(self) -> bool:
-        return any(rule.per_head for rule in self.rules)
-
-    def at(self, q_idx, kv_idx, batch, head):
-        allowed = jnp.zeros(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
-        parts = (rule.at(q_idx, kv_idx, batch, head) for rule in self.rules)
-        return functools.reduce(jnp.logical_or, parts, allowed)
+    _combine, _empty = staticmethod(jnp.logical_or), False
 
     def kv_range(self, q_lo, q_hi):
         return _hull(rule.kv_range(q_lo, q_hi) for rule in self.rules)
