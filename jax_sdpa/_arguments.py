@@ -258,6 +258,7 @@ def _hoisted(fn, args: list) -> tuple:
             arrays = list(args_and_arrays[count:])
             return jaxpr_as_fun(ClosedJaxpr(jaxpr, arrays))(*args_and_arrays[:count])[0]
 
+        evaluate.jaxpr = jaxpr  # what the function computes, to inspect without tracing again
         _EVALUATORS[key] = evaluate
     return _EVALUATORS[key], tuple(closed.consts)
 
@@ -295,7 +296,7 @@ def _mask_mod(shapes: _Shapes, mask_mod) -> MaskRule:
         return jax.tree.map(batched, mask_mod)
     signature = "mask_mod(batch, head, q_idx, kv_idx) -> bool"
     fn, consts = _convert("mask_mod", mask_mod, signature, (_INDEX,) * 4, "bool")
-    jaxpr = jax.make_jaxpr(fn)(*(jnp.int32(0),) * 4, *consts).jaxpr
+    jaxpr = fn.jaxpr
     head = jaxpr.invars[1]
     uses_head = any(head is x for eqn in jaxpr.eqns for x in eqn.invars) or any(
         head is x for x in jaxpr.outvars
