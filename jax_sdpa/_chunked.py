@@ -39,7 +39,7 @@ from jax import lax
 from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._formula import CallArrays, Formula, window
 from jax_sdpa._heads import Result, over_heads
-from jax_sdpa._masks import LengthMask, MaskRule
+from jax_sdpa._masks import BlockMask, LengthMask, MaskRule, classify_blocks
 from jax_sdpa._online_softmax import State, zeros_from
 from jax_sdpa._steps import accumulation_dtype, weighted_sum
 
@@ -216,21 +216,8 @@ def _sweep(step, rule: MaskRule | None, reach, full_reach, offset, block: int, c
     return carry
 
 
-def _tile_class(rule: MaskRule, arrays: CallArrays, rows: tuple, cols: tuple):
-    """``(empty, full)``: whether ``rule`` allows no entry, or every entry, of a tile, all heads.
-
-    ``rows`` and ``cols`` are ``(global start, count)``; ``arrays`` are one sequence's.
-    """
-    q_idx = rows[0] + jnp.arange(rows[1], dtype=jnp.int32)[:, None]
-    kv_idx = cols[0] + jnp.arange(cols[1], dtype=jnp.int32)[None, :]
-    batch, heads = arrays.indices()
-    heads = jnp.atleast_1d(heads) if rule.per_head else jnp.zeros(1, jnp.int32)
-    allowed = jax.vmap(lambda head: rule.at(q_idx, kv_idx, batch, head))(heads)
-    return ~allowed.any(), allowed.all()
-
-
 def _classified(step, classify):
-    """``step(n, carry, rule)`` that first evaluates an opaque rule on the tile (``classify``).
+    """``step(n, carry, rule)`` that first reads the class of an opaque rule's tile (``classify``).
 
     A tile the rule excludes entirely is skipped; one it allows entirely runs without the rule.
     Rules with exact ranges (the built-in ones) are left to :func:`_sweep`.
@@ -248,6 +235,13 @@ def _classified(step, classify):
         return lax.cond(empty, lambda carry: carry, run, carry)
 
     return guarded
+
+
+def _tile_class(rule: MaskRule, arrays: CallArrays, rows: tuple, cols: tuple):
+    """``rule.tile_class`` of the tile ``rows × cols``, each ``(global start, count)``."""
+    q_idx, kv_idx = (start + jnp.arange(count, dtype=jnp.int32) for start, count in (rows, cols))
+    batch, heads = arrays.indices()
+    return rule.tile_class(q_idx, kv_idx, batch, jnp.atleast_1d(heads))
 
 
 def sweep_keys(
@@ -504,6 +498,20 @@ def _pad_to(x: jax.Array | None, axis: int, multiple: int, value=0) -> jax.Array
     return jnp.pad(x, widths, constant_values=value)
 
 
+def _blocked(tiles: Tiles, arrays: CallArrays, seq_q: int, seq_kv: int) -> BlockMask:
+    """The call's opaque rule with the class of each of its tiles, for both passes to read.
+
+    Classifying once costs one evaluation of the rule per entry; the backward pass then reads
+    the classes instead of evaluating it again. The padded keys count (the rule masks them),
+    the padded queries do not (they are dropped).
+    """
+    batch, heads = arrays.indices()
+    classes = classify_blocks(
+        arrays.rule, seq_q, seq_kv, tiles.block_q, tiles.block_kv, batch, jnp.atleast_1d(heads)
+    )
+    return BlockMask(arrays.rule, classes, tiles.block_q, tiles.block_kv, seq_q, seq_kv)
+
+
 def chunked_sequence(
     formula: Formula, tiling: Tiling, query, key, value, arrays: CallArrays
 ) -> Result:
@@ -529,5 +537,7 @@ def chunked_sequence(
     )
     query = _pad_to(query, 0, block_q)
     key, value = (_pad_to(x, 0, block_kv) for x in (key, value))
+    if arrays.rule is not None and arrays.rule.opaque:
+        arrays = dataclasses.replace(arrays, rule=_blocked(tiles, arrays, seq_q, key.shape[0]))
     out, lse = _flash(tiles, query, key, value, arrays)
     return Result(out[:seq_q], lse[:seq_q], None)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+from jax import lax
 from jaxtyping import Array
 
 
@@ -51,15 +52,31 @@ def over_heads(fn: Callable, heads: tuple[int, int], per_query: Any, per_kv: Any
     return jax.vmap(kv_head, in_axes=axes, axis_size=kv_heads)(*args)
 
 
-def over_batch(fn: Callable, batch_shape: tuple[int, ...], *args: Any) -> Any:
+def over_batch(
+    fn: Callable, batch_shape: tuple[int, ...], *args: Any, sequential: bool = False
+) -> Any:
     """``fn(*args)`` for each sequence: every leaf of ``args`` leads with ``batch_shape`` (or 1s).
 
-    One ``jax.vmap`` per batch axis; unbatched (``batch_shape = ()``) calls ``fn`` directly.
+    One ``jax.vmap`` per batch axis, or with ``sequential`` one ``lax.map``: one sequence after
+    the other, so that a ``lax.cond`` in ``fn`` that depends on the sequence still branches
+    (under ``vmap`` it would compute both sides). Unbatched (``batch_shape = ()``) calls ``fn``.
     """
     if not batch_shape:
         return fn(*args)
-    args, axes = _split(args)
-    inner = jax.vmap(
-        lambda *a: over_batch(fn, batch_shape[1:], *a), in_axes=axes, axis_size=batch_shape[0]
-    )
-    return inner(*args)
+
+    def inner(*args):
+        return over_batch(fn, batch_shape[1:], *args, sequential=sequential)
+
+    if not sequential or batch_shape[0] == 1:  # (a batch of one: nothing to map over)
+        args, axes = _split(args)
+        return jax.vmap(inner, in_axes=axes, axis_size=batch_shape[0])(*args)
+    leaves, treedef = jax.tree.flatten(args)
+    shared = [x.shape[0] == 1 for x in leaves]
+
+    pairs = list(zip(leaves, shared, strict=True))
+
+    def one(sequence):
+        rows = iter(sequence)
+        return inner(*treedef.unflatten([x[0] if s else next(rows) for x, s in pairs]))
+
+    return lax.map(one, [x for x, s in pairs if not s])

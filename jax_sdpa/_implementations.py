@@ -55,10 +55,19 @@ class Inputs:
     value: Array
     arrays: CallArrays
 
-    def over_batch(self, sequence: Callable) -> Result:
+    def over_batch(self, sequence: Callable, *, sequential: bool = False) -> Result:
         """``sequence(query, key, value, arrays)`` for one sequence, mapped over the batch."""
         batch_shape = self.query.shape[:-3]
-        return over_batch(sequence, batch_shape, self.query, self.key, self.value, self.arrays)
+        args = (self.query, self.key, self.value, self.arrays)
+        return over_batch(sequence, batch_shape, *args, sequential=sequential)
+
+    @property
+    def tiles_classified(self) -> bool:
+        """Whether the tiled paths read each tile's class of the rule (which depends on data).
+
+        They then map the batch sequence by sequence, so that empty tiles are still skipped.
+        """
+        return self.arrays.rule is not None and self.arrays.rule.opaque
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +97,8 @@ def _dense(inputs: Inputs, config: Config) -> Result:
 
 
 def _chunked(inputs: Inputs, config: Config) -> Result:
-    return inputs.over_batch(functools.partial(chunked_sequence, config.formula, config.tiling))
+    sequence = functools.partial(chunked_sequence, config.formula, config.tiling)
+    return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
 
 
 def _chunked_unsupported(inputs: Inputs, config: Config) -> str | None:
@@ -102,7 +112,7 @@ def _chunked_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 def _ring(inputs: Inputs, config: Config) -> Result:
     sequence = functools.partial(ring_sequence, config.formula, config.tiling, config.ring)
-    return inputs.over_batch(sequence)
+    return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
 
 
 def _rule_parts(rule: MaskRule | None) -> tuple[MaskRule, ...]:

@@ -31,10 +31,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Bool, Integer
 
 __all__ = [
     "AndMask",
+    "BlockMask",
     "CausalMask",
     "FunctionMask",
     "LengthMask",
@@ -101,6 +103,24 @@ class MaskRule:
     def q_full_range(self, kv_lo: Index, kv_hi: Index) -> tuple[Index, Index]:
         """A half-open range of queries that may see every key in ``[kv_lo, kv_hi)``."""
         return 0, 0
+
+    def tile_class(self, q_idx, kv_idx, batch: Index, heads) -> tuple[Bool[Array, ""], ...]:
+        """``(empty, full)``: whether no entry, or every entry, of a tile is allowed, all heads.
+
+        The tile is ``q_idx × kv_idx``, each a run of consecutive positions (which may repeat
+        its last one), for sequence ``batch`` and every query head in ``heads``. An answer may
+        err only towards "partial": a tile called empty or full is so. A rule with ranges reads
+        them; an :attr:`opaque` one is evaluated on the tile.
+        """
+        if self.opaque:
+            heads = heads if self.per_head else heads[:1]
+            grid = q_idx[:, None], kv_idx[None, :]
+            allowed = jax.vmap(lambda head: self.at(*grid, batch, head))(heads)
+            return ~allowed.any(), allowed.all()
+        rows = q_idx[0], q_idx[-1] + 1
+        (lo, hi), (full_lo, full_hi) = self.kv_range(*rows), self.kv_full_range(*rows)
+        start, stop = kv_idx[0], kv_idx[-1] + 1
+        return (hi <= start) | (lo >= stop), (full_lo <= start) & (full_hi >= stop)
 
     def __and__(self, other: "MaskRule") -> "AndMask":
         return AndMask((self, other))
@@ -228,9 +248,17 @@ class SegmentMask(MaskRule):
     def __call__(self, q_idx, kv_idx):
         return self.q_segment_ids[q_idx] == self.kv_segment_ids[kv_idx]
 
+    @property
+    def opaque(self) -> bool:  # where segments start is data: a tile must look at its ids
+        return True
+
 
 class _Combination(MaskRule):
-    """Rules combined entry by entry with ``_combine`` (``_empty`` where there are none)."""
+    """Rules combined entry by entry with ``_combine`` (``_empty`` where there are none).
+
+    A tile's class combines its parts' (:meth:`MaskRule.tile_class`): under ``&`` a tile is
+    empty if one part is and full if all are; under ``|`` the converse.
+    """
 
     rules: tuple[MaskRule, ...]
     _combine: Callable
@@ -247,6 +275,11 @@ class _Combination(MaskRule):
     def per_head(self) -> bool:
         return any(rule.per_head for rule in self.rules)
 
+    def _part_classes(self, q_idx, kv_idx, batch, heads) -> tuple[Array, Array]:
+        """Each part's ``(empty, full)`` on a tile, as two boolean vectors."""
+        parts = [rule.tile_class(q_idx, kv_idx, batch, heads) for rule in self.rules]
+        return jnp.array([e for e, _ in parts], bool), jnp.array([f for _, f in parts], bool)
+
     def at(self, q_idx, kv_idx, batch, head):
         shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
         parts = (rule.at(q_idx, kv_idx, batch, head) for rule in self.rules)
@@ -260,6 +293,10 @@ class AndMask(_Combination):
     rules: tuple[MaskRule, ...] = ()
 
     _combine, _empty = staticmethod(jnp.logical_and), True
+
+    def tile_class(self, q_idx, kv_idx, batch, heads):
+        empty, full = self._part_classes(q_idx, kv_idx, batch, heads)
+        return empty.any(), full.all()
 
     def kv_range(self, q_lo, q_hi):
         return _intersect(rule.kv_range(q_lo, q_hi) for rule in self.rules)
@@ -281,6 +318,10 @@ class OrMask(_Combination):
     rules: tuple[MaskRule, ...] = ()
 
     _combine, _empty = staticmethod(jnp.logical_or), False
+
+    def tile_class(self, q_idx, kv_idx, batch, heads):
+        empty, full = self._part_classes(q_idx, kv_idx, batch, heads)
+        return empty.all(), full.any()
 
     def kv_range(self, q_lo, q_hi):
         return _hull(rule.kv_range(q_lo, q_hi) for rule in self.rules)
@@ -322,11 +363,104 @@ class FunctionMask(MaskRule):
         return self.at(q_idx, kv_idx, 0, 0)
 
     def at(self, q_idx, kv_idx, batch, head):
+        def entry(q, kv):
+            return self.fn(batch, head, q, kv, *self.consts)
+
+        if jnp.ndim(q_idx) == jnp.ndim(kv_idx) == 2 and q_idx.shape[1] == kv_idx.shape[0] == 1:
+            # A grid: what depends on the query alone (a document id) is computed once a row.
+            return jax.vmap(jax.vmap(entry, (None, 0)), (0, None))(q_idx[:, 0], kv_idx[0])
         q_idx, kv_idx = jnp.broadcast_arrays(q_idx, kv_idx)
-        allowed = jax.vmap(lambda q, kv: self.fn(batch, head, q, kv, *self.consts))(
-            q_idx.ravel(), kv_idx.ravel()
+        return jax.vmap(entry)(q_idx.ravel(), kv_idx.ravel()).reshape(q_idx.shape)
+
+
+EMPTY, PARTIAL, FULL = 0, 1, 2  # a tile's class in a BlockMask
+
+
+@_rule
+class BlockMask(MaskRule):
+    """A rule with the class of each of its tiles computed once (:func:`create_block_mask`).
+
+    ``classes[batch, head, i, j]`` is ``EMPTY`` (0: the rule allows no entry of query block
+    ``i`` × key block ``j``; the chunked and ring paths skip it), ``FULL`` (2: every entry;
+    they compute it without evaluating the rule) or ``PARTIAL`` (1: they evaluate ``rule``
+    there). Its batch and head axes may be 1, shared by all. Any entry is ``rule``'s answer.
+    """
+
+    rule: MaskRule
+    classes: Integer[Array, "*batch heads q_blocks kv_blocks"]
+    block_q: int = _static()
+    block_kv: int = _static()
+    q_len: int = _static()
+    kv_len: int = _static()
+
+    @property
+    def opaque(self) -> bool:
+        return True
+
+    @property
+    def per_head(self) -> bool:
+        return self.rule.per_head
+
+    def __call__(self, q_idx, kv_idx):
+        return self.rule(q_idx, kv_idx)
+
+    def at(self, q_idx, kv_idx, batch, head):
+        return self.rule.at(q_idx, kv_idx, batch, head)
+
+    def tile_class(self, q_idx, kv_idx, batch, heads):
+        """Read from :attr:`classes` (one sequence's, ``(heads, q_blocks, kv_blocks)``).
+
+        The tile may cover several blocks, or parts of them: it is empty (full) if every block
+        it touches is.
+        """
+        classes = self.classes if self.classes.shape[0] == 1 else self.classes[heads]
+        rows, row_seen = _touched(q_idx, self.block_q, classes.shape[1])
+        cols, col_seen = _touched(kv_idx, self.block_kv, classes.shape[2])
+        touched = lax.dynamic_slice(
+            classes, (0, rows, cols), (classes.shape[0], row_seen.size, col_seen.size)
         )
-        return allowed.reshape(q_idx.shape)
+        seen = (row_seen[:, None] & col_seen[None, :])[None]
+        return jnp.all((touched == EMPTY) | ~seen), jnp.all((touched == FULL) | ~seen)
+
+
+def _touched(idx, block: int, count: int) -> tuple[Array, Array]:
+    """``(first, seen)``: the blocks a run of positions touches are ``first + n`` where ``seen``.
+
+    ``seen`` has a static size, the most blocks a run of ``idx.size`` positions can touch.
+    """
+    size = min(-(-idx.size // block) + 1, count)
+    lo, hi = idx[0] // block, idx[-1] // block + 1
+    first = jnp.clip(lo, 0, count - size)
+    blocks = first + jnp.arange(size)
+    return first, (blocks >= lo) & (blocks < hi)
+
+
+# Tiles classified per step of the loop that builds a BlockMask: the step holds this many
+# entries of the mask at most, whatever the sequence lengths.
+_ENTRIES_PER_STEP = 2**22
+
+
+def classify_blocks(
+    rule: MaskRule, q_len: int, kv_len: int, block_q: int, block_kv: int, batch: Index, heads
+) -> Integer[Array, "heads q_blocks kv_blocks"]:
+    """The :class:`BlockMask` classes of one sequence, ``(len(heads) or 1, q_blocks, kv_blocks)``.
+
+    Tiles are classified with :meth:`MaskRule.tile_class`, a few at a time: the mask is never
+    held whole. Positions past ``q_len`` (``kv_len``) in the last blocks are not looked at.
+    """
+    heads = heads if rule.per_head else heads[:1]
+    q_blocks, kv_blocks = -(-q_len // block_q), -(-kv_len // block_kv)
+
+    def tile(ij):
+        i, j = jnp.divmod(ij, kv_blocks)
+        q_idx = jnp.minimum(i * block_q + jnp.arange(block_q), q_len - 1)
+        kv_idx = jnp.minimum(j * block_kv + jnp.arange(block_kv), kv_len - 1)
+        empty, full = jax.vmap(lambda h: rule.tile_class(q_idx, kv_idx, batch, h[None]))(heads)
+        return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int8)
+
+    per_step = max(1, _ENTRIES_PER_STEP // (heads.size * block_q * block_kv))
+    classes = lax.map(tile, jnp.arange(q_blocks * kv_blocks), batch_size=per_step)
+    return classes.T.reshape(heads.size, q_blocks, kv_blocks)
 
 
 def _intersect(ranges) -> tuple[Index, Index]:
