@@ -24,6 +24,7 @@ from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._implementations import Config, Inputs, Output, choose
 from jax_sdpa._masks import (
     AndMask,
+    BlockMask,
     CausalMask,
     FunctionMask,
     LengthMask,
@@ -286,14 +287,28 @@ def _convert(name: str, fn, signature: str, example: tuple, kind: str) -> tuple:
 
 
 def _mask_mod(shapes: _Shapes, mask_mod) -> MaskRule:
-    """A built-in rule as it is; a function of ``(batch, head, q_idx, kv_idx)`` as a rule."""
-    if isinstance(mask_mod, MaskRule):  # array fields without the batch axes: shared by all
+    """A function of ``(batch, head, q_idx, kv_idx)`` as a rule; a rule or block mask checked.
+
+    Arrays a function closed over are shared by the batch (it indexes them with ``batch``
+    itself); a rule's array fields are mapped over the batch where they lead with it.
+    """
+    if isinstance(mask_mod, BlockMask):
+        return _block_mask(shapes, mask_mod)
+    if isinstance(mask_mod, FunctionMask):
+        consts = tuple(_shared(x, shapes) for x in mask_mod.consts)
+        return dataclasses.replace(mask_mod, consts=consts)
+    if isinstance(mask_mod, MaskRule):
 
         def batched(x):
             x = jnp.asarray(x)
             return x if x.shape[: len(shapes.batch)] == shapes.batch else _shared(x, shapes)
 
         return jax.tree.map(batched, mask_mod)
+    return _mask_mod(shapes, function_mask(mask_mod))
+
+
+def function_mask(mask_mod) -> FunctionMask:
+    """A user's ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` as a rule, checked."""
     signature = "mask_mod(batch, head, q_idx, kv_idx) -> bool"
     fn, consts = _convert("mask_mod", mask_mod, signature, (_INDEX,) * 4, "bool")
     jaxpr = fn.jaxpr
@@ -301,7 +316,29 @@ def _mask_mod(shapes: _Shapes, mask_mod) -> MaskRule:
     uses_head = any(head is x for eqn in jaxpr.eqns for x in eqn.invars) or any(
         head is x for x in jaxpr.outvars
     )
-    return FunctionMask(fn, tuple(_shared(x, shapes) for x in consts), uses_head)
+    return FunctionMask(fn, consts, uses_head)
+
+
+def _block_mask(shapes: _Shapes, block_mask: BlockMask) -> BlockMask:
+    """A :class:`~jax_sdpa.BlockMask` made for this call's sequences, batch and heads."""
+    seq = (shapes.seq_q * shapes.shards, shapes.seq_kv * shapes.shards)
+    if (block_mask.q_len, block_mask.kv_len) != seq:
+        raise ValueError(
+            "`mask_mod` is a BlockMask for (q_len, kv_len) = "
+            f"{(block_mask.q_len, block_mask.kv_len)}; the call's sequences are {seq}."
+        )
+    batch, heads = block_mask.classes.shape[:2]
+    if batch not in (1, math.prod(shapes.batch)) or heads not in (1, shapes.heads):
+        raise ValueError(
+            f"`mask_mod` is a BlockMask for batch {batch} and {heads} heads; the call has "
+            f"batch {math.prod(shapes.batch)} and {shapes.heads} heads (or use 1 for either)."
+        )
+    leading = shapes.batch if batch > 1 else (1,) * len(shapes.batch)
+    return dataclasses.replace(
+        block_mask,
+        rule=_mask_mod(shapes, block_mask.rule),
+        classes=block_mask.classes.reshape(leading + block_mask.classes.shape[1:]),
+    )
 
 
 def _score_mod(shapes: _Shapes, query_dtype, score_mod=None, **_) -> tuple:
@@ -391,6 +428,5 @@ def _static_float(name: str, value) -> float:
 def _tiling(block_q=DEFAULT_BLOCK_Q, block_kv=DEFAULT_BLOCK_KV, **_) -> Tiling:
     """The chunked and ring paths' tile, checked."""
     for name, block in (("block_q", block_q), ("block_kv", block_kv)):
-        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-            raise ValueError(f"`{name}` must be a positive int; got {block!r}.")
+        _checks.check_positive_int(name, block)
     return Tiling(block_q, block_kv)

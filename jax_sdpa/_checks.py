@@ -79,3 +79,9 @@ def check_choice(name: str, value, choices: Sequence) -> None:
     """``value`` must be one of ``choices``."""
     if value not in choices:
         raise ValueError(f"`{name}` must be one of {', '.join(map(repr, choices))}; got {value!r}.")
+
+
+def check_positive_int(name: str, value) -> None:
+    """A Python int ≥ 1 (a static size: a length, a tile)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int; got {value!r}.")

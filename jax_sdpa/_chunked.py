@@ -216,23 +216,24 @@ def _sweep(step, rule: MaskRule | None, reach, full_reach, offset, block: int, c
     return carry
 
 
-def _classified(step, classify):
-    """``step(n, carry, rule)`` that first reads the class of an opaque rule's tile (``classify``).
+def _classified(tile, classify, skip):
+    """``tile(n, x, rule)`` that first reads the class of an opaque rule's tile (``classify``).
 
-    A tile the rule excludes entirely is skipped; one it allows entirely runs without the rule.
-    Rules with exact ranges (the built-in ones) are left to :func:`_sweep`.
+    A tile the rule excludes entirely gives ``skip(n, x)``; one it allows entirely runs without
+    the rule. Rules with exact ranges (the built-in ones) are left to :func:`_sweep`. ``x`` is
+    what the branches take and give: keep it small (a whole-sequence array there is copied).
     """
 
-    def guarded(n, carry, rule):
+    def guarded(n, x, rule):
         if rule is None or not rule.opaque:
-            return step(n, carry, rule)
+            return tile(n, x, rule)
         empty, full = classify(n, rule)
 
-        def run(carry):
-            with_rule = functools.partial(step, n, rule=rule)
-            return lax.cond(full, functools.partial(step, n, rule=None), with_rule, carry)
+        def run(x):
+            with_rule = functools.partial(tile, n, rule=rule)
+            return lax.cond(full, functools.partial(tile, n, rule=None), with_rule, x)
 
-        return lax.cond(empty, lambda carry: carry, run, carry)
+        return lax.cond(empty, functools.partial(skip, n), run, x)
 
     return guarded
 
@@ -270,8 +271,9 @@ def sweep_keys(
         return _tile_class(rule, arrays, (tile_q, tiles.block_q), cols)
 
     rows = (tile_q, tile_q + tiles.block_q)
+    guarded = _classified(step, classify, skip=lambda j, state: state)
     return _sweep(
-        _classified(step, classify), arrays.rule, lambda r: r.kv_range(*rows),
+        guarded, arrays.rule, lambda r: r.kv_range(*rows),
         lambda r: r.kv_full_range(*rows), kv_offset, tiles.block_kv,
         key.shape[0] // tiles.block_kv, state,
     )  # fmt: skip
@@ -345,7 +347,7 @@ def backward_sweep(
         kv = (tiles.keys(key, j), tiles.keys(value, j))
         tile_kv = kv_offset + j * tiles.block_kv
 
-        def step(i, grads, rule):
+        def tile(i, _, rule):
             tile_q = q_offset + i * tiles.block_q
 
             def head(per_query, per_kv):
@@ -358,15 +360,24 @@ def backward_sweep(
                 tiles.queries(rows.shift, i, vector=True),
             )
             per_query = (tiles.queries(query, i), rows_i, tiles.tile(arrays, i, j, rule))
-            return _accumulate(tiles, grads, over_heads(head, tiles.heads, per_query, kv), i, j)
+            return over_heads(head, tiles.heads, per_query, kv)
 
         def classify(i, rule):
             rows = (q_offset + i * tiles.block_q, tiles.block_q)
             return _tile_class(rule, arrays, rows, (tile_kv, tiles.block_kv))
 
+        def skip(i, _):  # a skipped tile's gradients: zeros, for the accumulators to stay out
+            shapes = jax.eval_shape(functools.partial(tile, i, None, rule=None))
+            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+
+        guarded = _classified(tile, classify, skip)
+
+        def step(i, grads, rule):
+            return _accumulate(tiles, grads, guarded(i, None, rule), i, j)
+
         cols = (tile_kv, tile_kv + tiles.block_kv)
         return _sweep(
-            _classified(step, classify), arrays.rule, lambda r: r.q_range(*cols),
+            step, arrays.rule, lambda r: r.q_range(*cols),
             lambda r: r.q_full_range(*cols), q_offset, tiles.block_q,
             query.shape[0] // tiles.block_q, grads,
         )  # fmt: skip

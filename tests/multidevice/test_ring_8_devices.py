@@ -169,20 +169,26 @@ def test_ring_log_sum_exp_and_its_gradients(layout):
     check(lambda *a: ring(*a)[1], lambda *a: dense(*a)[1], inputs(4), argnums=(0, 1))
 
 
+@pytest.mark.parametrize("block_mask", [False, True], ids=["function", "block_mask"])
 @pytest.mark.parametrize("layout", ["contiguous", "striped"])
-def test_ring_with_score_mod_mask_mod_and_sinks_in_global_positions(layout):
+def test_ring_with_score_mod_mask_mod_and_sinks_in_global_positions(layout, block_mask):
     # ALiBi (learned slopes), a document mask and sinks: positions are those of the whole
-    # sequence whatever the layout; gradients reach the slopes and the sinks.
+    # sequence whatever the layout; gradients reach the slopes and the sinks. The mask may be
+    # a BlockMask of the whole sequence (its tiles, 8 × 8, are not the ring's).
     q, k, v = inputs(6)
     gen = np.random.default_rng(7)
     doc = jnp.asarray(np.sort(gen.integers(0, 4, size=(2, 64)), axis=1), jnp.int32)
     slopes = jnp.asarray(gen.uniform(0.1, 1.0, size=4), jnp.float32)
     sinks = jnp.asarray(gen.normal(size=4), jnp.float32)
+    mask_mod = lambda b, h, i, j: (doc[b, i] == doc[b, j]) & (j <= i)  # noqa: E731
+    if block_mask:
+        mask_mod = js.create_block_mask(mask_mod, 2, None, 64, 64, block_q=8, block_kv=8)
+        assert (mask_mod.classes == 0).any()  # some tiles are skipped
 
     def options(slopes, sinks):
         return dict(
             score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i).astype(s.dtype),
-            mask_mod=lambda b, h, i, j: (doc[b, i] == doc[b, j]) & (j <= i),
+            mask_mod=mask_mod,
             sinks=sinks,
         )
 
