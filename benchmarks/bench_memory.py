@@ -2,6 +2,7 @@
 
     python benchmarks/bench_memory.py [--rss-max-nn 16384] [--rss-max-bwd 65536]
                                       [--rss-long 262144 ...] [--out benchmarks/results]
+    python benchmarks/bench_memory.py --mods 65536
 
 Two measures, because XLA's ahead-of-time figure is unreliable on CPU (it has reported 0 bytes
 of temporaries for a graph that grew the process by hundreds of MiB):
@@ -10,6 +11,9 @@ of temporaries for a graph that grew the process by hundreds of MiB):
 * RSS: a fresh subprocess compiles, allocates the inputs, resets the kernel's high-water mark
   (``/proc/self/clear_refs``), runs once, and reports the peak resident memory above what it
   held just before the call.
+
+``--mods T`` measures only the RSS growth of a chunked call with ALiBi as a ``score_mod`` and a
+causal ``mask_mod`` lambda (no ranges: its tiles are classified by evaluating it).
 
 It also finds, by AOT, the longest power-of-two sequence whose forward+backward needs at most
 1 GiB of temporaries, and checks by RSS that the chunked forward+backward at ``--rss-long``
@@ -32,9 +36,15 @@ def build(impl: str, mode: str):
 
     import jax_sdpa
 
+    chunked = functools.partial(jax_sdpa.dot_product_attention, implementation="chunked")
     fn = {
-        "chunked": functools.partial(jax_sdpa.dot_product_attention, implementation="chunked"),
+        "chunked": chunked,
         "jax.nn": functools.partial(jax.nn.dot_product_attention, implementation="xla"),
+        "mods": functools.partial(  # ALiBi as a score_mod, causal as a mask_mod lambda
+            chunked,
+            score_mod=jax_sdpa.mods.alibi(jax_sdpa.mods.alibi_slopes(1)),
+            mask_mod=lambda b, h, i, j: j <= i,
+        ),
     }[impl]
     if mode == "fwd":
         return jax.jit(fn)
@@ -97,10 +107,21 @@ def main():
         help="longer T at which to measure the chunked fwd+bwd's RSS growth",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument(
+        "--mods", type=int, metavar="T",
+        help="only the RSS growth of ALiBi (score_mod) + causal (mask_mod lambda) at this T",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.child:
         impl, mode, seq = args.child
         rss_child(impl, mode, int(seq))
+        return
+    if args.mods:
+        print(f"# T = {args.mods}, one head, d = 64, f32: ALiBi score_mod + causal mask_mod")
+        print("\n| mode | RSS growth | time |\n|---|---|---|")
+        for mode in ("fwd", "fwdbwd"):
+            row = rss("mods", mode, args.mods)
+            print(f"| {mode} | {row['rss_mib']:.0f} MiB | {row['seconds']:.1f} s |", flush=True)
         return
 
     print(
