@@ -62,7 +62,8 @@ def create_block_mask(
                [2, 2, 1]], dtype=int8)
 
     References:
-        PyTorch FlexAttention (He et al., 2024), ``create_block_mask`` and ``BlockMask``.
+        Dong, Feng, Guessous, Liang & He, Flex Attention: A Programming Model for Generating
+        Optimized Attention Kernels, 2024 (PyTorch's ``create_block_mask`` and ``BlockMask``).
     """
     batch, heads = (1 if size is None else size for size in (batch, heads))
     sizes = dict(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)

@@ -195,7 +195,9 @@ def dot_product_attention(
             (after scale, soft cap and bias), the sequence's index in the batch, the query head
             and the global positions. Gradients reach the arrays it closes over.
         mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` on scalars (``True`` = may
-            attend), or a :class:`~jax_sdpa.MaskRule`; ANDed with every other mask argument.
+            attend), a :class:`~jax_sdpa.MaskRule`, or a :class:`~jax_sdpa.BlockMask` from
+            :func:`~jax_sdpa.create_block_mask` (its tiles classified ahead); ANDed with every
+            other mask argument.
         sinks: ``(N,)``, one logit per query head for a virtual key without a value that joins
             every row's softmax (attention sinks); the log-sum-exp includes it.
         query_segment_ids: ``(B, T)`` integers for packed sequences: a query sees only keys with
@@ -411,7 +413,9 @@ def ring_attention(
             (after scale, soft cap and bias), the sequence's index in the batch, the query head
             and the global positions. Gradients reach the arrays it closes over.
         mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` on scalars (``True`` = may
-            attend), or a :class:`~jax_sdpa.MaskRule`; ANDed with every other mask argument.
+            attend), a :class:`~jax_sdpa.MaskRule`, or a :class:`~jax_sdpa.BlockMask` from
+            :func:`~jax_sdpa.create_block_mask` (its tiles classified ahead); ANDed with every
+            other mask argument.
         sinks: ``(N,)``, one logit per query head for a virtual key without a value that joins
             every row's softmax (attention sinks); the log-sum-exp includes it.
         block_q: Queries per tile; the largest divisor of the local run length not above it.
