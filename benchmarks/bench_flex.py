@@ -16,7 +16,6 @@ import argparse
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.nn.functional as F
