@@ -86,15 +86,10 @@ class Tiles:
     def scores(self, q_i, k_j, arrays: CallArrays, q_offset, kv_offset):
         """Scores and allowed-mask of one head's tile: the dense path's steps.
 
-        In float32 and wider the scale multiplies the ``(block_q, d)`` queries instead of the
-        ``(block_q, block_kv)`` scores (in the forward pass XLA hoists that out of the key loop,
-        to once per query block); in a 16-bit dtype that would round the queries, so there it
-        multiplies the scores, as on the dense path.
+        The scale multiplies the queries (:meth:`Formula.scaled_queries`): in the forward pass
+        XLA hoists that out of the key loop, to once per query block.
         """
-        formula = self.formula
-        if jnp.finfo(q_i.dtype).bits >= 32:
-            q_i = q_i * jnp.asarray(formula.scale, q_i.dtype)
-            formula = dataclasses.replace(formula, scale=1.0)
+        q_i, formula = self.formula.scaled_queries(q_i)
         return formula.scores(q_i, k_j, arrays, q_offset, kv_offset)
 
     def drop_at(self, arrays: CallArrays, q_offset, kv_offset):
@@ -497,7 +492,7 @@ def _flash_bwd(tiles: Tiles, residuals, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _pad_to(x: jax.Array | None, axis: int, multiple: int, value=0) -> jax.Array | None:
+def pad_to(x: jax.Array | None, axis: int, multiple: int, value=0) -> jax.Array | None:
     """Pads ``axis`` to a multiple of ``multiple`` (an axis of size 1 is broadcast: left alone)."""
     if x is None:
         return None
@@ -543,11 +538,11 @@ def chunked_sequence(
         )
     arrays = dataclasses.replace(
         arrays,
-        bias=_pad_to(_pad_to(arrays.bias, -2, block_q), -1, block_kv),
-        mask=_pad_to(_pad_to(arrays.mask, -2, block_q, False), -1, block_kv, False),
+        bias=pad_to(pad_to(arrays.bias, -2, block_q), -1, block_kv),
+        mask=pad_to(pad_to(arrays.mask, -2, block_q, False), -1, block_kv, False),
     )
-    query = _pad_to(query, 0, block_q)
-    key, value = (_pad_to(x, 0, block_kv) for x in (key, value))
+    query = pad_to(query, 0, block_q)
+    key, value = (pad_to(x, 0, block_kv) for x in (key, value))
     if arrays.rule is not None and arrays.rule.opaque:
         arrays = dataclasses.replace(arrays, rule=_blocked(tiles, arrays, seq_q, key.shape[0]))
     out, lse = _flash(tiles, query, key, value, arrays)

@@ -38,7 +38,7 @@ from jax_sdpa._ring import Layout
 
 __all__ = ["dot_product_attention", "dot_product_attention_weights", "ring_attention"]
 
-Implementation = Literal["xla", "chunked", "cudnn"]
+Implementation = Literal["xla", "chunked", "decode", "cudnn"]
 CausalAlignment = Literal["top_left", "bottom_right"]
 
 

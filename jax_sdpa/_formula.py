@@ -61,7 +61,18 @@ class Formula:
         ``kv_offset``) AND, with a bias or a ``score_mod``, "the score is not −∞". ``None`` when
         nothing is masked.
         """
-        scores = scale_scores(raw_scores(query, key, precision=self.precision), self.scale)
+        raw = raw_scores(query, key, precision=self.precision)
+        return self.logits(raw, arrays, q_offset, kv_offset)
+
+    def logits(
+        self,
+        raw: Float[Array, "q kv"],
+        arrays: "CallArrays",
+        q_offset: Index = 0,
+        kv_offset: Index = 0,
+    ) -> tuple[Float[Array, "q kv"], Bool[Array, "#q #kv"] | None]:
+        """:meth:`scores` from the raw products ``q · k`` of the block, however they were formed."""
+        scores = scale_scores(raw, self.scale)
         if self.soft_cap is not None:
             scores = soft_cap_scores(scores, self.soft_cap)
         mask = arrays.mask
@@ -70,8 +81,8 @@ class Formula:
             finite = scores != -jnp.inf  # a −∞ bias masks its key exactly
             mask = finite if mask is None else mask & finite
         # int32 positions, as the mods were traced with (also where float64 is enabled).
-        q_idx = jnp.asarray(q_offset, jnp.int32) + jnp.arange(query.shape[0], dtype=jnp.int32)
-        kv_idx = jnp.asarray(kv_offset, jnp.int32) + jnp.arange(key.shape[0], dtype=jnp.int32)
+        q_idx = jnp.asarray(q_offset, jnp.int32) + jnp.arange(raw.shape[0], dtype=jnp.int32)
+        kv_idx = jnp.asarray(kv_offset, jnp.int32) + jnp.arange(raw.shape[1], dtype=jnp.int32)
         if self.score_mod is not None:
             # The mod sees 0, not −∞, where the bias masked (no NaN in its gradient there), and
             # a −∞ it returns masks too.
@@ -84,6 +95,17 @@ class Formula:
             allowed = arrays.rule.at(q_idx[:, None], kv_idx[None, :], batch, head)
             mask = allowed if mask is None else mask & allowed
         return scores, mask
+
+    def scaled_queries(self, query: Array) -> tuple[Array, "Formula"]:
+        """``(queries, formula)`` where the scale multiplies the queries, not the scores.
+
+        In float32 and wider that is ``T·d`` products instead of ``T·S`` (XLA hoists it out of
+        a loop over keys); in a 16-bit dtype it would round the queries, so there the formula
+        keeps its scale, as on the dense path.
+        """
+        if jnp.finfo(query.dtype).bits < 32:
+            return query, self
+        return query * jnp.asarray(self.scale, query.dtype), dataclasses.replace(self, scale=1.0)
 
     def _modified(self, scores: Array, arrays: "CallArrays", q_idx: Array, kv_idx: Array) -> Array:
         """``score_mod`` applied to every entry of a block (``jax.vmap`` over rows and columns)."""

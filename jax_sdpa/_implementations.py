@@ -3,6 +3,7 @@
 =========  ==================================================================================
 ``xla``    the dense composition per head: materialises the ``(T, S)`` scores and weights
 ``chunked`` the online softmax over key tiles, its own backward, memory linear in ``T``
+``decode`` few queries against many keys: split keys, one pass over the cache in its layout
 ``ring``   the chunked tiles with the keys passed round a ring of devices (``ring_attention``)
 ``cudnn``  ``jax.nn``'s fused cuDNN kernel on a GPU, for the calls that ``jax.nn`` accepts
 =========  ==================================================================================
@@ -27,6 +28,7 @@ from jaxtyping import Array
 
 from jax_sdpa._attention import dense_sequence
 from jax_sdpa._chunked import Tiling, chunked_sequence
+from jax_sdpa._decode import decode_sequence
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
@@ -39,6 +41,10 @@ Output = Literal["attention", "attention_and_weights", "weights"]
 # accelerators (not measured here) fused dense kernels are fast while the scores of the call,
 # B·N·T·S floats, stay small: dense up to this many, chunked above.
 _DENSE_MAX_SCORES = 2**24
+# Decoding shapes (a few new queries against a cache): the split-key pass, measured faster than
+# the others from these sizes on (BENCHMARKS.md).
+_DECODE_MAX_QUERIES = 16
+_DECODE_MIN_KEYS = 1024
 
 
 @jax.tree_util.register_dataclass
@@ -107,6 +113,21 @@ def _chunked_unsupported(inputs: Inputs, config: Config) -> str | None:
             "`implementation='chunked'` never forms the attention weights, which `module` (sown "
             "weights) needs; use implementation=None or 'xla'."
         )
+    return None
+
+
+def _decode(inputs: Inputs, config: Config) -> Result:
+    return inputs.over_batch(functools.partial(decode_sequence, config.formula, config.tiling))
+
+
+def _decode_unsupported(inputs: Inputs, config: Config) -> str | None:
+    if config.output != "attention":
+        return (
+            "`implementation='decode'` never forms the attention weights, which `module` (sown "
+            "weights) needs; use implementation=None or 'xla'."
+        )
+    if inputs.arrays.dropout_rng is not None:
+        return "`implementation='decode'` has no dropout (decoding is inference); use 'chunked'."
     return None
 
 
@@ -188,6 +209,7 @@ def _cudnn(inputs: Inputs, config: Config) -> Result:
 IMPLEMENTATIONS: dict[str, Entry] = {
     "xla": Entry(_dense),
     "chunked": Entry(_chunked, _chunked_unsupported),
+    "decode": Entry(_decode, _decode_unsupported),
     "cudnn": Entry(_cudnn, _cudnn_unsupported),
     "ring": Entry(_ring),
 }
@@ -196,7 +218,10 @@ IMPLEMENTATIONS: dict[str, Entry] = {
 def _preference(inputs: Inputs) -> tuple[str, ...]:
     """The order ``implementation=None`` tries: the faster first, where it was measured."""
     batch_heads = math.prod(inputs.query.shape[:-3]) * inputs.query.shape[-2]
-    scores = batch_heads * inputs.query.shape[-3] * inputs.key.shape[-3]
+    seq_q, seq_kv = inputs.query.shape[-3], inputs.key.shape[-3]
+    scores = batch_heads * seq_q * seq_kv
+    if seq_q <= _DECODE_MAX_QUERIES and seq_kv >= _DECODE_MIN_KEYS:
+        return ("decode", "chunked", "xla")
     if jax.default_backend() == "cpu" or scores > _DENSE_MAX_SCORES:
         return ("chunked", "xla")
     return ("xla", "chunked")

@@ -85,11 +85,13 @@ def update(
     *,
     precision=None,
     drop=lambda p: p,
+    product=weighted_sum,
 ) -> State:
     """The state of ``(q,)`` rows after one more block of keys: their scores and values.
 
     ``drop`` is applied to the block's un-normalised weights before they meet the values
-    (dropout: the denominator counts every weight, as the dense softmax does).
+    (dropout: the denominator counts every weight, as the dense softmax does); ``product`` is
+    how they meet them, :func:`~jax_sdpa._steps.weighted_sum` or the same sum formed otherwise.
     """
     masked = masked_scores(scores, allowed)
     new_max = jnp.maximum(state.row_max, masked.max(axis=-1))
@@ -100,7 +102,7 @@ def update(
     return State(
         new_max,
         denom + p.sum(axis=-1),
-        acc + weighted_sum(drop(p), value, precision=precision),
+        acc + product(drop(p), value, precision=precision),
     )
 
 
@@ -146,10 +148,15 @@ def merge(a: State, b: State) -> State:
     .. math:: m = \max(m_a, m_b), \quad \ell = e^{m_a - m} \ell_a + e^{m_b - m} \ell_b, \quad
         \tilde o = e^{m_a - m} \tilde o_a + e^{m_b - m} \tilde o_b
     """
+    return combine(State(*(jnp.stack(pair) for pair in zip(a, b, strict=True))))
+
+
+def combine(states: State) -> State:
+    """The state over the union of disjoint sets of keys, stacked along the leading axis."""
     # The shift does not change the result (as the softmax's row max): no gradient through it.
-    row_max = lax.stop_gradient(jnp.maximum(a.row_max, b.row_max))
-    (denom_a, acc_a), (denom_b, acc_b) = _shifted(a, row_max), _shifted(b, row_max)
-    return State(row_max, denom_a + denom_b, acc_a + acc_b)
+    row_max = lax.stop_gradient(states.row_max.max(axis=0))
+    denom, acc = _shifted(states, row_max[None])
+    return State(row_max, denom.sum(axis=0), acc.sum(axis=0))
 
 
 def merge_attention(
