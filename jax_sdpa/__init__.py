@@ -24,6 +24,9 @@ from jax_sdpa._masks import OrMask as OrMask
 from jax_sdpa._masks import SegmentMask as SegmentMask
 from jax_sdpa._masks import materialize_mask as materialize_mask
 from jax_sdpa._online_softmax import merge_attention as merge_attention
+from jax_sdpa._paged import paged_attention as paged_attention
+from jax_sdpa._paged import update_cache as update_cache
+from jax_sdpa._paged import update_paged_cache as update_paged_cache
 from jax_sdpa._sharding import from_striped as from_striped
 from jax_sdpa._sharding import ring_dot_product_attention as ring_dot_product_attention
 from jax_sdpa._sharding import to_striped as to_striped
@@ -56,6 +59,7 @@ __all__ = (
     "materialize_mask",
     "merge_attention",
     "mods",
+    "paged_attention",
     "raw_scores",
     "ring_attention",
     "ring_dot_product_attention",
@@ -63,5 +67,7 @@ __all__ = (
     "soft_cap_scores",
     "softmax_weights",
     "to_striped",
+    "update_cache",
+    "update_paged_cache",
     "weighted_sum",
 )

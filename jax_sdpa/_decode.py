@@ -23,9 +23,12 @@ it differentiates the chunked implementation at the same point.
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._chunked import Tiling, chunked_sequence, pad_to
@@ -64,12 +67,56 @@ def _chunk_state(
     )
 
 
-def _split_keys(formula: Formula, chunk: int, query, key, value, arrays: CallArrays) -> Result:
-    """The forward pass: ``(T, N, H)`` queries, ``(S, K, ·)`` keys and values, in chunks."""
-    (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
-    count = -(-seq_kv // chunk)
-    padded = count * chunk
-    if padded != seq_kv:
+class Chunks(NamedTuple):
+    """Where a sequence's keys come from: ``count`` chunks of ``size``, ``fetch(n) -> (k, v)``.
+
+    ``fetch`` gives chunk ``n``'s keys ``(size, K, H)`` and values ``(size, K, V)``: a slice of
+    a contiguous cache or the pages of a paged one.
+    """
+
+    count: int
+    size: int
+    fetch: Callable
+
+
+def split_keys(formula: Formula, query, chunks: Chunks, arrays: CallArrays) -> Result:
+    """Attention of ``(T, N, H)`` queries to keys in chunks, all heads, in jax.nn's layout.
+
+    ``arrays`` cover ``chunks.count · chunks.size`` keys: positions past the sequence must be
+    masked by its rule.
+    """
+    seq_q, heads, _ = query.shape
+    keys, values = jax.eval_shape(chunks.fetch, 0)
+    heads_kv = (keys.shape[1], heads // keys.shape[1])
+    query, formula = formula.scaled_queries(query)
+    per_query = jnp.moveaxis(query.reshape(seq_q, *heads_kv, -1), 0, 2)  # (K, G, T, H)
+
+    def one_chunk(n):
+        start = n * chunks.size
+        tile = arrays.window((0, seq_q), (start, chunks.size)).by_head(heads_kv)
+
+        def head(per_query, per_kv):
+            q, tile = per_query
+            return _chunk_state(formula, q, *per_kv, tile, start)
+
+        per_kv = tuple(jnp.moveaxis(x, 1, 0) for x in chunks.fetch(n))  # (K, size, ·)
+        return over_heads(head, heads_kv, (per_query, tile), per_kv)
+
+    state = online_softmax.combine(jax.vmap(one_chunk)(jnp.arange(chunks.count)))
+    if arrays.sinks is not None:
+        sink = arrays.sinks.reshape(*heads_kv, 1)
+        state = online_softmax.merge(
+            state, online_softmax.init(per_query, state.denom.shape, state.acc.shape, sink)
+        )
+    out, lse = online_softmax.finish(state, values.dtype)  # (K, G, T, V), (K, G, T)
+    out = jnp.moveaxis(out, 2, 0).reshape(seq_q, heads, -1)
+    return Result(out, jnp.moveaxis(lse, 2, 0).reshape(seq_q, heads), None)
+
+
+def _contiguous(chunk: int, key, value, arrays: CallArrays) -> tuple[Chunks, CallArrays]:
+    """A contiguous ``(S, K, ·)`` cache in chunks, padded to whole ones (the padding masked)."""
+    seq_kv = key.shape[0]
+    if seq_kv % chunk:
         padding = LengthMask(None, jnp.asarray(seq_kv))
         arrays = dataclasses.replace(
             arrays,
@@ -78,42 +125,17 @@ def _split_keys(formula: Formula, chunk: int, query, key, value, arrays: CallArr
             mask=pad_to(arrays.mask, -1, chunk, False),
         )
         key, value = (pad_to(x, 0, chunk) for x in (key, value))
-    heads_kv = (kv_heads, heads // kv_heads)
-    query, formula = formula.scaled_queries(query)
-    per_query = jnp.moveaxis(query.reshape(seq_q, *heads_kv, -1), 0, 2)  # (K, G, T, H)
 
-    def one_chunk(n):
-        start = n * chunk
-        cols = (start, chunk)
-        tile = arrays.window((0, seq_q), cols).by_head(heads_kv)
+    def fetch(n):
+        return tuple(lax.dynamic_slice_in_dim(x, n * chunk, chunk, axis=0) for x in (key, value))
 
-        def head(per_query, per_kv):
-            q, tile = per_query
-            return _chunk_state(formula, q, *per_kv, tile, start)
-
-        keys, values = (
-            jnp.moveaxis(jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=0), 1, 0)
-            for x in (key, value)
-        )
-        return over_heads(head, heads_kv, (per_query, tile), (keys, values))
-
-    states = jax.vmap(one_chunk)(jnp.arange(count))
-    state = online_softmax.combine(states)
-    if arrays.sinks is not None:
-        rows = state.row_max.shape
-        sink = online_softmax.init(
-            per_query, rows, state.acc.shape, arrays.sinks.reshape(*heads_kv, 1)
-        )
-        state = online_softmax.merge(state, sink)
-    out, lse = online_softmax.finish(state, value.dtype)  # (K, G, T, V), (K, G, T)
-    out = jnp.moveaxis(out, 2, 0).reshape(seq_q, heads, -1)
-    return Result(out, jnp.moveaxis(lse, 2, 0).reshape(seq_q, heads), None)
+    return Chunks(key.shape[0] // chunk, chunk, fetch), arrays
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _decode(formula: Formula, tiling: Tiling, query, key, value, arrays: CallArrays):
-    chunk = min(tiling.block_kv, key.shape[0])
-    return _split_keys(formula, chunk, query, key, value, arrays)[:2]
+    chunks, arrays = _contiguous(min(tiling.block_kv, key.shape[0]), key, value, arrays)
+    return split_keys(formula, query, chunks, arrays)[:2]
 
 
 def _decode_fwd(formula, tiling, query, key, value, arrays):

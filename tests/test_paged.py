@@ -1,0 +1,187 @@
+"""Paged caches: paged_attention against the float64 reference, and the cache writers.
+
+The oracle gathers each sequence's pages in order and attends with the queries at the end of
+its valid keys (causal per sequence), as the reference's ``mask_mod``.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sdpa as js
+from tests import reference as ref
+
+
+def paged_cache(rng, b, pages_per_seq, page_size, k, h, num_pages=None, dtype=jnp.float32):
+    """Random pages, and a shuffled page table giving each sequence its own pages."""
+    num_pages = num_pages or b * pages_per_seq + 3
+    key_pages, value_pages = (
+        jnp.asarray(rng.normal(size=(num_pages, page_size, k, h)), dtype) for _ in range(2)
+    )
+    table = rng.permutation(num_pages)[: b * pages_per_seq].reshape(b, pages_per_seq)
+    return key_pages, value_pages, jnp.asarray(table, jnp.int32)
+
+
+def gathered(pages, table):
+    """Each sequence's pages laid end to end: ``(B, pages · page_size, K, H)``."""
+    b, n = table.shape
+    return np.asarray(pages)[np.asarray(table)].reshape(b, n * pages.shape[1], *pages.shape[2:])
+
+
+def expected(q, key_pages, value_pages, table, lengths, *, is_causal=True, window=None, **kw):
+    keys, values = gathered(key_pages, table), gathered(value_pages, table)
+    t = q.shape[1]
+    lengths = np.asarray(lengths)
+
+    def mask_mod(b, h, i, j):  # query i sits at position lengths[b] − T + i
+        position = i + lengths[b] - t
+        allowed = j < lengths[b]
+        if is_causal:
+            allowed = allowed & (j <= position)
+        if window is not None:
+            allowed = allowed & (j >= position - window[0]) & (j <= position + window[1])
+        return allowed
+
+    return ref.attention(q, keys, values, mask_mod=mask_mod, **kw)
+
+
+@pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.parametrize("page_size", [4, 7])
+@pytest.mark.parametrize("n, k", [(4, 2), (4, 1)])
+def test_paged_attention_matches_the_reference(rng, t, page_size, n, k):
+    key_pages, value_pages, table = paged_cache(rng, 3, 6, page_size, k, 8)
+    capacity = 6 * page_size
+    lengths = jnp.array([capacity, 0, 17])  # full, empty, part of a page
+    q = jnp.asarray(rng.normal(size=(3, t, n, 8)), jnp.float32)
+    out, lse = js.paged_attention(
+        q, key_pages, value_pages, table, lengths, return_residual=True, block_kv=8
+    )
+    want = expected(q, key_pages, value_pages, table, lengths)
+    assert ref.rel_err(out, want["out"]) < 2e-6
+    np.testing.assert_array_equal(np.asarray(out)[1], 0.0)  # length 0: zeros, no NaN
+    np.testing.assert_allclose(lse, want["lse"], rtol=1e-5, atol=1e-6)
+
+
+def test_one_new_token_equals_dot_product_attention_on_the_gathered_cache(rng):
+    key_pages, value_pages, table = paged_cache(rng, 2, 5, 16, 2, 8)
+    q = jnp.asarray(rng.normal(size=(2, 1, 4, 8)), jnp.float32)
+    lengths = jnp.array([80, 41])
+    out = js.paged_attention(q, key_pages, value_pages, table, lengths)
+    dense = js.dot_product_attention(
+        q,
+        jnp.asarray(gathered(key_pages, table)),
+        jnp.asarray(gathered(value_pages, table)),
+        key_value_seq_lengths=lengths,
+        implementation="xla",
+    )
+    np.testing.assert_allclose(out, dense, atol=2e-6)
+
+
+def test_window_soft_cap_mods_and_sinks(rng):
+    key_pages, value_pages, table = paged_cache(rng, 2, 4, 8, 2, 8)
+    q = jnp.asarray(rng.normal(size=(2, 3, 4, 8)), jnp.float32)
+    lengths = jnp.array([30, 19])
+    slopes, sinks = rng.uniform(0.01, 0.1, size=4), rng.normal(size=4)
+
+    def score_mod(lib):
+        m = lib.asarray(slopes, dtype=lib.float32 if lib is jnp else None)
+        return lambda s, b, h, i, j: s + m[h] * j.astype(s.dtype)
+
+    out = js.paged_attention(
+        q, key_pages, value_pages, table, lengths, local_window_size=(5, 0),
+        logits_soft_cap=3.0, score_mod=score_mod(jnp), sinks=jnp.asarray(sinks, jnp.float32),
+    )  # fmt: skip
+    want = expected(
+        q, key_pages, value_pages, table, lengths, window=(5, 0), soft_cap=3.0,
+        score_mod=score_mod(np), sinks=sinks,
+    )  # fmt: skip
+    assert ref.rel_err(out, want["out"]) < 2e-6
+
+
+def test_a_bfloat16_cache(rng):
+    key_pages, value_pages, table = paged_cache(rng, 2, 4, 16, 2, 16, dtype=jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(2, 1, 8, 16)), jnp.bfloat16)
+    out = js.paged_attention(q, key_pages, value_pages, table, jnp.array([64, 30]))
+    assert out.dtype == jnp.bfloat16
+    want = expected(q, key_pages, value_pages, table, [64, 30])
+    assert ref.rel_err(out, want["out"]) < 1e-2
+
+
+def test_lengths_past_the_pages_are_refused_or_clamped_to_the_sequences_own_pages(rng):
+    key_pages, value_pages, table = paged_cache(rng, 2, 3, 4, 1, 8, num_pages=8)
+    q = jnp.asarray(rng.normal(size=(2, 1, 2, 8)), jnp.float32)
+    with pytest.raises(ValueError, match=re.escape("`lengths` must be at most")):
+        js.paged_attention(q, key_pages, value_pages, table, jnp.array([12, 13]))
+    # Under jit the lengths are clamped: pages outside a sequence's row are never read.
+    others = np.setdiff1d(np.arange(8), np.asarray(table))
+    key_pages = key_pages.at[others].set(jnp.nan)
+    value_pages = value_pages.at[others].set(jnp.nan)
+    attend = jax.jit(js.paged_attention)
+    out = attend(q, key_pages, value_pages, table, jnp.array([12, 100]))
+    np.testing.assert_allclose(
+        out, attend(q, key_pages, value_pages, table, jnp.array([12, 12])), atol=0
+    )
+    assert np.isfinite(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        ({"query": np.zeros((2, 2, 8))}, ValueError, "`query` must have rank 4"),
+        ({"key_pages": np.zeros((6, 4, 2, 8), np.int32)}, TypeError, "`key_pages`"),
+        ({"value_pages": np.zeros((6, 5, 2, 8))}, ValueError, "(num_pages, page_size, kv_heads)"),
+        ({"page_table": np.zeros((2, 3))}, TypeError, "`page_table`"),
+        ({"page_table": np.zeros((3, 3), np.int32)}, ValueError, "`page_table` must have shape"),
+        ({"lengths": np.zeros((3,), np.int32)}, ValueError, "`lengths` must have shape (batch,) = (2,); got (3,)."),
+        ({"lengths": np.zeros((2,))}, TypeError, "`lengths`"),
+    ],
+)
+def test_paged_errors(change, error, message):
+    args = {
+        "query": np.zeros((2, 1, 4, 8), np.float32),
+        "key_pages": np.zeros((6, 4, 2, 8), np.float32),
+        "value_pages": np.zeros((6, 4, 2, 8), np.float32),
+        "page_table": np.zeros((2, 3), np.int32),
+        "lengths": np.zeros((2,), np.int32),
+    }
+    with pytest.raises(error, match=re.escape(message)):
+        js.paged_attention(**{**args, **change})
+
+
+def test_writing_a_step_into_either_cache_then_attending_equals_the_full_sequence(rng):
+    # A prompt of 9 tokens, then 3 steps of 1 and one of 2: each step writes its keys and
+    # values, then attends with its queries; the result must equal causal attention over
+    # everything written so far.
+    b, n, k, h, page_size = 2, 4, 2, 8, 4
+    total = 14
+    q_all, k_all, v_all = (
+        jnp.asarray(rng.normal(size=(b, total, heads, h)), jnp.float32) for heads in (n, k, k)
+    )
+    cache = jnp.zeros((b, 16, k, h))
+    key_cache, value_cache = cache, cache
+    key_pages, value_pages, table = paged_cache(rng, b, 4, page_size, k, h)
+    write_paged = jax.jit(js.update_paged_cache, donate_argnums=(0, 1))
+    start = 0
+    for step in (9, 1, 1, 1, 2):
+        stop = start + step
+        new = (k_all[:, start:stop], v_all[:, start:stop])
+        positions = jnp.full((b,), start)
+        key_cache, value_cache = js.update_cache(key_cache, value_cache, *new, positions)
+        key_pages, value_pages = write_paged(key_pages, value_pages, *new, table, positions)
+        q = q_all[:, start:stop]
+        want = js.dot_product_attention(
+            q_all[:, :stop], k_all[:, :stop], v_all[:, :stop], is_causal=True
+        )[:, start:]
+        lengths = jnp.full((b,), stop)
+        contiguous = js.dot_product_attention(
+            q, key_cache, value_cache, key_value_seq_lengths=lengths, mask_mod=(
+                lambda b_, h_, i, j, start=start: j <= i + start
+            ),
+        )  # fmt: skip
+        paged = js.paged_attention(q, key_pages, value_pages, table, lengths)
+        np.testing.assert_allclose(contiguous, want, atol=2e-6)
+        np.testing.assert_allclose(paged, want, atol=2e-6)
+        start = stop
