@@ -135,7 +135,11 @@ def test_lengths_past_the_pages_are_refused_or_clamped_to_the_sequences_own_page
         ({"value_pages": np.zeros((6, 5, 2, 8))}, ValueError, "(num_pages, page_size, kv_heads)"),
         ({"page_table": np.zeros((2, 3))}, TypeError, "`page_table`"),
         ({"page_table": np.zeros((3, 3), np.int32)}, ValueError, "`page_table` must have shape"),
-        ({"lengths": np.zeros((3,), np.int32)}, ValueError, "`lengths` must have shape (batch,) = (2,); got (3,)."),
+        (
+            {"lengths": np.zeros((3,), np.int32)},
+            ValueError,
+            "`lengths` must have shape (batch,) = (2,); got (3,).",
+        ),
         ({"lengths": np.zeros((2,))}, TypeError, "`lengths`"),
     ],
 )
