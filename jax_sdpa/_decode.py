@@ -23,12 +23,9 @@ it differentiates the chunked implementation at the same point.
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._chunked import Tiling, chunked_sequence, pad_to
@@ -37,72 +34,86 @@ from jax_sdpa._heads import Result, over_heads
 from jax_sdpa._masks import LengthMask
 from jax_sdpa._steps import accumulation_dtype
 
+# Up to this many columns (K·G·T: every query row of every head), the scores are one matrix
+# product of the keys as they lie, ``(L, K·H)``, with a block-diagonal matrix of the queries:
+# K times the useful flops, but a product that streams the keys at memory speed. Past it the
+# wasted flops cost more than the reading (BENCHMARKS.md).
+_BLOCK_DIAGONAL_COLUMNS = 64
 
-def _scores(query, key, *, precision=None):
-    """``q · k`` for every query and key, ``(T, H) × (L, H) → (T, L)``: a multiply and a sum."""
+
+def _scores(query, key):
+    """``q · k`` for every head, query and key: ``(K, G, T, H) × (L, K, H) → (K, G, T, L)``.
+
+    Both forms read each key row once for the ``G`` query heads that share it, in the cache's
+    ``(L, K, H)`` layout: a per-head product would first copy the keys heads-first.
+    """
     dtype = accumulation_dtype(query.dtype)
-    return jnp.sum(query.astype(dtype)[:, None, :] * key.astype(dtype)[None, :, :], axis=-1)
+    kv_heads, _, _, features = query.shape
+    rows = query[0].size // features  # G·T rows per key/value head
+    if kv_heads * rows <= _BLOCK_DIAGONAL_COLUMNS:
+        # Column block k holds head k's queries in rows k·H … (k+1)·H − 1, zeros elsewhere.
+        blocks = jnp.eye(kv_heads, dtype=query.dtype)
+        diagonal = jnp.einsum("kxh,kj->khjx", query.reshape(kv_heads, rows, features), blocks)
+        raw = jnp.matmul(
+            key.reshape(key.shape[0], -1),
+            diagonal.reshape(kv_heads * features, kv_heads * rows),
+            preferred_element_type=dtype,
+        )
+    else:
+        raw = jnp.sum(query.astype(dtype)[None] * key.astype(dtype)[:, :, None, None, :], -1)
+    return jnp.moveaxis(raw.reshape(key.shape[0], *query.shape[:3]), 0, -1)
 
 
 def _blend(weights, value, *, precision=None):
-    """``Σ_j w_ij v_j``, ``(T, L) × (L, V) → (T, V)``: :func:`~jax_sdpa.weighted_sum`'s sum.
+    """``Σ_j w_ij v_j`` for every head: ``(K, G, T, L) × (L, K, V) → (K, G, T, V)``.
 
-    As there, the weights are cast to the value dtype and the sum is accumulated in float32.
+    :func:`~jax_sdpa.weighted_sum`'s sum, as a multiply and a sum over the keys in their
+    layout; as there, the weights are cast to the value dtype and the sum is in float32.
     """
     dtype = accumulation_dtype(value.dtype)
-    weights = weights.astype(value.dtype).astype(dtype)
-    return jnp.sum(weights[:, :, None] * value.astype(dtype)[None, :, :], axis=1)
+    weights = jnp.moveaxis(weights.astype(value.dtype).astype(dtype), -1, 0)  # (L, K, G, T)
+    return jnp.sum(weights[..., None] * value.astype(dtype)[:, :, None, None, :], axis=0)
 
 
-def _chunk_state(
-    formula: Formula, query, key, value, arrays: CallArrays, start
-) -> online_softmax.State:
-    """One head's online-softmax state after one chunk of keys that starts at ``start``."""
-    raw = _scores(query, key)
-    scores, allowed = formula.logits(raw, arrays, 0, start)
-    rows = query.shape[:1]
-    state = online_softmax.init(query, rows, (*rows, value.shape[-1]))
+def _chunk_state(formula: Formula, query, keys, values, arrays: CallArrays, start):
+    """All heads' online-softmax state after one chunk of keys that starts at ``start``.
+
+    ``query`` is ``(K, G, T, H)`` and ``arrays`` are the chunk's, per head; the formula's
+    logits are taken head by head, on the ``(T, L)`` products.
+    """
+
+    def head(per_query, _):
+        raw, arrays = per_query
+        return formula.logits(raw, arrays, 0, start)
+
+    raw = _scores(query, keys)
+    scores, allowed = over_heads(head, raw.shape[:2], (raw, arrays))
+    rows = raw.shape[:-1]
+    state = online_softmax.init(query, rows, (*rows, values.shape[-1]))
     return online_softmax.update(
-        state, scores, allowed, value, precision=formula.precision, product=_blend
+        state, scores, allowed, values, precision=formula.precision, product=_blend
     )
 
 
-class Chunks(NamedTuple):
-    """Where a sequence's keys come from: ``count`` chunks of ``size``, ``fetch(n) -> (k, v)``.
-
-    ``fetch`` gives chunk ``n``'s keys ``(size, K, H)`` and values ``(size, K, V)``: a slice of
-    a contiguous cache or the pages of a paged one.
-    """
-
-    count: int
-    size: int
-    fetch: Callable
-
-
-def split_keys(formula: Formula, query, chunks: Chunks, arrays: CallArrays) -> Result:
+def split_keys(formula: Formula, query, keys, values, arrays: CallArrays) -> Result:
     """Attention of ``(T, N, H)`` queries to keys in chunks, all heads, in jax.nn's layout.
 
-    ``arrays`` cover ``chunks.count · chunks.size`` keys: positions past the sequence must be
-    masked by its rule.
+    ``keys`` ``(C, L, K, H)`` and ``values`` ``(C, L, K, V)``: ``C`` chunks of ``L`` keys, each
+    attended on its own (``jax.vmap``) and the ``C`` states combined. ``arrays`` cover the
+    ``C·L`` keys: positions past the sequence must be masked by its rule.
     """
     seq_q, heads, _ = query.shape
-    keys, values = jax.eval_shape(chunks.fetch, 0)
-    heads_kv = (keys.shape[1], heads // keys.shape[1])
+    count, size, kv_heads, _ = keys.shape
+    heads_kv = (kv_heads, heads // kv_heads)
     query, formula = formula.scaled_queries(query)
     per_query = jnp.moveaxis(query.reshape(seq_q, *heads_kv, -1), 0, 2)  # (K, G, T, H)
 
-    def one_chunk(n):
-        start = n * chunks.size
-        tile = arrays.window((0, seq_q), (start, chunks.size)).by_head(heads_kv)
+    def one_chunk(n, keys, values):
+        start = n * size
+        tile = arrays.window((0, seq_q), (start, size)).by_head(heads_kv)
+        return _chunk_state(formula, per_query, keys, values, tile, start)
 
-        def head(per_query, per_kv):
-            q, tile = per_query
-            return _chunk_state(formula, q, *per_kv, tile, start)
-
-        per_kv = tuple(jnp.moveaxis(x, 1, 0) for x in chunks.fetch(n))  # (K, size, ·)
-        return over_heads(head, heads_kv, (per_query, tile), per_kv)
-
-    state = online_softmax.combine(jax.vmap(one_chunk)(jnp.arange(chunks.count)))
+    state = online_softmax.combine(jax.vmap(one_chunk)(jnp.arange(count), keys, values))
     if arrays.sinks is not None:
         sink = arrays.sinks.reshape(*heads_kv, 1)
         state = online_softmax.merge(
@@ -113,8 +124,11 @@ def split_keys(formula: Formula, query, chunks: Chunks, arrays: CallArrays) -> R
     return Result(out, jnp.moveaxis(lse, 2, 0).reshape(seq_q, heads), None)
 
 
-def _contiguous(chunk: int, key, value, arrays: CallArrays) -> tuple[Chunks, CallArrays]:
-    """A contiguous ``(S, K, ·)`` cache in chunks, padded to whole ones (the padding masked)."""
+def _contiguous(chunk: int, key, value, arrays: CallArrays) -> tuple[tuple, CallArrays]:
+    """A contiguous ``(S, K, ·)`` cache as whole chunks ``(C, chunk, K, ·)``, a reshape.
+
+    Padded to whole chunks, the padding masked.
+    """
     seq_kv = key.shape[0]
     if seq_kv % chunk:
         padding = LengthMask(None, jnp.asarray(seq_kv))
@@ -125,17 +139,13 @@ def _contiguous(chunk: int, key, value, arrays: CallArrays) -> tuple[Chunks, Cal
             mask=pad_to(arrays.mask, -1, chunk, False),
         )
         key, value = (pad_to(x, 0, chunk) for x in (key, value))
-
-    def fetch(n):
-        return tuple(lax.dynamic_slice_in_dim(x, n * chunk, chunk, axis=0) for x in (key, value))
-
-    return Chunks(key.shape[0] // chunk, chunk, fetch), arrays
+    return tuple(x.reshape(-1, chunk, *x.shape[1:]) for x in (key, value)), arrays
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _decode(formula: Formula, tiling: Tiling, query, key, value, arrays: CallArrays):
-    chunks, arrays = _contiguous(min(tiling.block_kv, key.shape[0]), key, value, arrays)
-    return split_keys(formula, query, chunks, arrays)[:2]
+    (keys, values), arrays = _contiguous(min(tiling.block_kv, key.shape[0]), key, value, arrays)
+    return split_keys(formula, query, keys, values, arrays)[:2]
 
 
 def _decode_fwd(formula, tiling, query, key, value, arrays):

@@ -79,15 +79,15 @@ def init(query: Array, rows: tuple, output: tuple, sink: Array | None = None) ->
 
 def update(
     state: State,
-    scores: Float[Array, "q kv"],
-    allowed: Bool[Array, "#q #kv"] | None,
-    value: Float[Array, "kv d_v"],
+    scores: Float[Array, "*q kv"],
+    allowed: Bool[Array, "*#q #kv"] | None,
+    value: Float[Array, "..."],
     *,
     precision=None,
     drop=lambda p: p,
     product=weighted_sum,
 ) -> State:
-    """The state of ``(q,)`` rows after one more block of keys: their scores and values.
+    """The state of ``(..., q)`` rows after one more block of keys: their scores and values.
 
     ``drop`` is applied to the block's un-normalised weights before they meet the values
     (dropout: the denominator counts every weight, as the dense softmax does); ``product`` is

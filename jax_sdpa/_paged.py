@@ -33,7 +33,7 @@ from jax_sdpa._arguments import (
     function_mask,
 )
 from jax_sdpa._chunked import DEFAULT_BLOCK_KV
-from jax_sdpa._decode import Chunks, split_keys
+from jax_sdpa._decode import split_keys
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import over_batch
 from jax_sdpa._masks import FunctionMask
@@ -204,13 +204,15 @@ def _paged(formula: Formula, pages_per_chunk: int, query, key_pages, value_pages
     size = pages_per_chunk * key_pages.shape[1]
 
     def sequence(query, table, arrays):
-        def fetch(n):
-            ids = jax.lax.dynamic_slice_in_dim(table, n * pages_per_chunk, pages_per_chunk)
-            return tuple(x[ids].reshape(size, *x.shape[2:]) for x in (key_pages, value_pages))
+        # One sequence's pages at a time (the batch is mapped sequentially): a copy of them,
+        # never of the whole cache, is what the matrix products read.
+        chunks = table.reshape(count, pages_per_chunk)
+        keys, values = (
+            x[chunks].reshape(count, size, *x.shape[2:]) for x in (key_pages, value_pages)
+        )
+        return split_keys(formula, query, keys, values, arrays)[:2]
 
-        return split_keys(formula, query, Chunks(count, size, fetch), arrays)[:2]
-
-    return over_batch(sequence, query.shape[:1], query, table, arrays)
+    return over_batch(sequence, query.shape[:1], query, table, arrays, sequential=True)
 
 
 def update_cache(

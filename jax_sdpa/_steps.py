@@ -152,8 +152,8 @@ def soft_cap_scores(
 
 
 def masked_scores(
-    scores: Float[Array, "q kv"], mask: Bool[Array, "#q #kv"] | None
-) -> Float[Array, "q kv"]:
+    scores: Float[Array, "*q kv"], mask: Bool[Array, "*#q #kv"] | None
+) -> Float[Array, "*q kv"]:
     r"""The scores with masked entries replaced by a finite −∞ (``large_negative``).
 
     After subtracting a real row max, :math:`e^{\text{fill} - r}` is exactly 0, so masked keys
@@ -164,9 +164,9 @@ def masked_scores(
     return scores if mask is None else jnp.where(mask, scores, large_negative(scores.dtype))
 
 
-def exp_scores(masked: Float[Array, "q kv"], row_max: Float[Array, " q"]) -> Float[Array, "q kv"]:
+def exp_scores(masked: Float[Array, "*q kv"], row_max: Float[Array, "*q"]) -> Float[Array, "*q kv"]:
     r"""Un-normalised weights :math:`p_{ij} = e^{s_{ij} - r_i}` for a row shift :math:`r_i`."""
-    return jnp.exp(masked - row_max[:, None])
+    return jnp.exp(masked - row_max[..., None])
 
 
 def has_key(row_max: Float[Array, "*q"]) -> Bool[Array, "*q"]:
