@@ -38,7 +38,7 @@ from jax_sdpa._steps import accumulation_dtype
 # product of the keys as they lie, ``(L, K·H)``, with a block-diagonal matrix of the queries:
 # K times the useful flops, but a product that streams the keys at memory speed. Past it the
 # wasted flops cost more than the reading (BENCHMARKS.md).
-_BLOCK_DIAGONAL_COLUMNS = 64
+BLOCK_DIAGONAL_COLUMNS = 64
 
 
 def _scores(query, key):
@@ -50,7 +50,7 @@ def _scores(query, key):
     dtype = accumulation_dtype(query.dtype)
     kv_heads, _, _, features = query.shape
     rows = query[0].size // features  # G·T rows per key/value head
-    if kv_heads * rows <= _BLOCK_DIAGONAL_COLUMNS:
+    if kv_heads * rows <= BLOCK_DIAGONAL_COLUMNS:
         # Column block k holds head k's queries in rows k·H … (k+1)·H − 1, zeros elsewhere.
         blocks = jnp.eye(kv_heads, dtype=query.dtype)
         diagonal = jnp.einsum("kxh,kj->khjx", query.reshape(kv_heads, rows, features), blocks)
@@ -59,9 +59,14 @@ def _scores(query, key):
             diagonal.reshape(kv_heads * features, kv_heads * rows),
             preferred_element_type=dtype,
         )
-    else:
-        raw = jnp.sum(query.astype(dtype)[None] * key.astype(dtype)[:, :, None, None, :], -1)
-    return jnp.moveaxis(raw.reshape(key.shape[0], *query.shape[:3]), 0, -1)
+        return jnp.moveaxis(raw.reshape(key.shape[0], *query.shape[:3]), 0, -1)
+    # Enough rows per key to pay for copying the chunk heads-first: one product per head.
+    heads_first = jnp.moveaxis(key, 1, 0)  # (K, L, H)
+    raw = jnp.einsum(
+        "kxh,klh->kxl", query.reshape(kv_heads, rows, features), heads_first,
+        preferred_element_type=dtype,
+    )  # fmt: skip
+    return raw.reshape(*query.shape[:3], key.shape[0])
 
 
 def _blend(weights, value, *, precision=None):
@@ -71,8 +76,16 @@ def _blend(weights, value, *, precision=None):
     layout; as there, the weights are cast to the value dtype and the sum is in float32.
     """
     dtype = accumulation_dtype(value.dtype)
-    weights = jnp.moveaxis(weights.astype(value.dtype).astype(dtype), -1, 0)  # (L, K, G, T)
-    return jnp.sum(weights[..., None] * value.astype(dtype)[:, :, None, None, :], axis=0)
+    weights = weights.astype(value.dtype)
+    kv_heads, group, seq_q, size = weights.shape
+    if kv_heads * group * seq_q <= BLOCK_DIAGONAL_COLUMNS:
+        weights = jnp.moveaxis(weights.astype(dtype), -1, 0)  # (L, K, G, T)
+        return jnp.sum(weights[..., None] * value.astype(dtype)[:, :, None, None, :], axis=0)
+    out = jnp.einsum(
+        "kxl,klv->kxv", weights.reshape(kv_heads, group * seq_q, size), jnp.moveaxis(value, 1, 0),
+        preferred_element_type=dtype,
+    )  # fmt: skip
+    return out.reshape(kv_heads, group, seq_q, -1)
 
 
 def _chunk_state(formula: Formula, query, keys, values, arrays: CallArrays, start):

@@ -28,7 +28,7 @@ from jaxtyping import Array
 
 from jax_sdpa._attention import dense_sequence
 from jax_sdpa._chunked import Tiling, chunked_sequence
-from jax_sdpa._decode import decode_sequence
+from jax_sdpa._decode import BLOCK_DIAGONAL_COLUMNS, decode_sequence
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
@@ -42,8 +42,8 @@ Output = Literal["attention", "attention_and_weights", "weights"]
 # B·N·T·S floats, stay small: dense up to this many, chunked above.
 _DENSE_MAX_SCORES = 2**24
 # Decoding shapes (a few new queries against a cache): the split-key pass, measured faster than
-# the others from these sizes on (BENCHMARKS.md).
-_DECODE_MAX_QUERIES = 16
+# the others while every query row of every head, N·T, fits its block-diagonal product
+# (``_decode.BLOCK_DIAGONAL_COLUMNS``), from this many keys on (BENCHMARKS.md).
 _DECODE_MIN_KEYS = 1024
 
 
@@ -220,7 +220,8 @@ def _preference(inputs: Inputs) -> tuple[str, ...]:
     batch_heads = math.prod(inputs.query.shape[:-3]) * inputs.query.shape[-2]
     seq_q, seq_kv = inputs.query.shape[-3], inputs.key.shape[-3]
     scores = batch_heads * seq_q * seq_kv
-    if seq_q <= _DECODE_MAX_QUERIES and seq_kv >= _DECODE_MIN_KEYS:
+    rows = seq_q * inputs.query.shape[-2]
+    if rows <= BLOCK_DIAGONAL_COLUMNS and seq_kv >= _DECODE_MIN_KEYS:
         return ("decode", "chunked", "xla")
     if jax.default_backend() == "cpu" or scores > _DENSE_MAX_SCORES:
         return ("chunked", "xla")

@@ -109,9 +109,9 @@ def test_the_automatic_choice_decodes_only_decoding_shapes(rng):
         )(q, k, v))  # fmt: skip
         return [name for name in ("decode", "chunked", "xla") if program(name) == program(None)]
 
-    assert chosen(1, 2048) == ["decode"]
-    assert chosen(16, 1024) == ["decode"]
-    assert chosen(17, 4096) == ["chunked"]  # training shapes: as before
+    assert chosen(1, 2048) == ["decode"]  # N·T = 4 rows
+    assert chosen(16, 1024) == ["decode"]  # 64 rows
+    assert chosen(17, 4096) == ["chunked"]  # more rows, and training shapes: as before
     assert chosen(1, 512) == ["chunked"]
     q, k, v = qkv(rng, 1, 1, 2048, 4, 4, 8)
     with pytest.raises(ValueError, match="`implementation='decode'` has no dropout"):
