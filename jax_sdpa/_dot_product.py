@@ -179,9 +179,12 @@ def dot_product_attention(
             both.
         implementation: ``"xla"``: the dense computation, which forms the ``(T, S)`` scores;
             ``"chunked"``: exact attention in memory linear in ``T`` (online softmax over key
-            blocks, its own backward, wholly masked blocks skipped); ``None``: chunked on CPU (the
-            faster there at every size measured), dense on accelerators while ``B·N·T·S ≤ 2^24``
-            and wherever the weights are needed; ``"cudnn"`` hands the call to
+            blocks, its own backward, wholly masked blocks skipped); ``"decode"``: a few queries
+            against a long cache, keys split into chunks and read once as they lie (forward only:
+            its gradient is the chunked path's); ``None``: decode for ``N·T ≤ 64`` query rows
+            against ``S ≥ 1024`` keys, else chunked on CPU (the faster there at every size
+            measured), dense on accelerators while ``B·N·T·S ≤ 2^24``; dense wherever the
+            weights are needed; ``"cudnn"`` hands the call to
             ``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU.
         return_residual: Also return the log-sum-exp of each row's scores, shape ``(B, T, N)``, in
             at least float32 (``jax.nn`` returns it in the input dtype); −∞ for a row with no key.
