@@ -14,13 +14,14 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
 
 
-def test_the_five_notebooks_are_there():
+def test_the_six_notebooks_are_there():
     assert [path.name for path in PATHS] == [
         "01_the_four_steps.ipynb",
         "02_why_sqrt_dk.ipynb",
         "03_masks.ipynb",
         "04_jit_and_vmap.ipynb",
         "05_your_own_attention.ipynb",
+        "06_decoding_with_a_kv_cache.ipynb",
     ]
 
 
