@@ -130,7 +130,7 @@ def call(**overrides):
         (
             dict(implementation="flash"),
             ValueError,
-            "`implementation` must be one of None, 'xla', 'chunked', 'cudnn'; got 'flash'.",
+            "`implementation` must be one of None, 'xla', 'chunked', 'decode', 'cudnn'; got 'flash'.",
         ),
         (
             dict(implementation="cudnn"),
