@@ -105,10 +105,13 @@ def contiguous_step(params, cache, tokens, lengths, config: Config):
         def attend(q, k, v, layer_cache=(key_cache, value_cache)):
             written = jax_sdpa.update_cache(*layer_cache, k, v, lengths - t)
             new_cache.append(written)
+
+            def at_the_end(batch, head, q_idx, kv_idx):  # the queries end at the length
+                return kv_idx <= q_idx + lengths[batch] - t
+
             return jax_sdpa.dot_product_attention(
-                q, *written, key_value_seq_lengths=lengths,
-                mask_mod=lambda b, h, i, j: j <= i + lengths[b] - t,  # queries end at the length
-            )  # fmt: skip
+                q, *written, key_value_seq_lengths=lengths, mask_mod=at_the_end
+            )
 
         x = _block(layer, x, attend, config)
     return _logits(params, x), new_cache
@@ -167,9 +170,7 @@ def main(argv=None):
     prompt = jax.random.randint(jax.random.key(1), (args.batch, args.prompt), 0, config.vocab)
     shape = (args.batch, config.max_len, config.kv_heads, config.head_dim)
     cache = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(config.layers)]
-    contiguous = jax.jit(
-        functools.partial(contiguous_step, config=config), donate_argnums=(1,)
-    )  # fmt: skip
+    contiguous = jax.jit(functools.partial(contiguous_step, config=config), donate_argnums=1)
     pages_per_sequence = config.max_len // args.page_size
     pool = (args.batch * pages_per_sequence, args.page_size, config.kv_heads, config.head_dim)
     # Pages handed out in a shuffled order, as an allocator that reuses freed pages would.
@@ -187,8 +188,8 @@ def main(argv=None):
         check = args.short or args.tokens <= 64
         tokens, rate = generate(step, state, params, prompt, steps, config, check, name)
         results[name] = tokens
-        print(f"{name:10s}: {steps} tokens × {args.batch} sequences, {rate:.0f} tokens/s"
-              + (" (each step checked against the full forward)" if check else ""))  # fmt: skip
+        checked = " (each step checked against the full forward)" if check else ""
+        print(f"{name:10s}: {steps} tokens × {args.batch} sequences, {rate:.0f} tokens/s{checked}")
     np.testing.assert_array_equal(results["contiguous"], results["paged"])
     print("generated (sequence 0):", np.asarray(results["paged"][0, args.prompt :]).tolist())
     return results

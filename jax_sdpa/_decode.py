@@ -6,10 +6,12 @@ bandwidth, not the matrix units. Two things then decide the speed:
 
 * **The layout of the products.** The cache is ``(S, K, H)``: each key row holds every
   key/value head. A matrix product per head wants its keys ``(K, S, H)``, so XLA would first
-  copy the whole cache into that layout, which costs more than the attention. Here the two
-  products are written as a broadcast multiply and a sum (:func:`_scores`, :func:`_blend`),
-  which XLA fuses into one pass over the cache as it lies, each key read once for the ``G``
-  query heads that share it (GQA).
+  copy the whole cache into that layout, which costs more than the attention. Here the scores
+  are one matrix product of the keys as they lie, ``(L, K·H)``, with a block-diagonal matrix of
+  the queries (:func:`_scores`), and the blend is a multiply and a sum that XLA fuses into one
+  pass over the values (:func:`_blend`): each key and value row is read once, for the ``G``
+  query heads that share it (GQA). With many query rows (``N·T > 64``) the block-diagonal
+  product wastes too much; there each chunk is copied heads-first and multiplied head by head.
 * **Split keys** ("flash-decoding", Dao et al. 2023). The keys are cut into chunks that are
   attended independently, each to an online-softmax state (:mod:`jax_sdpa._online_softmax`),
   and the states are then combined: the chunks are independent work for every core, even for
@@ -42,11 +44,7 @@ BLOCK_DIAGONAL_COLUMNS = 64
 
 
 def _scores(query, key):
-    """``q · k`` for every head, query and key: ``(K, G, T, H) × (L, K, H) → (K, G, T, L)``.
-
-    Both forms read each key row once for the ``G`` query heads that share it, in the cache's
-    ``(L, K, H)`` layout: a per-head product would first copy the keys heads-first.
-    """
+    """``q · k`` for every head, query and key: ``(K, G, T, H) × (L, K, H) → (K, G, T, L)``."""
     dtype = accumulation_dtype(query.dtype)
     kv_heads, _, _, features = query.shape
     rows = query[0].size // features  # G·T rows per key/value head
@@ -61,19 +59,17 @@ def _scores(query, key):
         )
         return jnp.moveaxis(raw.reshape(key.shape[0], *query.shape[:3]), 0, -1)
     # Enough rows per key to pay for copying the chunk heads-first: one product per head.
+    per_head = query.reshape(kv_heads, rows, features)
     heads_first = jnp.moveaxis(key, 1, 0)  # (K, L, H)
-    raw = jnp.einsum(
-        "kxh,klh->kxl", query.reshape(kv_heads, rows, features), heads_first,
-        preferred_element_type=dtype,
-    )  # fmt: skip
+    raw = jnp.einsum("kxh,klh->kxl", per_head, heads_first, preferred_element_type=dtype)
     return raw.reshape(*query.shape[:3], key.shape[0])
 
 
 def _blend(weights, value, *, precision=None):
     """``Σ_j w_ij v_j`` for every head: ``(K, G, T, L) × (L, K, V) → (K, G, T, V)``.
 
-    :func:`~jax_sdpa.weighted_sum`'s sum, as a multiply and a sum over the keys in their
-    layout; as there, the weights are cast to the value dtype and the sum is in float32.
+    :func:`~jax_sdpa.weighted_sum`'s sum, formed as :func:`_scores` forms its products; as
+    there, the weights are cast to the value dtype and the sum is accumulated in float32.
     """
     dtype = accumulation_dtype(value.dtype)
     weights = weights.astype(value.dtype)
@@ -81,10 +77,9 @@ def _blend(weights, value, *, precision=None):
     if kv_heads * group * seq_q <= BLOCK_DIAGONAL_COLUMNS:
         weights = jnp.moveaxis(weights.astype(dtype), -1, 0)  # (L, K, G, T)
         return jnp.sum(weights[..., None] * value.astype(dtype)[:, :, None, None, :], axis=0)
-    out = jnp.einsum(
-        "kxl,klv->kxv", weights.reshape(kv_heads, group * seq_q, size), jnp.moveaxis(value, 1, 0),
-        preferred_element_type=dtype,
-    )  # fmt: skip
+    per_head = weights.reshape(kv_heads, group * seq_q, size)
+    heads_first = jnp.moveaxis(value, 1, 0)  # (K, L, V)
+    out = jnp.einsum("kxl,klv->kxv", per_head, heads_first, preferred_element_type=dtype)
     return out.reshape(kv_heads, group, seq_q, -1)
 
 
