@@ -94,11 +94,17 @@ def _check_pages(query, key_pages, value_pages, page_table, lengths) -> _Shapes:
     capacity = page_table.shape[1] * page_size
     try:
         longest = int(jnp.max(lengths, initial=0))
+        pages = (int(jnp.min(page_table, initial=0)), int(jnp.max(page_table, initial=0)))
     except jax.errors.ConcretizationTypeError:  # under jit: clamped, see paged_attention
-        longest = 0
+        longest, pages = 0, (0, 0)
     if longest > capacity:
         raise ValueError(
             f"`lengths` must be at most pages_per_sequence · page_size = {capacity}; got {longest}."
+        )
+    if pages[0] < 0 or pages[1] >= num_pages:
+        raise ValueError(
+            f"`page_table` must hold page numbers in [0, {num_pages}); "
+            f"got {pages[0]} to {pages[1]}."
         )
     return _Shapes((batch,), seq_q, heads, capacity, kv_heads, 1)
 

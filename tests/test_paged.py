@@ -141,6 +141,11 @@ def test_lengths_past_the_pages_are_refused_or_clamped_to_the_sequences_own_page
             "`lengths` must have shape (batch,) = (2,); got (3,).",
         ),
         ({"lengths": np.zeros((2,))}, TypeError, "`lengths`"),
+        (
+            {"page_table": np.array([[0, 1, 6], [2, 3, 4]], np.int32)},
+            ValueError,
+            "`page_table` must hold page numbers in [0, 6); got 0 to 6.",
+        ),
     ],
 )
 def test_paged_errors(change, error, message):
