@@ -35,7 +35,7 @@ def variants(seq: int) -> dict:
     alibi = mods.alibi(mods.alibi_slopes(HEADS))
     doc = jnp.repeat(jnp.arange(16), seq // 16)[None]
     documents = mods.and_masks(mods.document_mask(doc), lambda b, h, i, j: j <= i)
-    block_mask = jax_sdpa.create_block_mask(documents, None, None, seq, seq)
+    block_mask = jax_sdpa.create_block_mask(documents, 1, None, seq, seq)
     return {
         "plain": sdpa,
         "alibi": functools.partial(sdpa, score_mod=alibi),

@@ -312,11 +312,9 @@ def function_mask(mask_mod) -> FunctionMask:
     signature = "mask_mod(batch, head, q_idx, kv_idx) -> bool"
     fn, consts = _convert("mask_mod", mask_mod, signature, (_INDEX,) * 4, "bool")
     jaxpr = fn.jaxpr
-    head = jaxpr.invars[1]
-    uses_head = any(head is x for eqn in jaxpr.eqns for x in eqn.invars) or any(
-        head is x for x in jaxpr.outvars
-    )
-    return FunctionMask(fn, consts, uses_head)
+    read = {id(x) for eqn in jaxpr.eqns for x in eqn.invars} | {id(x) for x in jaxpr.outvars}
+    batch, head = (id(x) in read for x in jaxpr.invars[:2])
+    return FunctionMask(fn, consts, uses_head=head, uses_batch=batch)
 
 
 def _block_mask(shapes: _Shapes, block_mask: BlockMask) -> BlockMask:
@@ -332,6 +330,11 @@ def _block_mask(shapes: _Shapes, block_mask: BlockMask) -> BlockMask:
         raise ValueError(
             f"`mask_mod` is a BlockMask for batch {batch} and {heads} heads; the call has "
             f"batch {math.prod(shapes.batch)} and {shapes.heads} heads (or use 1 for either)."
+        )
+    if heads == 1 < shapes.heads and block_mask.rule.per_head:
+        raise ValueError(
+            "`mask_mod` is a BlockMask classified for one head, but its mask reads `head`: "
+            f"build it with heads={shapes.heads}."
         )
     leading = shapes.batch if batch > 1 else (1,) * len(shapes.batch)
     return dataclasses.replace(

@@ -39,9 +39,10 @@ def create_block_mask(
     Args:
         mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` of scalars (``True`` = may
             attend), or a built-in :class:`~jax_sdpa.MaskRule` without batch axes.
-        batch: The batch size of the calls (the flattened batch), or ``None``: the mask is the
-            same for every sequence (it is evaluated with ``batch = 0``).
-        heads: The number of query heads, or ``None``: the same for every head (``head = 0``).
+        batch: The batch size of the calls (the flattened batch), or ``None`` where the mask is
+            the same for every sequence (refused if ``mask_mod`` reads its ``batch``).
+        heads: The number of query heads, or ``None`` where the mask is the same for every head
+            (refused if ``mask_mod`` reads its ``head``).
         q_len: Queries per sequence (a ring's whole sequence).
         kv_len: Keys per sequence.
         block_q: Queries per tile; by default the chunked implementation's.
@@ -65,11 +66,20 @@ def create_block_mask(
         Dong, Feng, Guessous, Liang & He, Flex Attention: A Programming Model for Generating
         Optimized Attention Kernels, 2024 (PyTorch's ``create_block_mask`` and ``BlockMask``).
     """
+    rule = mask_mod if isinstance(mask_mod, MaskRule) else function_mask(mask_mod)
+    for name, size, reads in (
+        ("heads", heads, rule.per_head),
+        ("batch", batch, getattr(rule, "uses_batch", False)),
+    ):
+        if size is None and reads:
+            raise ValueError(
+                f"`{name}` must be given: `mask_mod` reads its {name} argument, so one "
+                f"classification cannot stand for every {name}; got None."
+            )
     batch, heads = (1 if size is None else size for size in (batch, heads))
     sizes = dict(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
     for name, size in (sizes | dict(block_q=block_q, block_kv=block_kv)).items():
         _checks.check_positive_int(name, size)
-    rule = mask_mod if isinstance(mask_mod, MaskRule) else function_mask(mask_mod)
     block_q, block_kv = min(block_q, q_len), min(block_kv, kv_len)
     head_index = jnp.arange(heads, dtype=jnp.int32)
 

@@ -518,6 +518,24 @@ def _blocked(tiles: Tiles, arrays: CallArrays, seq_q: int, seq_kv: int) -> Block
     return BlockMask(arrays.rule, classes, tiles.block_q, tiles.block_kv, seq_q, seq_kv)
 
 
+def pad_keys(key, value, arrays: CallArrays, block: int) -> tuple:
+    """``(key, value, arrays)`` with the keys padded to whole blocks, the padding masked.
+
+    The padded keys are masked by a length rule; the bias and mask gain their columns.
+    """
+    seq_kv = key.shape[0]
+    if seq_kv % block == 0:
+        return key, value, arrays
+    padding = LengthMask(None, jnp.asarray(seq_kv))
+    arrays = dataclasses.replace(
+        arrays,
+        rule=padding if arrays.rule is None else arrays.rule & padding,
+        bias=pad_to(arrays.bias, -1, block),
+        mask=pad_to(arrays.mask, -1, block, False),
+    )
+    return pad_to(key, 0, block), pad_to(value, 0, block), arrays
+
+
 def chunked_sequence(
     formula: Formula, tiling: Tiling, query, key, value, arrays: CallArrays
 ) -> Result:
@@ -531,18 +549,11 @@ def chunked_sequence(
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
     block_q, block_kv = min(tiling.block_q, seq_q), min(tiling.block_kv, seq_kv)
     tiles = Tiles(formula, block_q, block_kv, (kv_heads, heads // kv_heads))
-    if seq_kv % block_kv:
-        padding = LengthMask(None, jnp.asarray(seq_kv))
-        arrays = dataclasses.replace(
-            arrays, rule=padding if arrays.rule is None else arrays.rule & padding
-        )
+    key, value, arrays = pad_keys(key, value, arrays, block_kv)
     arrays = dataclasses.replace(
-        arrays,
-        bias=pad_to(pad_to(arrays.bias, -2, block_q), -1, block_kv),
-        mask=pad_to(pad_to(arrays.mask, -2, block_q, False), -1, block_kv, False),
+        arrays, bias=pad_to(arrays.bias, -2, block_q), mask=pad_to(arrays.mask, -2, block_q, False)
     )
     query = pad_to(query, 0, block_q)
-    key, value = (pad_to(x, 0, block_kv) for x in (key, value))
     if arrays.rule is not None and arrays.rule.opaque:
         arrays = dataclasses.replace(arrays, rule=_blocked(tiles, arrays, seq_q, key.shape[0]))
     out, lse = _flash(tiles, query, key, value, arrays)

@@ -23,17 +23,15 @@ soft cap, bias, ``score_mod``, mask rules at global positions) and the online so
 it differentiates the chunked implementation at the same point.
 """
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from jax_sdpa import _online_softmax as online_softmax
-from jax_sdpa._chunked import Tiling, chunked_sequence, pad_to
+from jax_sdpa._chunked import Tiling, chunked_sequence, pad_keys
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_heads
-from jax_sdpa._masks import LengthMask
 from jax_sdpa._steps import accumulation_dtype
 
 # Up to this many columns (K·G·T: every query row of every head), the scores are one matrix
@@ -43,7 +41,7 @@ from jax_sdpa._steps import accumulation_dtype
 BLOCK_DIAGONAL_COLUMNS = 64
 
 
-def _scores(query, key):
+def _scores(query, key, precision=None):
     """``q · k`` for every head, query and key: ``(K, G, T, H) × (L, K, H) → (K, G, T, L)``."""
     dtype = accumulation_dtype(query.dtype)
     kv_heads, _, _, features = query.shape
@@ -55,13 +53,16 @@ def _scores(query, key):
         raw = jnp.matmul(
             key.reshape(key.shape[0], -1),
             diagonal.reshape(kv_heads * features, kv_heads * rows),
+            precision=precision,
             preferred_element_type=dtype,
         )
         return jnp.moveaxis(raw.reshape(key.shape[0], *query.shape[:3]), 0, -1)
     # Enough rows per key to pay for copying the chunk heads-first: one product per head.
     per_head = query.reshape(kv_heads, rows, features)
     heads_first = jnp.moveaxis(key, 1, 0)  # (K, L, H)
-    raw = jnp.einsum("kxh,klh->kxl", per_head, heads_first, preferred_element_type=dtype)
+    raw = jnp.einsum(
+        "kxh,klh->kxl", per_head, heads_first, precision=precision, preferred_element_type=dtype
+    )
     return raw.reshape(*query.shape[:3], key.shape[0])
 
 
@@ -79,7 +80,9 @@ def _blend(weights, value, *, precision=None):
         return jnp.sum(weights[..., None] * value.astype(dtype)[:, :, None, None, :], axis=0)
     per_head = weights.reshape(kv_heads, group * seq_q, size)
     heads_first = jnp.moveaxis(value, 1, 0)  # (K, L, V)
-    out = jnp.einsum("kxl,klv->kxv", per_head, heads_first, preferred_element_type=dtype)
+    out = jnp.einsum(
+        "kxl,klv->kxv", per_head, heads_first, precision=precision, preferred_element_type=dtype
+    )
     return out.reshape(kv_heads, group, seq_q, -1)
 
 
@@ -94,7 +97,7 @@ def _chunk_state(formula: Formula, query, keys, values, arrays: CallArrays, star
         raw, arrays = per_query
         return formula.logits(raw, arrays, 0, start)
 
-    raw = _scores(query, keys)
+    raw = _scores(query, keys, formula.precision)
     scores, allowed = over_heads(head, raw.shape[:2], (raw, arrays))
     rows = raw.shape[:-1]
     state = online_softmax.init(query, rows, (*rows, values.shape[-1]))
@@ -133,20 +136,8 @@ def split_keys(formula: Formula, query, keys, values, arrays: CallArrays) -> Res
 
 
 def _contiguous(chunk: int, key, value, arrays: CallArrays) -> tuple[tuple, CallArrays]:
-    """A contiguous ``(S, K, ·)`` cache as whole chunks ``(C, chunk, K, ·)``, a reshape.
-
-    Padded to whole chunks, the padding masked.
-    """
-    seq_kv = key.shape[0]
-    if seq_kv % chunk:
-        padding = LengthMask(None, jnp.asarray(seq_kv))
-        arrays = dataclasses.replace(
-            arrays,
-            rule=padding if arrays.rule is None else arrays.rule & padding,
-            bias=pad_to(arrays.bias, -1, chunk),
-            mask=pad_to(arrays.mask, -1, chunk, False),
-        )
-        key, value = (pad_to(x, 0, chunk) for x in (key, value))
+    """A contiguous ``(S, K, ·)`` cache as whole chunks ``(C, chunk, K, ·)`` (padded, masked)."""
+    key, value, arrays = pad_keys(key, value, arrays, chunk)
     return tuple(x.reshape(-1, chunk, *x.shape[1:]) for x in (key, value)), arrays
 
 

@@ -18,7 +18,7 @@ from jaxtyping import Array
 class Result(NamedTuple):
     """What every implementation returns: the output, each row's log-sum-exp, the weights.
 
-    ``weights`` is ``None`` where they are never formed (the chunked and ring paths).
+    ``weights`` is ``None`` where they are never formed (the chunked, decode and ring paths).
     """
 
     out: Array

@@ -342,7 +342,8 @@ class FunctionMask(MaskRule):
 
     ``fn`` takes the four indices and then ``consts``, the arrays ``mask_mod`` closed over
     (hoisted as ``jax.closure_convert`` does), which are leaves of the rule; ``uses_head`` is
-    False where it ignores its head argument (then one head's tiles stand for all). Its ranges
+    False where it ignores its head argument (then one head's tiles stand for all), and
+    ``uses_batch`` where it ignores its batch argument. Its ranges
     claim nothing (:attr:`opaque`): the chunked path evaluates it on each tile to skip the tiles
     it excludes.
     """
@@ -350,6 +351,7 @@ class FunctionMask(MaskRule):
     fn: Callable = _static()
     consts: tuple = ()
     uses_head: bool = _static(True)
+    uses_batch: bool = _static(True)
 
     @property
     def opaque(self) -> bool:
@@ -406,6 +408,19 @@ class BlockMask(MaskRule):
 
     def at(self, q_idx, kv_idx, batch, head):
         return self.rule.at(q_idx, kv_idx, batch, head)
+
+    # The rule's own ranges still bound the loops (a causal part keeps its triangle).
+    def kv_range(self, q_lo, q_hi):
+        return self.rule.kv_range(q_lo, q_hi)
+
+    def q_range(self, kv_lo, kv_hi):
+        return self.rule.q_range(kv_lo, kv_hi)
+
+    def kv_full_range(self, q_lo, q_hi):
+        return self.rule.kv_full_range(q_lo, q_hi)
+
+    def q_full_range(self, kv_lo, kv_hi):
+        return self.rule.q_full_range(kv_lo, kv_hi)
 
     def tile_class(self, q_idx, kv_idx, batch, heads):
         """Read from :attr:`classes` (one sequence's, ``(heads, q_blocks, kv_blocks)``).

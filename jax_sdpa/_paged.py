@@ -37,6 +37,7 @@ from jax_sdpa._decode import split_keys
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import over_batch
 from jax_sdpa._masks import FunctionMask
+from jax_sdpa._steps import accumulation_dtype
 
 __all__ = ["paged_attention", "update_cache", "update_paged_cache"]
 
@@ -72,7 +73,7 @@ def _check_pages(query, key_pages, value_pages, page_table, lengths) -> _Shapes:
     for (name, layout), x in zip(layouts.items(), (query, key_pages, value_pages), strict=True):
         _checks.check_ndim(name, x, (4,), layout)
         _checks.check_float(name, x)
-    _checks.check_same_dtype(("key_pages", "value_pages"), (key_pages, value_pages))
+    _checks.check_same_dtype(("query", "key_pages", "value_pages"), (query, key_pages, value_pages))
     batch, seq_q, heads, d_k = query.shape
     num_pages, page_size, kv_heads, _ = key_pages.shape
     _checks.check_equal("feature size d_k", ("query", "key_pages"), (d_k, key_pages.shape[-1]))
@@ -133,7 +134,7 @@ def paged_attention(
     ``lengths[b] − T`` to ``lengths[b] − 1`` (the new tokens, already written to the cache with
     :func:`update_paged_cache`). The result equals :func:`dot_product_attention` over the
     gathered keys with ``key_value_seq_lengths=lengths`` and, per sequence, the causal mask
-    aligned to its last key; the cache is read a few pages at a time, never gathered whole.
+    aligned to its last key; the pages are gathered one sequence at a time, never all at once.
 
     Args:
         query: ``(B, T, N, H)``.
@@ -141,8 +142,9 @@ def paged_attention(
         value_pages: The pool of value pages, ``(P, page_size, K, V)``, the same dtype.
         page_table: ``(B, pages_per_sequence)`` int32: sequence ``b``'s pages, in order.
         lengths: ``(B,)``: valid positions per sequence, at most ``pages_per_sequence ·
-            page_size``. Under ``jit`` (not checked) larger lengths are clamped to that: a
-            sequence only ever reads pages of its own row of ``page_table``.
+            page_size``. Under ``jit`` (not checked) larger lengths are clamped to that, and
+            page numbers outside the pool read zeros: a sequence never reads a page that is
+            not in its own row of ``page_table``.
         scale: Factor on the scores (``1/√H`` by default).
         is_causal: Whether query ``i`` sees only keys up to its own position (for ``T = 1``
             the lengths alone decide).
@@ -178,6 +180,11 @@ def paged_attention(
     page_table, lengths = jnp.asarray(page_table), jnp.asarray(lengths)
     shapes = _check_pages(query, key_pages, value_pages, page_table, lengths)
     _checks.check_positive_int("block_kv", block_kv)
+    if 0 in (shapes.seq_q, shapes.seq_kv):  # no query, or no key: rows of 0 with lse −∞
+        *rows, _ = query.shape
+        out = jnp.zeros((*rows, value_pages.shape[-1]), value_pages.dtype)
+        lse = jnp.full(rows, -jnp.inf, accumulation_dtype(query.dtype))
+        return (out, lse) if return_residual else out
     score_mod, score_consts = _score_mod(shapes, query.dtype, score_mod=score_mod)
     formula = dataclasses.replace(
         _formula(query.shape[-1], scale=scale, logits_soft_cap=logits_soft_cap),
@@ -213,9 +220,13 @@ def _paged(formula: Formula, pages_per_chunk: int, query, key_pages, value_pages
         # One sequence's pages at a time (the batch is mapped sequentially): a copy of them,
         # never of the whole cache, is what the matrix products read.
         chunks = table.reshape(count, pages_per_chunk)
+        # A page number outside the pool (−1 included: take would count it from the end)
+        # reads zeros, never another sequence's page.
+        chunks = jnp.where(chunks >= 0, chunks, key_pages.shape[0])
         keys, values = (
-            x[chunks].reshape(count, size, *x.shape[2:]) for x in (key_pages, value_pages)
+            jnp.take(x, chunks, axis=0, mode="fill", fill_value=0) for x in (key_pages, value_pages)
         )
+        keys, values = (x.reshape(count, size, *x.shape[3:]) for x in (keys, values))
         return split_keys(formula, query, keys, values, arrays)[:2]
 
     return over_batch(sequence, query.shape[:1], query, table, arrays, sequential=True)
@@ -265,7 +276,8 @@ def update_paged_cache(
     """Writes each sequence's ``T`` new keys and values at ``positions[b]`` onwards, in its pages.
 
     Position ``p`` of sequence ``b`` is slot ``p % page_size`` of page
-    ``page_table[b, p // page_size]``. Pure, like :func:`update_cache`: donate the pages to
+    ``page_table[b, p // page_size]``; positions past the sequence's pages, and page numbers
+    outside the pool, are not written. Pure, like :func:`update_cache`: donate the pages to
     ``jax.jit`` to write in place.
 
     Examples:
@@ -283,12 +295,14 @@ def update_paged_cache(
     page_table, positions = jnp.asarray(page_table), jnp.asarray(positions)
     key, value = jnp.asarray(key), jnp.asarray(value)
     seq = positions[:, None] + jnp.arange(key.shape[1], dtype=positions.dtype)[None, :]  # (B, T)
-    pages = jnp.take_along_axis(page_table, seq // page_size, axis=1, mode="clip")
-    slots = seq % page_size
+    pages = jnp.take_along_axis(page_table, seq // page_size, axis=1, mode="fill", fill_value=-1)
+    # A position past the sequence's pages, or on a page number outside the pool (say −1 for
+    # "none"), is not written: it would land on another position or another sequence's page.
+    pages = jnp.where((pages >= 0) & (seq >= 0), pages, key_pages.shape[0])
     rows = math.prod(seq.shape)
     return tuple(
-        cache.at[pages.reshape(rows), slots.reshape(rows)].set(
-            new.reshape(rows, *new.shape[2:]).astype(cache.dtype)
+        cache.at[pages.reshape(rows), (seq % page_size).reshape(rows)].set(
+            new.reshape(rows, *new.shape[2:]).astype(cache.dtype), mode="drop"
         )
         for cache, new in ((key_pages, key), (value_pages, value))
     )

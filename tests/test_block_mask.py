@@ -178,3 +178,19 @@ def test_a_block_mask_of_other_shapes_is_refused(rng):
             js.dot_product_attention(q, k, v, mask_mod=block_mask)
     with pytest.raises(TypeError, match="`mask_mod` must be a function"):
         js.create_block_mask(3, None, None, 8, 8)
+
+
+def test_a_block_mask_for_any_head_or_sequence_of_a_mask_that_reads_them_is_refused():
+    with pytest.raises(ValueError, match=re.escape("`heads` must be given: `mask_mod` reads")):
+        js.create_block_mask(lambda b, h, i, j: (h > 0) | (j <= i), None, None, 8, 8)
+    doc = jnp.zeros((2, 8), jnp.int32)
+    with pytest.raises(ValueError, match=re.escape("`batch` must be given: `mask_mod` reads")):
+        js.create_block_mask(documents(doc), None, None, 8, 8)
+
+
+def test_a_block_mask_keeps_the_loop_bounds_of_the_rules_it_holds():
+    # The chunked path wraps an opaque rule in a BlockMask: a causal part keeps its triangle.
+    rule = js.CausalMask() & js.create_block_mask(lambda b, h, i, j: j <= i, None, None, 8, 8).rule
+    block_mask = js.BlockMask(rule, jnp.ones((1, 1, 2, 2), jnp.int8), 4, 4, 8, 8)
+    assert [int(x) for x in block_mask.kv_range(0, 4)] == [0, 4]
+    assert [int(x) for x in block_mask.q_range(4, 8)] == [4, 2**31 - 1]

@@ -194,3 +194,38 @@ def test_writing_a_step_into_either_cache_then_attending_equals_the_full_sequenc
         np.testing.assert_allclose(contiguous, want, atol=2e-6)
         np.testing.assert_allclose(paged, want, atol=2e-6)
         start = stop
+
+
+def test_page_numbers_outside_the_pool_read_zeros_and_are_never_written(rng):
+    key_pages, value_pages, table = paged_cache(rng, 1, 3, 4, 1, 8, num_pages=5)
+    q = jnp.asarray(rng.normal(size=(1, 1, 2, 8)), jnp.float32)
+    table = table.at[0, 2].set(-1)  # no third page yet: "none"
+    unused = np.setdiff1d(np.arange(5), np.asarray(table))
+    key_pages = key_pages.at[unused].set(jnp.nan)
+    value_pages = value_pages.at[unused].set(jnp.nan)
+    out = jax.jit(js.paged_attention)(q, key_pages, value_pages, table, jnp.array([8]))
+    want = expected(q, key_pages, value_pages, table.at[0, 2].set(table[0, 0]), [8])
+    assert ref.rel_err(out, want["out"]) < 2e-6  # only the two pages it owns, and finite
+    # Writes past the sequence's pages, or onto page "−1", are dropped.
+    new = jnp.ones((1, 3, 1, 8))
+    written, _ = js.update_paged_cache(
+        key_pages, value_pages, new, new, table, jnp.array([7])
+    )  # positions 7, 8 (page −1) and 12 (past the 3 pages)
+    np.testing.assert_array_equal(written[table[0, 1], 3], 1.0)
+    finite = np.isfinite(np.asarray(key_pages)).all(axis=(2, 3))
+    changed = np.asarray(written != key_pages).any(axis=(2, 3)) & finite
+    assert np.argwhere(changed).tolist() == [[int(table[0, 1]), 3]]
+    np.testing.assert_array_equal(np.isnan(written[unused]), True)
+
+
+def test_no_query_or_no_page_gives_zeros(rng):
+    key_pages, value_pages, table = paged_cache(rng, 2, 3, 4, 1, 8)
+    q = jnp.zeros((2, 0, 2, 8))
+    lengths = jnp.array([3, 5])
+    out, lse = js.paged_attention(q, key_pages, value_pages, table, lengths, return_residual=True)
+    assert out.shape == (2, 0, 2, 8) and lse.shape == (2, 0, 2)
+    q = jnp.ones((2, 1, 2, 8))
+    out = js.paged_attention(q, key_pages, value_pages, table[:, :0], jnp.array([0, 0]))
+    np.testing.assert_array_equal(out, 0.0)
+    with pytest.raises(TypeError, match="`query`"):
+        js.paged_attention(q.astype(jnp.bfloat16), key_pages, value_pages, table, jnp.array([3, 5]))
