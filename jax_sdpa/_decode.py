@@ -32,7 +32,7 @@ from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._chunked import Tiling, chunked_sequence, pad_keys
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_heads
-from jax_sdpa._steps import accumulation_dtype
+from jax_sdpa._steps import accumulation_dtype, raw_scores, weighted_sum
 
 # Up to this many columns (K·G·T: every query row of every head), the scores are one matrix
 # product of the keys as they lie, ``(L, K·H)``, with a block-diagonal matrix of the queries:
@@ -57,12 +57,10 @@ def _scores(query, key, precision=None):
             preferred_element_type=dtype,
         )
         return jnp.moveaxis(raw.reshape(key.shape[0], *query.shape[:3]), 0, -1)
-    # Enough rows per key to pay for copying the chunk heads-first: one product per head.
+    # Enough rows per key to pay for copying the chunk heads-first: the step, head by head.
     per_head = query.reshape(kv_heads, rows, features)
     heads_first = jnp.moveaxis(key, 1, 0)  # (K, L, H)
-    raw = jnp.einsum(
-        "kxh,klh->kxl", per_head, heads_first, precision=precision, preferred_element_type=dtype
-    )
+    raw = jax.vmap(functools.partial(raw_scores, precision=precision))(per_head, heads_first)
     return raw.reshape(*query.shape[:3], key.shape[0])
 
 
@@ -80,9 +78,7 @@ def _blend(weights, value, *, precision=None):
         return jnp.sum(weights[..., None] * value.astype(dtype)[:, :, None, None, :], axis=0)
     per_head = weights.reshape(kv_heads, group * seq_q, size)
     heads_first = jnp.moveaxis(value, 1, 0)  # (K, L, V)
-    out = jnp.einsum(
-        "kxl,klv->kxv", per_head, heads_first, precision=precision, preferred_element_type=dtype
-    )
+    out = jax.vmap(functools.partial(weighted_sum, precision=precision))(per_head, heads_first)
     return out.reshape(kv_heads, group, seq_q, -1)
 
 

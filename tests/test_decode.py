@@ -34,6 +34,17 @@ def test_decode_matches_the_reference(rng, t, s, n, k):
     np.testing.assert_allclose(lse, want["lse"], rtol=1e-5, atol=1e-6)
 
 
+def test_many_query_rows_take_the_products_head_by_head(rng):
+    # N·T = 128 rows: past the block-diagonal product's 64 columns.
+    q, key, v = qkv(rng, 2, 16, 100, 8, 2, 8, hv=6)
+    lengths = np.array([100, 37])
+    out = js.dot_product_attention(
+        q, key, v, key_value_seq_lengths=lengths, **BOTTOM_RIGHT, **DECODE
+    )
+    want = ref.attention(q, key, v, kv_lengths=lengths, is_causal=True, offset=100 - 16)
+    assert ref.rel_err(out, want["out"]) < 2e-6
+
+
 @pytest.mark.parametrize(
     "options, rules",
     [
