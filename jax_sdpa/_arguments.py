@@ -112,7 +112,15 @@ def _ring_spec(query, key, axis_name=None, layout="contiguous", **_) -> Ring | N
                     f"`{name}` must have an even local length for layout='striped' (two chunks "
                     f"per device); got {jnp.shape(x)[-3]}."
                 )
-    return Ring(axis_name, lax.axis_size(axis_name), layout)
+    try:
+        shards = lax.axis_size(axis_name)
+    except NameError:
+        axes = jax.sharding.get_abstract_mesh().axis_names
+        raise ValueError(
+            f"`axis_name` must name an axis of the enclosing `jax.shard_map` {axes}; "
+            f"got {axis_name!r}."
+        ) from None
+    return Ring(axis_name, shards, layout)
 
 
 def _query_key_value(query, key, value, shards: int, dtype=None, **_):

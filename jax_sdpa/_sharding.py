@@ -137,13 +137,22 @@ def ring_dot_product_attention(
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     for name, x in (("query", query), ("key", key), ("value", value)):
         _checks.check_ndim(name, x, (4,), "(batch, seq, heads, dim)")
+    axes = {"seq_axis": seq_axis, "batch_axis": batch_axis, "head_axis": head_axis}
+    for name, axis in axes.items():
+        if axis is not None and axis not in mesh.shape:
+            raise ValueError(f"`{name}` must be an axis of `mesh` {mesh.axis_names}; got {axis!r}.")
     shards = mesh.shape[seq_axis]
-    heads = 1 if head_axis is None else mesh.shape[head_axis]
-    for name, n in (("query", query.shape[2]), ("key", key.shape[2])):
-        if n % heads:
-            raise ValueError(
-                f"`{name}` heads must divide over mesh axis {head_axis!r} of size {heads}; got {n}."
-            )
+    # Each axis: (its dimension, the mesh axis, how many parts); striped, a device holds two chunks.
+    splits = {"sequence": (1, seq_axis, shards * (2 if layout == "striped" else 1))}
+    splits["batch"] = (0, batch_axis, 1 if batch_axis is None else mesh.shape[batch_axis])
+    splits["heads"] = (2, head_axis, 1 if head_axis is None else mesh.shape[head_axis])
+    for name, x in (("query", query), ("key", key)):
+        for what, (dim, axis, parts) in splits.items():
+            if x.shape[dim] % parts:
+                raise ValueError(
+                    f"`{name}` must split its {what} into {parts} equal parts over mesh axis "
+                    f"{axis!r}; got {what} {x.shape[dim]}."
+                )
     extras = {"bias": bias, "mask": mask}
     extras = {
         k: jnp.reshape(jnp.asarray(x), (1,) * (4 - jnp.ndim(x)) + jnp.shape(x))
