@@ -7,10 +7,13 @@ way. The same code runs on one host with several devices or on many hosts after
 ``jax.distributed.initialize()``: the mesh is what spans them.
 """
 
+import functools
+import itertools
 from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike
@@ -55,6 +58,33 @@ def from_striped(x: ArrayLike, shards: int, *, axis: int = 1) -> Array:
     """Undoes :func:`to_striped`."""
     x = jnp.asarray(x)
     return jnp.take(x, jnp.argsort(_striped_order(x.shape[axis], shards)), axis=axis)
+
+
+def _restripe(x: Array, axis: int, *, axis_name: str, shards: int, inverse: bool = False) -> Array:
+    """Inside ``shard_map``: this device's contiguous block as its striped chunks, or back.
+
+    Of the ``2P`` chunks, device ``d`` holds ``2d`` and ``2d + 1`` in the contiguous layout and
+    ``d`` and ``2P − 1 − d`` in the striped one. Chunks travel by ``ppermute``, one per pair of
+    (half it leaves, half it fills): each device sends and receives one block, and no device
+    ever holds the whole sequence (reordering the global array instead gathers it).
+    """
+
+    def contiguous(chunk):  # (device, half)
+        return chunk // 2, chunk % 2
+
+    def striped(chunk):
+        return (chunk, 0) if chunk < shards else (2 * shards - 1 - chunk, 1)
+
+    source, target = (striped, contiguous) if inverse else (contiguous, striped)
+    halves = jnp.split(x, 2, axis=axis)
+    filled = [None, None]
+    for leaves, fills in itertools.product((0, 1), (0, 1)):
+        moves = [(source(c), target(c)) for c in range(2 * shards)]
+        pairs = [(s[0], t[0]) for s, t in moves if (s[1], t[1]) == (leaves, fills)]
+        if pairs:  # devices that receive nothing get zeros: the other move fills them
+            moved = lax.ppermute(halves[leaves], axis_name, pairs)
+            filled[fills] = moved if filled[fills] is None else filled[fills] + moved
+    return jnp.concatenate(filled, axis=axis)
 
 
 @overload
@@ -120,8 +150,10 @@ def ring_dot_product_attention(
     ``(B, N, T, S)``). They are placed on ``mesh`` with the sequence sharded over ``seq_axis``
     and, if given, the batch over ``batch_axis`` and the heads over ``head_axis`` (both query and
     key/value heads must divide evenly); then :func:`jax_sdpa.ring_attention` runs on each
-    device's shards. ``layout="striped"`` reorders the sequence first (and the output back), to
-    balance causal work. ``options`` are :func:`jax_sdpa.ring_attention`'s other keywords.
+    device's shards. ``layout="striped"`` balances causal work: each device swaps parts of its
+    block with others (``ppermute``, never an all-gather) to hold its striped chunks, and the
+    output goes back the same way. ``options`` are :func:`jax_sdpa.ring_attention`'s other
+    keywords.
 
     Returns:
         The output ``(B, T, N, V)`` sharded over the mesh, or ``(out, logsumexp)``.
@@ -159,11 +191,6 @@ def ring_dot_product_attention(
         for k, x in extras.items()
         if x is not None
     }
-    if layout == "striped":
-        query, key, value = (to_striped(x, shards) for x in (query, key, value))
-        for name, x in extras.items():  # rows follow the queries, columns the keys
-            x = to_striped(x, shards, axis=2) if x.shape[2] > 1 else x
-            extras[name] = to_striped(x, shards, axis=3) if x.shape[3] > 1 else x
 
     def spec_4d(x):  # bias / mask: (batch, heads, rows, columns); columns stay whole
         return P(
@@ -186,12 +213,28 @@ def ring_dot_product_attention(
     )
     out_specs = (seq_spec, P(batch_axis, seq_axis, head_axis)) if return_residual else seq_spec
 
+    restripe = functools.partial(_restripe, axis_name=seq_axis, shards=shards)
+
     def local(query, key, value, *rest):
         named = dict(zip([*extras, *lengths], rest, strict=True))
-        return ring_attention(
-            query, key, value, axis_name=seq_axis, layout=layout, return_residual=return_residual,
-            **named, **options,
-        )  # fmt: skip
+        if layout == "striped":
+            query, key, value = (restripe(x, 1) for x in (query, key, value))
+            for name in extras:  # rows follow the queries (sharded), columns the keys (whole)
+                x = restripe(named[name], 2) if named[name].shape[2] > 1 else named[name]
+                named[name] = to_striped(x, shards, axis=3) if x.shape[3] > 1 else x
+        result = ring_attention(
+            query,
+            key,
+            value,
+            axis_name=seq_axis,
+            layout=layout,
+            return_residual=return_residual,
+            **named,
+            **options,
+        )
+        if layout == "striped":
+            result = jax.tree.map(lambda x: restripe(x, 1, inverse=True), result)
+        return result
 
     args = (query, key, value, *extras.values(), *lengths.values())
     args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs, strict=True)]
@@ -208,11 +251,4 @@ def ring_dot_product_attention(
     sharded = jax.shard_map(
         local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=not mods
     )
-    result = sharded(*args)
-    if layout == "striped":  # back to sequence order, sharded as the contiguous layout would be
-
-        def unstripe(x, spec):
-            return jax.device_put(from_striped(x, shards), NamedSharding(mesh, spec))
-
-        result = jax.tree.map(unstripe, result, out_specs, is_leaf=lambda x: isinstance(x, P))
-    return result
+    return sharded(*args)
