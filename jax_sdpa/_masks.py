@@ -74,7 +74,7 @@ class MaskRule:
         """``rule(q_idx, kv_idx)`` for sequence ``batch`` and query head ``head``.
 
         The built-in rules are the same for every head (their arrays are mapped over the batch
-        beforehand); a :class:`FunctionMask` may depend on both.
+        beforehand); a ``FunctionMask`` (a ``mask_mod`` function) may depend on both.
         """
         return self(q_idx, kv_idx)
 
@@ -110,7 +110,7 @@ class MaskRule:
         The tile is ``q_idx × kv_idx``, each a run of consecutive positions (which may repeat
         its last one), for sequence ``batch`` and every query head in ``heads``. An answer may
         err only towards "partial": a tile called empty or full is so. A rule with ranges reads
-        them; an :attr:`opaque` one is evaluated on the tile.
+        them; an ``opaque`` one is evaluated on the tile.
         """
         if self.opaque:
             heads = heads if self.per_head else heads[:1]
@@ -344,7 +344,7 @@ class FunctionMask(MaskRule):
     (hoisted as ``jax.closure_convert`` does), which are leaves of the rule; ``uses_head`` is
     False where it ignores its head argument (then one head's tiles stand for all), and
     ``uses_batch`` where it ignores its batch argument. Its ranges
-    claim nothing (:attr:`opaque`): the chunked path evaluates it on each tile to skip the tiles
+    claim nothing (``opaque``): the chunked path evaluates it on each tile to skip the tiles
     it excludes.
     """
 
@@ -423,7 +423,7 @@ class BlockMask(MaskRule):
         return self.rule.q_full_range(kv_lo, kv_hi)
 
     def tile_class(self, q_idx, kv_idx, batch, heads):
-        """Read from :attr:`classes` (one sequence's, ``(heads, q_blocks, kv_blocks)``).
+        """Read from ``classes`` (one sequence's, ``(heads, q_blocks, kv_blocks)``).
 
         The tile may cover several blocks, or parts of them: it is empty (full) if every block
         it touches is.
@@ -522,7 +522,7 @@ def materialize_mask(
 ) -> Bool[Array, "q_len kv_len"]:
     """Evaluates ``rule`` on a ``(q_len, kv_len)`` block of positions as a boolean array.
 
-    ``batch`` and ``head`` are what a :class:`FunctionMask` sees (the built-in rules ignore them).
+    ``batch`` and ``head`` are what a ``FunctionMask`` (a ``mask_mod`` function) sees (the built-in rules ignore them).
 
     Examples:
         >>> materialize_mask(LocalWindowMask(1, 0), 3, 3).astype(int)

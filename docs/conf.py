@@ -1,0 +1,67 @@
+"""Sphinx configuration: the notebooks executed and rendered, the API from the docstrings.
+
+Build with ``sphinx-build -W -b html docs docs/_build/html`` (the README's docs command).
+"""
+
+from pathlib import Path
+
+import jax_sdpa
+
+project = "jax_sdpa"
+author = "the jax_sdpa authors"
+copyright = "2026, the jax_sdpa authors"  # noqa: A001 (Sphinx's own setting name)
+release = jax_sdpa.__version__
+
+extensions = [
+    "myst_nb",  # Markdown pages and executed notebooks, as jax and flax build theirs
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "sphinx.ext.napoleon",  # Google-style Args/Returns/Raises
+    "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",
+]
+
+# Notebooks run at build time; a failing cell fails the build. Results are cached by content
+# (jupyter-cache, next to the build), so a rebuild without changes executes nothing.
+nb_execution_mode = "cache"
+nb_execution_timeout = 600
+nb_execution_raise_on_error = True
+nb_execution_show_tb = True
+nb_merge_streams = True
+myst_enable_extensions = ["dollarmath", "amsmath"]
+myst_heading_anchors = 3
+
+autodoc_default_options = {"members": True}
+autodoc_member_order = "bysource"
+autodoc_typehints = "signature"
+autodoc_typehints_format = "short"
+autosummary_generate = False
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+# Every reference must resolve: a broken cross-reference is an error under -W.
+nitpicky = True
+nitpick_ignore_regex = [
+    # Types from other packages, named in signatures (there is no network for intersphinx).
+    ("py:class", r"(jax|jaxtyping|numpy|np|jnp|flax|optax|collections|typing)\..*"),
+    ("py:class", r"(Array|ArrayLike|Float|Bool|Int|Key|DTypeLike|PRNGKeyArray|Mesh|Callable)"),
+    ("py:class", r"(jaxlib\..*|ndarray)"),
+    # jaxtyping's shape strings, e.g. Float[Array, 'q_seq kv_seq'], read as class names.
+    ("py:class", r".*['\s].*|"),
+]
+
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+html_theme = "sphinx_book_theme"
+html_title = "jax_sdpa"
+html_theme_options = {
+    "repository_url": "https://github.com/jax-sdpa/jax_sdpa",
+    "use_repository_button": False,
+    "show_toc_level": 2,
+}
+
+# MathJax from a local copy when the machine has one (Debian's libjs-mathjax), so the pages render
+# their math offline; otherwise Sphinx's default, from a CDN.
+_LOCAL_MATHJAX = Path("/usr/share/javascript/mathjax")
+if (_LOCAL_MATHJAX / "MathJax.js").exists():
+    html_static_path = [str(_LOCAL_MATHJAX)]  # copied into _static/
+    mathjax_path = "MathJax.js?config=TeX-AMS-MML_HTMLorMML"

@@ -1,0 +1,66 @@
+"""The documentation site builds with no warning, and shows what it promises.
+
+One build (``sphinx-build -E -W``, as the README's docs command, into a temporary folder) executes
+every notebook, so a failing cell — a notebook's own ``assert`` included — fails it, like a broken
+cross-reference or a docstring Sphinx cannot parse. The checks then read the built pages: every
+notebook page carries its figures, every public name has its API entry.
+"""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jax_sdpa
+from jax_sdpa import mods
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted(path.stem for path in (ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    html = tmp_path_factory.mktemp("docs") / "html"
+    command = [sys.executable, "-m", "sphinx", "-E", "-W", "--keep-going", "-b", "html"]
+    result = subprocess.run(
+        [*command, str(ROOT / "docs"), str(html)], capture_output=True, text=True, timeout=1200
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return html
+
+
+def test_the_six_notebooks_are_there():
+    assert NOTEBOOKS == [
+        "01_the_four_steps",
+        "02_why_sqrt_dk",
+        "03_masks",
+        "04_jit_and_vmap",
+        "05_your_own_attention",
+        "06_decoding_with_a_kv_cache",
+    ]
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_every_notebook_page_shows_its_figures(site, name):
+    page = (site / "notebooks" / f"{name}.html").read_text()
+    images = re.findall(r'<img[^>]+src="\.\./(_images/[^"]+\.(?:png|gif))"', page)
+    assert images, f"{name}: no figure on the page"
+    assert all((site / image).stat().st_size > 1000 for image in images)
+
+
+def test_every_public_name_has_an_api_entry(site):
+    page = (site / "api.html").read_text()
+    names = [f"jax_sdpa.{name}" for name in jax_sdpa.__all__ if name != "mods"]
+    names += [f"jax_sdpa.mods.{name}" for name in mods.__all__]
+    missing = [name for name in names if f'id="{name}"' not in page]
+    assert not missing, f"no API entry for {missing}"
+
+
+def test_the_landing_page_has_the_quick_start_and_the_formula(site):
+    page = (site / "index.html").read_text()
+    text = re.sub(r"<[^>]+>", "", page)
+    assert "pip install" in text and "python -m jax_sdpa.demo" in text
+    assert "softmax_weights(scores, mask)" in text and "(T, S) → (T, S)" in text
+    assert 'href="api.html"' in page and 'href="design.html"' in page
