@@ -522,7 +522,7 @@ def materialize_mask(
 ) -> Bool[Array, "q_len kv_len"]:
     """Evaluates ``rule`` on a ``(q_len, kv_len)`` block of positions as a boolean array.
 
-    ``batch`` and ``head`` are what a ``FunctionMask`` (a ``mask_mod`` function) sees (the built-in rules ignore them).
+    ``batch`` and ``head`` are what a ``mask_mod`` function sees (the built-in rules ignore them).
 
     Examples:
         >>> materialize_mask(LocalWindowMask(1, 0), 3, 3).astype(int)
