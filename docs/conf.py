@@ -65,3 +65,9 @@ _LOCAL_MATHJAX = Path("/usr/share/javascript/mathjax")
 if (_LOCAL_MATHJAX / "MathJax.js").exists():
     html_static_path = [str(_LOCAL_MATHJAX)]  # copied into _static/
     mathjax_path = "MathJax.js?config=TeX-AMS-MML_HTMLorMML"
+    mathjax2_config = {  # MathJax 2 reads only what Sphinx and MyST mark as math
+        "tex2jax": {
+            "processClass": "tex2jax_process|mathjax_process|math|output_area",
+            "ignoreClass": "tex2jax_ignore|mathjax_ignore|document",
+        }
+    }
