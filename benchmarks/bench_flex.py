@@ -94,8 +94,10 @@ def main():
         f"# T = {args.seq}, B1 H{HEADS} d{DIM} f32, forward; jax {jax.__version__}, torch "
         f"{torch.__version__} ({torch.get_num_threads()} threads); median ms of {args.reps}"
     )
-    print("\n| variant | jax_sdpa chunked | torch.compile(flex_attention) | flex / jax_sdpa | "
-          "torch SDPA (no mods) |")  # fmt: skip
+    print(
+        "\n| variant | jax_sdpa chunked | torch.compile(flex_attention) | flex / jax_sdpa | "
+        "torch SDPA (no mods) |"
+    )
     print("|---|---|---|---|---|")
     for name in ("plain", "alibi", "causal", "alibi+causal"):
         ours, theirs = median[name], median[f"flex {name}"]

@@ -88,8 +88,10 @@ def rss_child(impl: str, mode: str, seq: int) -> None:
 def rss(impl: str, mode: str, seq: int) -> dict:
     out = subprocess.run(
         [sys.executable, __file__, "--child", impl, mode, str(seq)],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -103,14 +105,19 @@ def main():
         "--rss-max-bwd", type=int, default=65536, help="longest T to run fwd+bwd for RSS"
     )
     parser.add_argument(
-        "--rss-long", type=int, nargs="*", default=[262144],
+        "--rss-long",
+        type=int,
+        nargs="*",
+        default=[262144],
         help="longer T at which to measure the chunked fwd+bwd's RSS growth",
-    )  # fmt: skip
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument(
-        "--mods", type=int, metavar="T",
+        "--mods",
+        type=int,
+        metavar="T",
         help="only the RSS growth of ALiBi (score_mod) + causal (mask_mod lambda) at this T",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     if args.child:
         impl, mode, seq = args.child

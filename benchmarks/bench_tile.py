@@ -175,9 +175,12 @@ def block_sizes(seq: int, tiles: list[tuple[int, int]], heads: int, reps: int, b
     for tile in tiles:
         for is_causal in (False, True):
             sdpa = functools.partial(
-                jax_sdpa.dot_product_attention, implementation="chunked", is_causal=is_causal,
-                block_q=tile[0], block_kv=tile[1],
-            )  # fmt: skip
+                jax_sdpa.dot_product_attention,
+                implementation="chunked",
+                is_causal=is_causal,
+                block_q=tile[0],
+                block_kv=tile[1],
+            )
             step, _ = compiled(sdpa, mode, (x, x, x))
             steps[f"{tile} {is_causal}"] = functools.partial(step, x, x, x)
     median, gemm_rate = medians_with_gemm(steps, reps)

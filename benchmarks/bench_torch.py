@@ -91,13 +91,16 @@ def main():
                 rate = {fw: 2 * 2048**3 / median.pop(f"{fw} gemm") / 1e9 for fw in ("jax", "torch")}
                 gflop = flops(1, HEADS, seq, DIM, is_causal, mode) / 1e9
                 row = {
-                    "mode": mode, "seq": seq, "causal": is_causal,
-                    "jax_sdpa_ms": 1e3 * median["jax_sdpa"], "torch_ms": 1e3 * median["torch"],
+                    "mode": mode,
+                    "seq": seq,
+                    "causal": is_causal,
+                    "jax_sdpa_ms": 1e3 * median["jax_sdpa"],
+                    "torch_ms": 1e3 * median["torch"],
                     "jax_sdpa_pct_gemm": 100 * gflop / median["jax_sdpa"] / rate["jax"],
                     "torch_pct_gemm": 100 * gflop / median["torch"] / rate["torch"],
                     "torch_pct_jax_gemm": 100 * gflop / median["torch"] / rate["jax"],
                     "gemm_gflops": rate,
-                }  # fmt: skip
+                }
                 rows.append(row)
                 print(
                     f"| {mode} | {seq} | {'yes' if is_causal else 'no'} | "

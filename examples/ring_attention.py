@@ -26,9 +26,15 @@ key = jax.random.normal(rng_k, (batch, seq, kv_heads, dim))
 value = jax.random.normal(rng_v, (batch, seq, kv_heads, dim))
 
 out = jax_sdpa.ring_dot_product_attention(
-    query, key, value, mesh=mesh, seq_axis="seq", batch_axis="batch", is_causal=True,
+    query,
+    key,
+    value,
+    mesh=mesh,
+    seq_axis="seq",
+    batch_axis="batch",
+    is_causal=True,
     layout="striped",  # balances the causal work across the ring
-)  # fmt: skip
+)
 print("output", out.shape, "sharded as", out.sharding.spec)
 print("each device holds", out.addressable_shards[0].data.shape)
 

@@ -268,10 +268,15 @@ def sweep_keys(
     rows = (tile_q, tile_q + tiles.block_q)
     guarded = _classified(step, classify, skip=lambda j, state: state)
     return _sweep(
-        guarded, arrays.rule, lambda r: r.kv_range(*rows),
-        lambda r: r.kv_full_range(*rows), kv_offset, tiles.block_kv,
-        key.shape[0] // tiles.block_kv, state,
-    )  # fmt: skip
+        guarded,
+        arrays.rule,
+        lambda r: r.kv_range(*rows),
+        lambda r: r.kv_full_range(*rows),
+        kv_offset,
+        tiles.block_kv,
+        key.shape[0] // tiles.block_kv,
+        state,
+    )
 
 
 def forward_sweep(
@@ -372,10 +377,15 @@ def backward_sweep(
 
         cols = (tile_kv, tile_kv + tiles.block_kv)
         return _sweep(
-            step, arrays.rule, lambda r: r.q_range(*cols),
-            lambda r: r.q_full_range(*cols), q_offset, tiles.block_q,
-            query.shape[0] // tiles.block_q, grads,
-        )  # fmt: skip
+            step,
+            arrays.rule,
+            lambda r: r.q_range(*cols),
+            lambda r: r.q_full_range(*cols),
+            q_offset,
+            tiles.block_q,
+            query.shape[0] // tiles.block_q,
+            grads,
+        )
 
     return lax.fori_loop(0, key.shape[0] // tiles.block_kv, key_block, grads)
 

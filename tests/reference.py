@@ -56,9 +56,19 @@ def _sum_to(x, shape):
 
 
 def attention(
-    q, k, v, bias=None, *, scale=None, soft_cap=None, d_out=None, score_mod=None, mask_mod=None,
-    sinks=None, **rules,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    bias=None,
+    *,
+    scale=None,
+    soft_cap=None,
+    d_out=None,
+    score_mod=None,
+    mask_mod=None,
+    sinks=None,
+    **rules,
+):
     """Forward (and, given ``d_out``, backward) of BTNH attention in float64.
 
     ``score_mod(score, b, h, i, j)`` and ``mask_mod(b, h, i, j)`` are applied to the whole

@@ -77,9 +77,15 @@ def test_decode_with_bias_mods_and_sinks(rng):
         return lambda b, h, i, j: d[i + 98] == d[j]
 
     out = js.dot_product_attention(
-        q, key, v, jnp.asarray(bias, jnp.float32), **DECODE,
-        score_mod=score_mod(jnp), mask_mod=mask_mod(jnp), sinks=jnp.asarray(sinks, jnp.float32),
-    )  # fmt: skip
+        q,
+        key,
+        v,
+        jnp.asarray(bias, jnp.float32),
+        **DECODE,
+        score_mod=score_mod(jnp),
+        mask_mod=mask_mod(jnp),
+        sinks=jnp.asarray(sinks, jnp.float32),
+    )
     want = ref.attention(
         q, key, v, bias, score_mod=score_mod(np), mask_mod=mask_mod(np), sinks=sinks
     )
@@ -115,9 +121,13 @@ def test_the_gradient_is_the_chunked_one(rng):
 def test_the_automatic_choice_decodes_only_decoding_shapes(rng):
     def chosen(t, s):
         q, k, v = (jax.ShapeDtypeStruct((1, n, 4, 8), jnp.float32) for n in (t, s, s))
-        program = lambda impl: str(jax.make_jaxpr(  # noqa: E731
-            lambda q, k, v: js.dot_product_attention(q, k, v, implementation=impl)
-        )(q, k, v))  # fmt: skip
+
+        def program(impl):
+            def call(q, k, v):
+                return js.dot_product_attention(q, k, v, implementation=impl)
+
+            return str(jax.make_jaxpr(call)(q, k, v))
+
         return [name for name in ("decode", "chunked", "xla") if program(name) == program(None)]
 
     assert chosen(1, 2048) == ["decode"]  # N·T = 4 rows

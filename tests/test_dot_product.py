@@ -549,8 +549,17 @@ def test_cudnn_is_handed_the_call_in_jax_nn_arguments(rng, monkeypatch):
     )
     out = js.dot_product_attention(q, k, v, bias, implementation="cudnn", **kwargs)
     np.testing.assert_allclose(out, nn_attention(q, k, v, bias, **kwargs), atol=1e-6)
-    expected = ref.attention(q, k, v, bias, is_causal=True, window=(2, 1), scale=0.3,
-                             q_lengths=kwargs["query_seq_lengths"], kv_lengths=kwargs["key_value_seq_lengths"])  # fmt: skip
+    expected = ref.attention(
+        q,
+        k,
+        v,
+        bias,
+        is_causal=True,
+        window=(2, 1),
+        scale=0.3,
+        q_lengths=kwargs["query_seq_lengths"],
+        kv_lengths=kwargs["key_value_seq_lengths"],
+    )
     np.testing.assert_allclose(out, expected["out"], atol=2e-6)
     # Unbatched (TNH): jax.nn wants lengths of shape (1,), which ours hold as ().
     lengths = jnp.array([4], jnp.int32)

@@ -57,13 +57,23 @@ def test_mods_and_sinks_against_reference(rng, impl, with_sinks):
         return lambda b, h, i, j: documents(lib(doc))(b, h, i, j) | (h == 3)
 
     out, lse = js.dot_product_attention(
-        q, k, v, score_mod=score_mod(f32), mask_mod=head_mask(jnp.asarray),
-        sinks=f32(sinks) if with_sinks else None, return_residual=True, **impl,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        score_mod=score_mod(f32),
+        mask_mod=head_mask(jnp.asarray),
+        sinks=f32(sinks) if with_sinks else None,
+        return_residual=True,
+        **impl,
+    )
     expected = ref.attention(
-        q, k, v, score_mod=score_mod(np.asarray), mask_mod=head_mask(np.asarray),
+        q,
+        k,
+        v,
+        score_mod=score_mod(np.asarray),
+        mask_mod=head_mask(np.asarray),
         sinks=sinks if with_sinks else None,
-    )  # fmt: skip
+    )
     np.testing.assert_allclose(out, expected["out"], atol=2e-6)
     np.testing.assert_allclose(lse, expected["lse"], atol=2e-5)
 
@@ -97,9 +107,14 @@ def test_dense_gradients_are_the_numerical_ones_in_float64(rng):
         def f(q, k, v, slopes, table, sinks):
             a, r = alibi(jnp.asarray(slopes)), relative_bias(jnp.asarray(table), 2)
             return js.dot_product_attention(
-                q, k, v, implementation="xla", mask_mod=documents(jnp.asarray(doc)), sinks=sinks,
+                q,
+                k,
+                v,
+                implementation="xla",
+                mask_mod=documents(jnp.asarray(doc)),
+                sinks=sinks,
                 score_mod=lambda s, b, h, i, j: r(a(s, b, h, i, j), b, h, i, j),
-            )  # fmt: skip
+            )
 
         check_grads(
             f, (q, k, v, slopes, table, sinks), order=1, modes=["rev"], atol=1e-6, rtol=1e-6
@@ -116,9 +131,16 @@ def test_chunked_gradients_equal_dense_for_every_captured_array(rng, block_q, bl
     def loss(impl, q, k, v, bias, slopes, table, sinks):
         a, r = alibi(slopes), relative_bias(table, 3)
         out = js.dot_product_attention(
-            q, k, v, bias, mask_mod=documents(jnp.asarray(doc)), sinks=sinks, is_causal=True,
-            score_mod=lambda s, b, h, i, j: r(a(s, b, h, i, j), b, h, i, j), **impl,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            bias,
+            mask_mod=documents(jnp.asarray(doc)),
+            sinks=sinks,
+            is_causal=True,
+            score_mod=lambda s, b, h, i, j: r(a(s, b, h, i, j), b, h, i, j),
+            **impl,
+        )
         return (out * d_out).sum()
 
     args = (q, k, v, bias, f32(slopes), f32(table), f32(sinks))
@@ -140,9 +162,15 @@ def test_built_in_rules_as_mask_mod_equal_the_keywords(rng, impl):
     rule = js.CausalMask(2) & js.LocalWindowMask(3, 0, 2) & js.LengthMask(None, lengths)
     got = js.dot_product_attention(q, k, v, mask_mod=rule, **impl)
     want = js.dot_product_attention(
-        q, k, v, is_causal=True, causal_alignment="bottom_right", local_window_size=(3, 0),
-        key_value_seq_lengths=lengths, **impl,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        is_causal=True,
+        causal_alignment="bottom_right",
+        local_window_size=(3, 0),
+        key_value_seq_lengths=lengths,
+        **impl,
+    )
     np.testing.assert_array_equal(got, want)
 
 
@@ -231,9 +259,14 @@ def test_cudnn_refuses_mods(monkeypatch):
     q = jnp.ones((1, 4, 2, 8))
     with pytest.raises(ValueError, match="got segment ids or mask_mod, score_mod, sinks"):
         js.dot_product_attention(
-            q, q, q, implementation="cudnn", score_mod=lambda s, b, h, i, j: s,
-            mask_mod=lambda b, h, i, j: i >= j, sinks=jnp.zeros(2),
-        )  # fmt: skip
+            q,
+            q,
+            q,
+            implementation="cudnn",
+            score_mod=lambda s, b, h, i, j: s,
+            mask_mod=lambda b, h, i, j: i >= j,
+            sinks=jnp.zeros(2),
+        )
 
 
 def test_flax_attention_fn_with_a_score_mod_and_a_mask_mod(rng):

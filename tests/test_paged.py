@@ -91,13 +91,27 @@ def test_window_soft_cap_mods_and_sinks(rng):
         return lambda s, b, h, i, j: s + m[h] * j.astype(s.dtype)
 
     out = js.paged_attention(
-        q, key_pages, value_pages, table, lengths, local_window_size=(5, 0),
-        logits_soft_cap=3.0, score_mod=score_mod(jnp), sinks=jnp.asarray(sinks, jnp.float32),
-    )  # fmt: skip
+        q,
+        key_pages,
+        value_pages,
+        table,
+        lengths,
+        local_window_size=(5, 0),
+        logits_soft_cap=3.0,
+        score_mod=score_mod(jnp),
+        sinks=jnp.asarray(sinks, jnp.float32),
+    )
     want = expected(
-        q, key_pages, value_pages, table, lengths, window=(5, 0), soft_cap=3.0,
-        score_mod=score_mod(np), sinks=sinks,
-    )  # fmt: skip
+        q,
+        key_pages,
+        value_pages,
+        table,
+        lengths,
+        window=(5, 0),
+        soft_cap=3.0,
+        score_mod=score_mod(np),
+        sinks=sinks,
+    )
     assert ref.rel_err(out, want["out"]) < 2e-6
 
 
@@ -186,10 +200,12 @@ def test_writing_a_step_into_either_cache_then_attending_equals_the_full_sequenc
         )[:, start:]
         lengths = jnp.full((b,), stop)
         contiguous = js.dot_product_attention(
-            q, key_cache, value_cache, key_value_seq_lengths=lengths, mask_mod=(
-                lambda b_, h_, i, j, start=start: j <= i + start
-            ),
-        )  # fmt: skip
+            q,
+            key_cache,
+            value_cache,
+            key_value_seq_lengths=lengths,
+            mask_mod=(lambda b_, h_, i, j, start=start: j <= i + start),
+        )
         paged = js.paged_attention(q, key_pages, value_pages, table, lengths)
         np.testing.assert_allclose(contiguous, want, atol=2e-6)
         np.testing.assert_allclose(paged, want, atol=2e-6)

@@ -14,7 +14,18 @@ def test_ring_attention_on_8_simulated_devices():
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_SDPA_MULTIDEVICE="1"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "multidevice")],
-        cwd=TESTS.parent, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(TESTS / "multidevice"),
+        ],
+        cwd=TESTS.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

@@ -56,9 +56,15 @@ MESHES = {
 def test_ring_matches_single_device_forward_and_gradients(mesh_name, is_causal, layout):
     shape, names, axes = MESHES[mesh_name]
     ring = functools.partial(
-        js.ring_dot_product_attention, mesh=mesh(shape, names), seq_axis="seq", is_causal=is_causal,
-        layout=layout, block_q=4, block_kv=4, **axes,
-    )  # fmt: skip
+        js.ring_dot_product_attention,
+        mesh=mesh(shape, names),
+        seq_axis="seq",
+        is_causal=is_causal,
+        layout=layout,
+        block_q=4,
+        block_kv=4,
+        **axes,
+    )
     dense = functools.partial(js.dot_product_attention, is_causal=is_causal)
     check(ring, dense, inputs(0))  # GQA: 4 query heads over 2 key/value heads
 
@@ -69,9 +75,13 @@ def test_ring_with_bias_mask_lengths_window_and_residual():
     bias = jnp.asarray(gen.normal(size=(2, 4, 48, 48)), jnp.float32)
     mask = jnp.asarray(gen.random((2, 1, 48, 48)) < 0.9).at[0, 0, 5].set(False)  # a row with no key
     options = dict(
-        mask=mask, is_causal=True, local_window_size=(20, 0), logits_soft_cap=5.0,
-        query_seq_lengths=jnp.array([48, 40], jnp.int32), key_value_seq_lengths=jnp.array([30, 48], jnp.int32),
-    )  # fmt: skip
+        mask=mask,
+        is_causal=True,
+        local_window_size=(20, 0),
+        logits_soft_cap=5.0,
+        query_seq_lengths=jnp.array([48, 40], jnp.int32),
+        key_value_seq_lengths=jnp.array([30, 48], jnp.int32),
+    )
     for layout in ("contiguous", "striped"):
         ring = functools.partial(
             js.ring_dot_product_attention,
@@ -98,8 +108,10 @@ def test_keys_and_values_travel_by_collective_permute_never_all_gather():
     spec = P(None, "seq", None, None)
     ring = jax.shard_map(
         functools.partial(js.ring_attention, axis_name="seq", is_causal=True),
-        mesh=m, in_specs=(spec,) * 3, out_specs=spec,
-    )  # fmt: skip
+        mesh=m,
+        in_specs=(spec,) * 3,
+        out_specs=spec,
+    )
     args = inputs(4)
     forward = _compiled_text(ring, *args)
     backward = _compiled_text(jax.grad(lambda *a: ring(*a).sum(), argnums=(0, 1, 2)), *args)
@@ -113,8 +125,11 @@ def test_ring_attention_inside_a_user_shard_map_with_vma_checks():
     spec = P(None, "seq", None, None)
     ring = jax.shard_map(
         functools.partial(js.ring_attention, axis_name="seq", layout="striped"),
-        mesh=m, in_specs=(spec,) * 3, out_specs=spec, check_vma=True,
-    )  # fmt: skip
+        mesh=m,
+        in_specs=(spec,) * 3,
+        out_specs=spec,
+        check_vma=True,
+    )
     q, k, v = inputs(5)
     striped = [js.to_striped(x, 8) for x in (q, k, v)]
     out = js.from_striped(jax.jit(ring)(*striped), 8)
@@ -126,8 +141,10 @@ def _temp_mib(shards: int, seq: int) -> float:
     spec = P(None, "seq", None, None)
     ring = jax.shard_map(
         functools.partial(js.ring_attention, axis_name="seq", is_causal=True),
-        mesh=m, in_specs=(spec,) * 3, out_specs=spec,
-    )  # fmt: skip
+        mesh=m,
+        in_specs=(spec,) * 3,
+        out_specs=spec,
+    )
     shape = jax.ShapeDtypeStruct((1, seq, 1, 64), jnp.float32)
     grad = jax.grad(lambda *a: ring(*a).sum(), argnums=(0, 1, 2))
     return (
@@ -161,9 +178,15 @@ def test_striped_layout_balances_causal_work():
 def test_ring_log_sum_exp_and_its_gradients(layout):
     # The residual is differentiable (merge_attention needs it): its cotangent joins dS.
     ring = functools.partial(
-        js.ring_dot_product_attention, mesh=mesh((8,), ("seq",)), seq_axis="seq", is_causal=True,
-        layout=layout, block_q=4, block_kv=4, return_residual=True,
-    )  # fmt: skip
+        js.ring_dot_product_attention,
+        mesh=mesh((8,), ("seq",)),
+        seq_axis="seq",
+        is_causal=True,
+        layout=layout,
+        block_q=4,
+        block_kv=4,
+        return_residual=True,
+    )
     dense = functools.partial(js.dot_product_attention, is_causal=True, return_residual=True)
     # The log-sum-exp does not depend on the values: gradients for queries and keys.
     check(lambda *a: ring(*a)[1], lambda *a: dense(*a)[1], inputs(4), argnums=(0, 1))
@@ -194,9 +217,16 @@ def test_ring_with_score_mod_mask_mod_and_sinks_in_global_positions(layout, bloc
 
     def ring(q, k, v, slopes, sinks):
         return js.ring_dot_product_attention(
-            q, k, v, mesh=mesh((8,), ("seq",)), seq_axis="seq", layout=layout, block_q=4,
-            block_kv=4, **options(slopes, sinks),
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            mesh=mesh((8,), ("seq",)),
+            seq_axis="seq",
+            layout=layout,
+            block_q=4,
+            block_kv=4,
+            **options(slopes, sinks),
+        )
 
     def dense(q, k, v, slopes, sinks):
         return js.dot_product_attention(q, k, v, **options(slopes, sinks))
@@ -208,9 +238,13 @@ def test_ring_with_sinks_alone_and_mods_refusing_sharded_heads():
     q, k, v = inputs(8)
     sinks = jnp.asarray(np.random.default_rng(9).normal(size=4), jnp.float32)
     ring = functools.partial(
-        js.ring_dot_product_attention, mesh=mesh((8,), ("seq",)), seq_axis="seq", is_causal=True,
-        block_q=4, block_kv=4,
-    )  # fmt: skip
+        js.ring_dot_product_attention,
+        mesh=mesh((8,), ("seq",)),
+        seq_axis="seq",
+        is_causal=True,
+        block_q=4,
+        block_kv=4,
+    )
     check(
         lambda q, k, v, s: ring(q, k, v, sinks=s),
         lambda q, k, v, s: js.dot_product_attention(q, k, v, is_causal=True, sinks=s),
@@ -219,6 +253,11 @@ def test_ring_with_sinks_alone_and_mods_refusing_sharded_heads():
     )
     with pytest.raises(ValueError, match="^`sinks` needs the whole batch and all heads"):
         js.ring_dot_product_attention(
-            q, k, v, mesh=mesh((4, 2), ("seq", "heads")), seq_axis="seq", head_axis="heads",
+            q,
+            k,
+            v,
+            mesh=mesh((4, 2), ("seq", "heads")),
+            seq_axis="seq",
+            head_axis="heads",
             sinks=sinks,
-        )  # fmt: skip
+        )
