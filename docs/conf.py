@@ -3,9 +3,16 @@
 Build with ``sphinx-build -W -b html docs docs/_build/html`` (the README's docs command).
 """
 
+import os
+import sys
 from pathlib import Path
 
-import jax_sdpa
+# The pages document, and the notebooks run, this checkout's jax_sdpa (not another installed one).
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+import jax_sdpa  # noqa: E402
 
 project = "jax_sdpa"
 author = "the jax_sdpa authors"
@@ -15,7 +22,6 @@ release = jax_sdpa.__version__
 extensions = [
     "myst_nb",  # Markdown pages and executed notebooks, as jax and flax build theirs
     "sphinx.ext.autodoc",
-    "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",  # Google-style Args/Returns/Raises
     "sphinx.ext.mathjax",
     "sphinx.ext.viewcode",
@@ -35,7 +41,6 @@ autodoc_default_options = {"members": True}
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_typehints_format = "short"
-autosummary_generate = False
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
@@ -54,16 +59,14 @@ exclude_patterns = ["_build", "**.ipynb_checkpoints"]
 html_theme = "sphinx_book_theme"
 html_title = "jax_sdpa"
 html_theme_options = {
-    "repository_url": "https://github.com/jax-sdpa/jax_sdpa",
-    "use_repository_button": False,
     "show_toc_level": 2,
 }
 
-# MathJax from a local copy when the machine has one (Debian's libjs-mathjax), so the pages render
-# their math offline; otherwise Sphinx's default, from a CDN.
-_LOCAL_MATHJAX = Path("/usr/share/javascript/mathjax")
-if (_LOCAL_MATHJAX / "MathJax.js").exists():
-    html_static_path = [str(_LOCAL_MATHJAX)]  # copied into _static/
+# Math is rendered by MathJax, from a CDN by default. To read the pages offline, point
+# JAX_SDPA_MATHJAX at a local MathJax 2 (Debian's libjs-mathjax: /usr/share/javascript/mathjax);
+# it is copied into _static/.
+if _local_mathjax := os.environ.get("JAX_SDPA_MATHJAX"):
+    html_static_path = [_local_mathjax]
     mathjax_path = "MathJax.js?config=TeX-AMS-MML_HTMLorMML"
     mathjax2_config = {  # MathJax 2 reads only what Sphinx and MyST mark as math
         "tex2jax": {

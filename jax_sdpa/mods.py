@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
 __all__ = [
+    "MaskMod",
+    "ScoreMod",
     "alibi",
     "alibi_slopes",
     "and_masks",
@@ -35,7 +37,9 @@ __all__ = [
     "soft_cap",
 ]
 
+#: ``score_mod(score, batch, head, q_idx, kv_idx) -> score``: a new logit from scalar arguments.
 ScoreMod = Callable[..., Array]
+#: ``mask_mod(batch, head, q_idx, kv_idx) -> bool``: whether the query may attend the key.
 MaskMod = Callable[..., Array]
 
 

@@ -1,11 +1,16 @@
 """The documentation site builds with no warning, and shows what it promises.
 
-One build (``sphinx-build -E -W``, as the README's docs command, into a temporary folder) executes
+One build (the README's docs command, ``sphinx-build -W``, from scratch with ``-E`` into a
+temporary folder) executes
 every notebook, so a failing cell — a notebook's own ``assert`` included — fails it, like a broken
 cross-reference or a docstring Sphinx cannot parse. The checks then read the built pages: every
 notebook page carries its figures, every public name has its API entry.
 """
 
+import ast
+import importlib
+import inspect
+import pkgutil
 import re
 import subprocess
 import sys
@@ -14,7 +19,6 @@ from pathlib import Path
 import pytest
 
 import jax_sdpa
-from jax_sdpa import mods
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(path.stem for path in (ROOT / "notebooks").glob("*.ipynb"))
@@ -50,12 +54,49 @@ def test_every_notebook_page_shows_its_figures(site, name):
     assert all((site / image).stat().st_size > 1000 for image in images)
 
 
+def _defined_publicly(module) -> set[str]:
+    """The public names a module's own source defines (functions, classes, assignments)."""
+    tree = ast.parse(inspect.getsource(module))
+    names = {node.name for node in tree.body if isinstance(node, DEFINITIONS)}
+    names |= {
+        target.id
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    return {name for name in names if not name.startswith("_")}
+
+
+DEFINITIONS = (ast.FunctionDef, ast.ClassDef)
+PUBLIC_MODULES = [
+    importlib.import_module(info.name)
+    for info in pkgutil.iter_modules(jax_sdpa.__path__, "jax_sdpa.")
+    if not info.name.split(".")[-1].startswith("_")
+]
+
+
+def test_all_lists_every_public_name():
+    exported = {name for name in vars(jax_sdpa) if not name.startswith("_")}
+    assert exported - {module.__name__.split(".")[-1] for module in PUBLIC_MODULES} == (
+        set(jax_sdpa.__all__) - {"mods"}
+    )
+    for module in PUBLIC_MODULES:
+        assert _defined_publicly(module) - {"__all__"} <= set(module.__all__), module.__name__
+
+
 def test_every_public_name_has_an_api_entry(site):
     page = (site / "api.html").read_text()
     names = [f"jax_sdpa.{name}" for name in jax_sdpa.__all__ if name != "mods"]
-    names += [f"jax_sdpa.mods.{name}" for name in mods.__all__]
+    names += [f"{module.__name__}.{name}" for module in PUBLIC_MODULES for name in module.__all__]
     missing = [name for name in names if f'id="{name}"' not in page]
     assert not missing, f"no API entry for {missing}"
+
+
+def test_the_weighted_sum_animation_is_on_the_first_notebook_page(site):
+    page = (site / "notebooks" / "01_the_four_steps.html").read_text()
+    gifs = re.findall(r'<img[^>]+src="\.\./(_images/[^"]+\.gif)"', page)
+    assert gifs and (site / gifs[0]).read_bytes()[:6] in (b"GIF87a", b"GIF89a")
 
 
 def test_the_landing_page_has_the_quick_start_and_the_formula(site):
