@@ -79,7 +79,7 @@ def configs(draw):
 
 
 @each_implementation
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(cfg=configs())
 def test_parity_with_jax_nn_and_reference(impl, cfg):
     gen = np.random.default_rng(cfg["seed"])
