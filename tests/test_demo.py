@@ -11,9 +11,10 @@ import re
 import jax
 import numpy as np
 import pytest
+from matplotlib.collections import PolyCollection
+from matplotlib.colors import to_rgb
 from PIL import Image
 
-import jax_sdpa
 from jax_sdpa import demo
 
 
@@ -25,6 +26,29 @@ def quick_run(tmp_path_factory):
     with jax.numpy_dtype_promotion("standard"), contextlib.redirect_stdout(printed):
         demo.main(["--quick", "--out", str(out), "--no-progress"])
     return out, json.loads((out / "results.json").read_text()), printed.getvalue()
+
+
+# A run of its own, smaller than --quick and with sizes no other test uses, so that its training
+# programs are compiled here and can be counted.
+TINY = dataclasses.replace(
+    demo.DemoConfig.quick(seeds=2), d_ks=(8, 32), steps=20, log_every=10, init_queries=64
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    program = demo._train_seeds_and_variants
+    calls = []
+
+    def counted(params, orders, scales, *examples, config):
+        calls.append({"w_q": params["w_q"].shape, "orders": orders.shape, "scales": scales.shape})
+        return program(params, orders, scales, *examples, config=config)
+
+    compiled_before = program._cache_size()
+    with pytest.MonkeyPatch.context() as patch, jax.numpy_dtype_promotion("standard"):
+        patch.setattr(demo, "_train_seeds_and_variants", counted)
+        output = demo.run(TINY, show_progress=False)
+    return output, calls, program._cache_size() - compiled_before
 
 
 def test_results_json_layout(quick_run):
@@ -44,7 +68,8 @@ def test_results_json_layout(quick_run):
             assert len(results[variant][name]) == len(d_ks), (variant, name)
             assert all(math.isfinite(x) for x in results[variant][name])
         assert np.shape(results[variant]["final_loss_per_seed"]) == (len(d_ks), seeds)
-    for name in ("loss", "grad_norm_wq"):
+    assert set(results["ratios"]) == {"loss", "grad_norm_wq_over_sqrt_dk"}
+    for name in results["ratios"]:
         for ratio in results["ratios"][name]:
             per_seed = np.array(ratio["per_seed"])
             assert per_seed.shape == (seeds,)
@@ -58,6 +83,24 @@ def test_loss_ratios_are_taken_seed_by_seed(quick_run):
     scaled = np.array(results["scaled"]["final_loss_per_seed"])
     per_seed = np.array([r["per_seed"] for r in results["ratios"]["loss"]])
     np.testing.assert_allclose(per_seed, unscaled / scaled, rtol=1e-6)
+
+
+def test_gradient_ratio_is_divided_by_sqrt_dk(tiny_run):
+    output, _, _ = tiny_run
+    results, curves = output["results"], output["curves"]
+    for i, d_k in enumerate(TINY.d_ks):
+        unscaled, scaled = (curves[(d_k, v)]["grad_norm_wq"].mean(axis=1) for v in demo.VARIANTS)
+        np.testing.assert_allclose(
+            results["ratios"]["grad_norm_wq_over_sqrt_dk"][i]["per_seed"],
+            unscaled / scaled / np.sqrt(d_k),
+            rtol=1e-5,
+        )
+
+
+def test_gradient_ratio_without_the_chain_rule_factor_is_of_order_1(quick_run):
+    _, results, _ = quick_run
+    for ratio in results["ratios"]["grad_norm_wq_over_sqrt_dk"]:
+        assert 0.5 < ratio["min"] <= ratio["max"] < 2
 
 
 def test_unscaled_scores_grow_like_sqrt_dk_and_scaled_stay_unit(quick_run):
@@ -96,8 +139,8 @@ def test_table_reports_each_ratio_as_median_and_range(quick_run):
     assert len(rows) == len(results["d_k"])
     for i, row in enumerate(rows):
         cells = spread.findall(row)
-        assert len(cells) == 2, row  # the loss ratio and the ‖∇W_q‖ ratio
-        for name, cell in zip(("loss", "grad_norm_wq"), cells, strict=True):
+        assert len(cells) == 2, row  # the loss ratio and the ‖∇W_q‖ ratio ÷ √d_k
+        for name, cell in zip(("loss", "grad_norm_wq_over_sqrt_dk"), cells, strict=True):
             median, low, high = map(float, cell)
             assert low <= median <= high
             expected = results["ratios"][name][i]
@@ -127,6 +170,52 @@ def test_plots_and_animation_are_written(quick_run):
     assert gif.stat().st_size < 1_000_000
 
 
+def test_printed_time_is_the_recorded_one(quick_run):
+    _, results, printed = quick_run
+    assert printed.rstrip().endswith(f"in {results['wall_time_s']:.1f} s")
+
+
+def test_each_d_k_is_one_compiled_program_for_all_seeds_and_variants(tiny_run):
+    _, calls, compiled = tiny_run
+    assert calls == [
+        {"w_q": (TINY.seeds, TINY.d_model, d_k), "orders": (TINY.seeds, TINY.steps), "scales": (2,)}
+        for d_k in TINY.d_ks
+    ]
+    assert compiled == len(TINY.d_ks)
+
+
+def test_median_plots_show_the_range_over_seeds_as_a_band(tiny_run):
+    import matplotlib.pyplot as plt
+
+    output, _, _ = tiny_run
+    figs = demo.figures(output)
+    n = len(TINY.d_ks)
+    bands_per_axes = {
+        "loss_curves.png": [2] * n,  # one per variant
+        "entropy.png": [2] * n,
+        "gradient_norms.png": [0, 1],  # the Jacobian at init has no seeds; the ratio has a band
+        "final_loss.png": [2, 1],
+        "weights_heatmaps.png": [0] * 2 * n,
+    }
+    assert set(figs) == set(bands_per_axes)
+    for name, fig in figs.items():
+        axes = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+        bands = [[c for c in ax.collections if isinstance(c, PolyCollection)] for ax in axes]
+        assert [len(b) for b in bands] == bands_per_axes[name], name
+        for ax, ax_bands in zip(axes, bands, strict=True):
+            for band in ax_bands:  # around the median line of its color
+                (median,) = [
+                    line
+                    for line in ax.get_lines()
+                    if to_rgb(line.get_color()) == tuple(band.get_facecolor()[0][:3])
+                ]
+                edge = band.get_paths()[0].vertices[:, 1]
+                assert edge.min() <= np.min(median.get_ydata()), name
+                assert np.max(median.get_ydata()) <= edge.max(), name
+                assert edge.max() > edge.min(), name  # the seeds differ: the band has a width
+        plt.close(fig)
+
+
 def test_vmapped_training_matches_each_model_trained_alone():
     config = dataclasses.replace(demo.DemoConfig.quick(seeds=2), steps=50, log_every=10)
     d_k, seed = 64, 1
@@ -148,19 +237,60 @@ def test_vmapped_training_matches_each_model_trained_alone():
                 )
 
 
-def test_running_sums_end_at_the_weighted_sum():
+def test_running_sums_add_one_term_at_a_time_largest_weight_first():
     weights, value = demo.weighted_sum_example()
     order, sums = demo.running_sums(weights, value)
     assert sums.shape == (len(weights) + 1, value.shape[1])
     np.testing.assert_allclose(weights.sum(), 1.0, rtol=1e-6)
     assert np.all(np.diff(weights[order]) <= 0)  # largest weight first
-    np.testing.assert_array_equal(sums[0], 0.0)
-    terms = weights[order, None] * value[order]
-    np.testing.assert_allclose(np.diff(sums, axis=0), terms, rtol=1e-6, atol=1e-7)
-    expected = jax_sdpa.weighted_sum(weights[None, :], value)[0]
-    np.testing.assert_allclose(sums[-1], expected, rtol=1e-5, atol=1e-6)
+    terms = weights[order, None].astype(np.float64) * value[order]
+    expected = np.concatenate([np.zeros((1, value.shape[1])), np.cumsum(terms, axis=0)])
+    np.testing.assert_allclose(sums, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_spread_reduces_over_the_given_axis():
+    per_seed = np.array([[1.0, 5.0, 3.0], [20.0, 40.0, 60.0]])
+    assert demo.spread(per_seed, axis=1) == {
+        "median": [3.0, 40.0],
+        "min": [1.0, 20.0],
+        "max": [5.0, 60.0],
+    }
+    assert demo.spread(per_seed[0]) == {"median": 3.0, "min": 1.0, "max": 5.0}
+
+
+def test_scale_for_refuses_an_unknown_variant():
+    assert demo.scale_for("scaled", 16) == 0.25 and demo.scale_for("unscaled", 16) == 1.0
+    with pytest.raises(ValueError, match="`variant` must be one of .*; got 'half'"):
+        demo.scale_for("half", 16)
 
 
 def test_config_refuses_steps_not_a_multiple_of_log_every():
     with pytest.raises(ValueError, match="`steps` must be a multiple of `log_every` = 25; got 60"):
         demo.DemoConfig(steps=60, log_every=25)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"seeds": 0}, "`seeds` must be positive; got 0."),
+        ({"steps": -10}, "`steps` must be positive; got -10."),
+        ({"learning_rate": 0.0}, "`learning_rate` must be positive; got 0.0."),
+        ({"noise": -0.5}, "`noise` must be at least 0; got -0.5."),
+        ({"d_ks": ()}, "`d_ks` must be a non-empty tuple of positive integers; got ()."),
+        ({"d_ks": [16]}, "`d_ks` must be a non-empty tuple of positive integers; got [16]."),
+    ],
+)
+def test_config_refuses_sizes_it_cannot_run(change, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        demo.DemoConfig(**change)
+
+
+def test_command_line_reports_a_bad_config_and_the_quick_sizes(capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--seeds", "0"])
+    assert "`seeds` must be positive; got 0." in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    quick = demo.DemoConfig.quick()
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"(d_k ≤ {max(quick.d_ks)}, {quick.steps} steps, {quick.seeds} seeds)" in help_text
