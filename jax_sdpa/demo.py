@@ -58,6 +58,7 @@ import jax_sdpa
 
 __all__ = [
     "VARIANTS",
+    "Variant",
     "DemoConfig",
     "Batches",
     "scale_for",
@@ -80,6 +81,7 @@ __all__ = [
     "main",
 ]
 
+#: A variant's name: ``"unscaled"`` (scores times 1) or ``"scaled"`` (times 1/√d_k).
 Variant = Literal["unscaled", "scaled"]
 
 #: The two models compared, whose raw scores are multiplied by 1 and by :math:`1/\sqrt{d_k}`.
