@@ -47,13 +47,24 @@ MESHES = {
     "seq8": ((8,), ("seq",), {}),
     "batch2xseq4": ((2, 4), ("batch", "seq"), {"batch_axis": "batch"}),
     "seq4xheads2": ((4, 2), ("seq", "heads"), {"head_axis": "heads"}),
+    "seq3": ((3,), ("seq",), {}),  # an odd ring size, for the striped half-swap
 }
+# The odd ring runs once (time): causal and striped, on 48 positions, 6 chunks of 8.
+ODD = [("seq3", True, "striped", 48)]
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "striped"])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("mesh_name", MESHES)
-def test_ring_matches_single_device_forward_and_gradients(mesh_name, is_causal, layout):
+@pytest.mark.parametrize(
+    "mesh_name, is_causal, layout, t",
+    [
+        (name, is_causal, layout, 64)
+        for name in MESHES
+        if name != "seq3"
+        for is_causal in (False, True)
+        for layout in ("contiguous", "striped")
+    ]
+    + ODD,
+)
+def test_ring_matches_single_device_forward_and_gradients(mesh_name, is_causal, layout, t):
     shape, names, axes = MESHES[mesh_name]
     ring = functools.partial(
         js.ring_dot_product_attention,
@@ -66,7 +77,7 @@ def test_ring_matches_single_device_forward_and_gradients(mesh_name, is_causal, 
         **axes,
     )
     dense = functools.partial(js.dot_product_attention, is_causal=is_causal)
-    check(ring, dense, inputs(0))  # GQA: 4 query heads over 2 key/value heads
+    check(ring, dense, inputs(0, t=t))  # GQA: 4 query heads over 2 key/value heads
 
 
 def test_ring_with_bias_mask_lengths_window_and_residual():

@@ -145,7 +145,7 @@ def ring_in_shard_map(layout, is_causal):
     return compare(ring, dense, arrays, placed, order=order)
 
 
-def mods():
+def mods(layout):
     """ALiBi with learned slopes and a document mask, in global positions; sinks."""
     mesh = meshes()["seq8"]
     gen = np.random.default_rng(7)
@@ -164,7 +164,7 @@ def mods():
 
     def ring(q, k, v, slopes, sinks):
         return js.ring_dot_product_attention(
-            q, k, v, mesh=mesh, seq_axis="seq", **options(slopes, sinks)
+            q, k, v, mesh=mesh, seq_axis="seq", layout=layout, **options(slopes, sinks)
         )
 
     def dense(q, k, v, slopes, sinks):
@@ -268,12 +268,15 @@ CHECKS = {
         True,
         {"query_seq_lengths": [64, 48], "key_value_seq_lengths": [56, 64]},
     ),
-    "ring_dot_product_attention striped, key lengths": lambda: ring_dpa(
-        "seq8", "striped", False, {"key_value_seq_lengths": [40, 64]}
+    # The striped half-swap (`_restripe`) moves rows between processes here: causal, the batch
+    # over the two rings, as the README's example call.
+    "ring_dot_product_attention striped causal, batch over devices, key lengths": lambda: ring_dpa(
+        "batch2xseq4", "striped", True, {"key_value_seq_lengths": [40, 64]}
     ),
     "ring_attention in shard_map, striped causal": lambda: ring_in_shard_map("striped", True),
     "ring_attention in shard_map, contiguous": lambda: ring_in_shard_map("contiguous", False),
-    "score_mod, mask_mod and sinks": mods,
+    "score_mod, mask_mod and sinks": lambda: mods("contiguous"),
+    "score_mod, mask_mod and sinks, striped": lambda: mods("striped"),
     "training": training,
     "mismatched mesh": mismatched_mesh,
 }
