@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import jax
@@ -58,11 +59,20 @@ def cluster_arguments() -> argparse.ArgumentParser:
     parser.add_argument("--process-id", type=int)
     parser.add_argument("--heartbeat-timeout", type=int, default=10)
     parser.add_argument("--shutdown-timeout", type=int, default=30)
+    parser.add_argument(
+        "--deadline", type=float, help="time.time() at which this process ends (exit status 124)"
+    )
     return parser
 
 
 def join(args: argparse.Namespace) -> None:
     """Joins the job: one JAX runtime over every process's devices, CPU collectives by gloo."""
+    if args.deadline is not None:
+        # A process in a session of its own outlives a kill of its starter's process group, so
+        # it keeps a deadline of its own (os._exit: it ends even inside a collective).
+        timer = threading.Timer(max(0.0, args.deadline - time.time()), os._exit, (124,))
+        timer.daemon = True
+        timer.start()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(  # None, None, None: read from the cluster's environment
         args.coordinator,
@@ -72,6 +82,11 @@ def join(args: argparse.Namespace) -> None:
         heartbeat_timeout_seconds=args.heartbeat_timeout,
         shutdown_timeout_seconds=args.shutdown_timeout,
     )
+
+
+# Seconds after the launcher's deadline at which each process ends itself: the launcher kills
+# first (and reports it), the process's own deadline is for when the launcher is gone.
+_GRACE = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +105,8 @@ def launch(command: list[str], processes: int, *, devices: int = 4, timeout: flo
 
     Each process gets ``devices`` simulated CPU devices and a session of its own; whatever still
     runs after ``timeout`` seconds (or when the launcher is stopped) is killed with its process
-    group, so a job can never hang its caller.
+    group, so a job can never hang its caller. Each process also gets ``--deadline``, a few
+    seconds later, at which it ends itself: if the launcher is killed outright, none lingers.
     """
     with socket.socket() as free:  # a port for the coordinator that nothing else holds now
         free.bind(("127.0.0.1", 0))
@@ -100,20 +116,22 @@ def launch(command: list[str], processes: int, *, devices: int = 4, timeout: flo
     flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     env["XLA_FLAGS"] = flags.strip()
     deadline, ended, killed = time.time() + timeout, [None] * processes, set()
+    cluster.append(f"--deadline={deadline + _GRACE}")
     with contextlib.ExitStack() as files:
         logs = [[files.enter_context(tempfile.TemporaryFile("w+")) for _ in "oe"] for _ in ended]
-        running = [
-            subprocess.Popen(
-                [*command, *cluster, f"--process-id={i}"],
-                stdout=out,
-                stderr=err,
-                env=env,
-                text=True,
-                start_new_session=True,
-            )
-            for i, (out, err) in enumerate(logs)
-        ]
+        running = []
         try:
+            for i, (out, err) in enumerate(logs):  # in the try: a failed start kills the started
+                running.append(
+                    subprocess.Popen(
+                        [*command, *cluster, f"--process-id={i}"],
+                        stdout=out,
+                        stderr=err,
+                        env=env,
+                        text=True,
+                        start_new_session=True,
+                    )
+                )
             while None in ended and time.time() < deadline:
                 time.sleep(0.05)
                 for i, proc in enumerate(running):

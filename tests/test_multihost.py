@@ -15,8 +15,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -124,6 +126,31 @@ def test_example_runs_over_two_processes_and_matches_one_process():
     for line in lines:
         assert re.search(r"peak RSS \d+ MiB", line), line
         assert float(line.rsplit("|", 1)[1]) <= 1e-6, line
+
+
+def test_a_process_ends_itself_at_its_deadline_with_no_launcher_to_kill_it():
+    # Process 1 of a job whose coordinator never starts: it waits in jax.distributed.initialize
+    # (for up to 60 s) until its own --deadline ends it, as when a CI run kills the launcher.
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    deadline = time.time() + 5
+    process = subprocess.Popen(
+        [sys.executable, str(EXAMPLE), "--short", f"--coordinator=127.0.0.1:{port}"]
+        + ["--num-processes=2", "--process-id=1", f"--deadline={deadline}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        start_new_session=True,
+    )
+    try:
+        returncode = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert returncode == 124
+    assert time.time() - deadline < 5
 
 
 @pytest.fixture(scope="module")
