@@ -6,7 +6,8 @@ after which every one still running is killed with its process group, so nothing
 hang. One launch runs all the numerical checks (tests/multihost/checks.py) and reports each
 one's numbers, which the tests below assert: the oracle is single-device
 ``dot_product_attention`` with the tolerances of tests/multidevice (forward 1e-6, gradients 1e-5
-relative). One more runs the example's short mode, two more kill a process mid-run.
+relative). One more runs the example's short mode, one more checks a process's own deadline,
+three more kill a process mid-run.
 """
 
 import importlib.util
@@ -158,27 +159,32 @@ def deaths():
     # Short heartbeat and shutdown timeouts (JAX's defaults: 100 s and 300 s); the two jobs
     # run side by side.
     timeouts = ["--heartbeat-timeout=5", "--shutdown-timeout=5"]
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(len(DEATHS)) as pool:
         jobs = {
             (death, victim): pool.submit(
                 launch, "dies.py", f"--victim={victim}", f"--death={death}", *timeouts, timeout=120
             )
-            for death, victim in (("kill", 1), ("raise", 0))
+            for death, victim in DEATHS
         }
         return {job: future.result() for job, future in jobs.items()}
 
 
-@pytest.mark.parametrize("death, victim", [("kill", 1), ("raise", 0)])
+# SIGKILL of process 1: the coordination service (in process 0) misses its heartbeats. SIGKILL
+# of process 0: the service itself dies with it. An exception in process 0: it waits at the
+# shutdown barrier, then tells the others.
+DEATHS = [("kill", 1), ("kill", 0), ("raise", 0)]
+
+
+@pytest.mark.parametrize("death, victim", DEATHS)
 def test_when_a_process_dies_mid_run_the_other_ends_with_an_error_within_seconds(
     deaths, death, victim
 ):
-    # SIGKILL of process 1: the coordinator (in process 0) misses its heartbeats. An exception
-    # in process 0: it waits at the shutdown barrier, then tells the others.
     runs = deaths[death, victim]
     died_at = re.search(r"dies at ([0-9.]+)", runs[victim].stdout)
     assert died_at, why(runs)
+    # None, the victim included, is left for the launcher to kill at its deadline.
+    assert not any(run.timed_out for run in runs), why(runs)
     survivor = runs[1 - victim]
-    assert not survivor.timed_out, why(runs)
     assert survivor.returncode != 0
     assert "most likely indicates that another task died" in survivor.stderr
     seconds = survivor.ended - float(died_at.group(1))
