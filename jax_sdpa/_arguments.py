@@ -107,20 +107,36 @@ def _ring_spec(query, key, axis_name=None, layout="contiguous", **_) -> Ring | N
     _checks.check_choice("layout", layout, ("contiguous", "striped"))
     if layout == "striped":
         for name, x in (("query", query), ("key", key)):
-            if jnp.shape(x)[-3] % 2:
-                raise ValueError(
-                    f"`{name}` must have an even local length for layout='striped' (two chunks "
-                    f"per device); got {jnp.shape(x)[-3]}."
-                )
+            check_equal_parts(name, jnp.shape(x)[-3], 2, "local sequence", STRIPED)
     try:
         shards = lax.axis_size(axis_name)
     except NameError:
         axes = jax.sharding.get_abstract_mesh().axis_names
+        if not axes:
+            raise ValueError(
+                f"`axis_name` must name an axis of an enclosing `jax.shard_map`: ring_attention "
+                f"runs only inside one; got {axis_name!r} outside any."
+            ) from None
         raise ValueError(
             f"`axis_name` must name an axis of the enclosing `jax.shard_map` {axes}; "
             f"got {axis_name!r}."
         ) from None
     return Ring(axis_name, shards, layout)
+
+
+STRIPED = "for layout='striped' (two chunks per device)"
+
+
+def check_equal_parts(name: str, length: int, parts: int, what: str, where: str) -> None:
+    """The one rule of sharding a sequence (or batch, or heads): ``parts`` equal parts.
+
+    With ``layout="striped"`` each device holds two chunks, so a ring of ``P`` devices needs
+    ``2P`` chunks; ``where`` says which mesh axis or layout asks for the parts.
+    """
+    if length % parts:
+        raise ValueError(
+            f"`{name}` must split its {what} into {parts} equal parts {where}; got {what} {length}."
+        )
 
 
 def _query_key_value(query, key, value, shards: int, dtype=None, **_):

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike
 
 from jax_sdpa import _checks
+from jax_sdpa._arguments import STRIPED, check_equal_parts
 from jax_sdpa._dot_product import ring_attention
 from jax_sdpa._ring import Layout
 
@@ -46,11 +47,9 @@ def to_striped(x: ArrayLike, shards: int, *, axis: int = 1) -> Array:
     """
     x = jnp.asarray(x)
     length = x.shape[axis]
-    if length % (2 * shards):
-        raise ValueError(
-            f"The sequence axis must split into 2 · shards = {2 * shards} equal chunks; "
-            f"got length {length}."
-        )
+    check_equal_parts(
+        "x", length, 2 * shards, f"axis {axis}", f"(two for each of {shards} `shards`)"
+    )
     return jnp.take(x, _striped_order(length, shards), axis=axis)
 
 
@@ -180,11 +179,9 @@ def ring_dot_product_attention(
     splits["heads"] = (2, head_axis, 1 if head_axis is None else mesh.shape[head_axis])
     for name, x in (("query", query), ("key", key)):
         for what, (dim, axis, parts) in splits.items():
-            if x.shape[dim] % parts:
-                raise ValueError(
-                    f"`{name}` must split its {what} into {parts} equal parts over mesh axis "
-                    f"{axis!r}; got {what} {x.shape[dim]}."
-                )
+            striped = what == "sequence" and layout == "striped"
+            where = f"over mesh axis {axis!r}" + f" {STRIPED}" * striped
+            check_equal_parts(name, x.shape[dim], parts, what, where)
     extras = {"bias": bias, "mask": mask}
     extras = {
         k: jnp.reshape(jnp.asarray(x), (1,) * (4 - jnp.ndim(x)) + jnp.shape(x))

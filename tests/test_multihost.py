@@ -97,6 +97,7 @@ def test_training_across_processes_matches_one_process(checks):
         ("striped length", "query"),
         ("seq_axis", "seq_axis"),
         ("axis_name", "axis_name"),
+        ("outside shard_map", "axis_name"),
     ],
 )
 def test_a_mismatched_mesh_raises_value_error_naming_the_argument_on_every_process(
@@ -106,6 +107,8 @@ def test_a_mismatched_mesh_raises_value_error_naming_the_argument_on_every_proce
         kind, message = raised[case]
         assert kind == "ValueError"
         assert message.startswith(f"`{argument}` must")
+        if case == "outside shard_map":
+            assert "runs only inside" in message, message
 
 
 def test_example_runs_over_two_processes_and_matches_one_process():
