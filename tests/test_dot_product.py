@@ -389,7 +389,7 @@ def test_jit_vmap_jacobian(rng, impl):
 
 
 @each_implementation
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     t=st.integers(1, 6), s=st.integers(1, 6), n=st.sampled_from([1, 2]), seed=st.integers(0, 1000)
 )
