@@ -75,10 +75,10 @@ def _restripe(x: Array, axis: int, *, axis_name: str, shards: int, inverse: bool
         return (chunk, 0) if chunk < shards else (2 * shards - 1 - chunk, 1)
 
     source, target = (striped, contiguous) if inverse else (contiguous, striped)
+    moves = [(source(c), target(c)) for c in range(2 * shards)]
     halves = jnp.split(x, 2, axis=axis)
     filled = [None, None]
     for leaves, fills in itertools.product((0, 1), (0, 1)):
-        moves = [(source(c), target(c)) for c in range(2 * shards)]
         pairs = [(s[0], t[0]) for s, t in moves if (s[1], t[1]) == (leaves, fills)]
         if pairs:  # devices that receive nothing get zeros: the other move fills them
             moved = lax.ppermute(halves[leaves], axis_name, pairs)
