@@ -9,14 +9,12 @@ The result is one :class:`~jax_sdpa._implementations.Inputs` pytree and one stat
 """
 
 import dataclasses
-import inspect
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from jax_sdpa import _checks
 from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, Tiling
@@ -26,14 +24,23 @@ from jax_sdpa._masks import (
     AndMask,
     BlockMask,
     CausalMask,
-    FunctionMask,
+    Index,
     LengthMask,
     LocalWindowMask,
     MaskRule,
     SegmentMask,
+    positions,
+    with_batch,
 )
 from jax_sdpa._ring import Ring
 from jax_sdpa._steps import accumulation_dtype, default_scale
+from jax_sdpa._user_functions import (
+    INDEX_ARGUMENT,
+    convert,
+    function_mask,
+    vary,
+    varying_axes,
+)
 
 
 class _Shapes(NamedTuple):
@@ -44,7 +51,9 @@ class _Shapes(NamedTuple):
     heads: int
     seq_kv: int  # this device's keys, on a ring
     kv_heads: int
-    shards: int  # the ring's size (1 off a ring)
+    shards: int = 1  # the ring's size (1 off a ring)
+    batch_shards: int = 1  # the devices the batch and the heads are split over, on a ring
+    head_shards: int = 1
 
     def per_logit(self) -> tuple[tuple[int, ...], str]:
         """The shape of the scores, and its letters: keys span the whole ring."""
@@ -61,9 +70,7 @@ def bind(
     """
     _flax_only(**keywords)
     ring = _ring_spec(query, key, **keywords)
-    query, key, value, shapes = _query_key_value(
-        query, key, value, 1 if ring is None else ring.shards, **keywords
-    )
+    query, key, value, shapes = _query_key_value(query, key, value, ring, **keywords)
     score_mod, score_consts = _score_mod(shapes, query.dtype, **keywords)
     formula = dataclasses.replace(_formula(query.shape[-1], **keywords), score_mod=score_mod)
     arrays = CallArrays(
@@ -71,21 +78,46 @@ def bind(
         mask=_per_logit("mask", mask, shapes),
         rule=_mask_rule(shapes, **keywords),
         dropout_rng=_dropout_rng(shapes, formula.dropout_rate, **keywords),
-        batch=_index(shapes.batch),
-        head=_index((1,) * len(shapes.batch) + (shapes.heads,)),
+        batch=_index(shapes.batch, _first(ring, "batch_axis", math.prod(shapes.batch))),
+        head=_index(
+            (1,) * len(shapes.batch) + (shapes.heads,), _first(ring, "head_axis", shapes.heads)
+        ),
         score_consts=score_consts,
         sinks=_sinks(shapes, **keywords),
     )
-    inputs = Inputs(query, key, value, arrays)
+    inputs = _varying(Inputs(query, key, value, arrays), ring)
     config = Config(formula, output, tiling=_tiling(**keywords), ring=ring)
     return inputs, dataclasses.replace(
         config, implementation=choose(inputs, config, implementation)
     )
 
 
-def _index(shape: tuple[int, ...]) -> jax.Array:
-    """``0, 1, …`` over the last axis of ``shape`` (the rest 1) or over all of it (the batch)."""
-    return jnp.arange(math.prod(shape), dtype=jnp.int32).reshape(shape)
+def _varying(inputs: Inputs, ring: Ring | None) -> Inputs:
+    """Every array of the call varying over the mesh axes any of them varies over, and the ring's.
+
+    Inside ``jax.shard_map`` (with its default ``check_vma=True``) values are typed by the axes
+    they vary over, and every tile mixes all the call's arrays with positions that vary over
+    the ring: casting them all once (free at run time) lets loop carries and the gradients of
+    shared arrays (sinks, the mods' tables) vary as their updates do, summed over the devices
+    once, by the cast's transpose. Outside ``shard_map`` there are no such axes.
+    """
+    axes = varying_axes(inputs) | (frozenset() if ring is None else ring.axes)
+    return jax.tree.map(lambda x: vary(x, axes), inputs)
+
+
+def _index(shape: tuple[int, ...], first: Index = 0) -> jax.Array:
+    """``first, first + 1, …`` over the last axis of ``shape`` (the rest 1) or over all of it."""
+    return positions(first, math.prod(shape)).reshape(shape)
+
+
+def _first(ring: Ring | None, axis: str, count: int) -> Index:
+    """The global index of this device's first sequence (or head), ``count`` on each device.
+
+    On a ring whose batch (heads) are split over the mesh axis ``ring.batch_axis``
+    (``ring.head_axis``), the mods see the index in the whole batch, not in this device's part.
+    """
+    name = None if ring is None else getattr(ring, axis)
+    return 0 if name is None else lax.axis_index(name) * count
 
 
 def _flax_only(qk_attn_weights_einsum=None, attn_weights_value_einsum=None, **_) -> None:
@@ -100,7 +132,9 @@ def _flax_only(qk_attn_weights_einsum=None, attn_weights_value_einsum=None, **_)
             )
 
 
-def _ring_spec(query, key, axis_name=None, layout="contiguous", **_) -> Ring | None:
+def _ring_spec(
+    query, key, axis_name=None, layout="contiguous", batch_axis=None, head_axis=None, **_
+) -> Ring | None:
     """The ring of a ``ring_attention`` call (``None`` off a ring)."""
     if axis_name is None:
         return None
@@ -108,20 +142,26 @@ def _ring_spec(query, key, axis_name=None, layout="contiguous", **_) -> Ring | N
     if layout == "striped":
         for name, x in (("query", query), ("key", key)):
             check_equal_parts(name, jnp.shape(x)[-3], 2, "local sequence", STRIPED)
+    for name, axis in (("batch_axis", batch_axis), ("head_axis", head_axis)):
+        if axis is not None:
+            _axis_size(name, axis)
+    return Ring(axis_name, _axis_size("axis_name", axis_name), layout, batch_axis, head_axis)
+
+
+def _axis_size(name: str, axis) -> int:
+    """The size of mesh axis ``axis`` of the enclosing ``jax.shard_map``, checked."""
     try:
-        shards = lax.axis_size(axis_name)
+        return lax.axis_size(axis)
     except NameError:
         axes = jax.sharding.get_abstract_mesh().axis_names
         if not axes:
             raise ValueError(
-                f"`axis_name` must name an axis of an enclosing `jax.shard_map`: ring_attention "
-                f"runs only inside one; got {axis_name!r} outside any."
+                f"`{name}` must name an axis of an enclosing `jax.shard_map`: ring_attention "
+                f"runs only inside one; got {axis!r} outside any."
             ) from None
         raise ValueError(
-            f"`axis_name` must name an axis of the enclosing `jax.shard_map` {axes}; "
-            f"got {axis_name!r}."
+            f"`{name}` must name an axis of the enclosing `jax.shard_map` {axes}; got {axis!r}."
         ) from None
-    return Ring(axis_name, shards, layout)
 
 
 STRIPED = "for layout='striped' (two chunks per device)"
@@ -139,7 +179,7 @@ def check_equal_parts(name: str, length: int, parts: int, what: str, where: str)
         )
 
 
-def _query_key_value(query, key, value, shards: int, dtype=None, **_):
+def _query_key_value(query, key, value, ring: Ring | None, dtype=None, **_):
     """The three arrays (cast to ``dtype`` if given), checked against each other, and the sizes."""
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     if dtype is not None:
@@ -170,7 +210,8 @@ def _query_key_value(query, key, value, shards: int, dtype=None, **_):
             f"The number of query heads must be a multiple of the key/value heads; got "
             f"{heads} query heads and {kv_heads} key/value heads."
         )
-    return query, key, value, _Shapes(batch_shape, seq_q, heads, seq_kv, kv_heads, shards)
+    shards = (1, 1, 1) if ring is None else ring.sizes()
+    return query, key, value, _Shapes(batch_shape, seq_q, heads, seq_kv, kv_heads, *shards)
 
 
 def _squeeze_leading_ones(x: jax.Array, ndim: int) -> jax.Array:
@@ -249,7 +290,10 @@ def _mask_rule(
         )
     if mask_mod is not None:
         rules.append(_mask_mod(shapes, mask_mod))
-    return AndMask(tuple(rules)) if rules else None
+    if not rules:
+        return None
+    sizes = {"q_seq": shapes.seq_q * shapes.shards, "kv_seq": shapes.seq_kv * shapes.shards}
+    return with_batch(AndMask(tuple(rules)), shapes.batch, sizes)
 
 
 def _shared(x: jax.Array, shapes: _Shapes) -> jax.Array:
@@ -257,92 +301,15 @@ def _shared(x: jax.Array, shapes: _Shapes) -> jax.Array:
     return jnp.reshape(x, (1,) * len(shapes.batch) + jnp.shape(x))
 
 
-_INDEX = jax.ShapeDtypeStruct((), jnp.int32)
-
-
-_EVALUATORS: dict = {}  # jaxpr text and shapes → its evaluator; cleared when it grows large
-
-
-def _hoisted(fn, args: list) -> tuple:
-    """``(g, arrays)``: ``fn(*args) == g(*args, *arrays)`` for every array ``fn`` closes over.
-
-    As ``jax.closure_convert``, but every closed-over array is hoisted, traced or not: a table
-    the function closes over is an input of the compiled program, not a constant baked into it.
-    ``fn`` is traced afresh on every call (it may read values that changed since), and ``g`` is
-    shared by every function that traces to the same program with the same shapes, so that a
-    call with new values, or with a new but equal lambda, reuses the compiled program.
-    """
-    closed = jax.make_jaxpr(lambda *a: fn(*a))(*args)
-    key = (str(closed.jaxpr), tuple(jax.typeof(x) for x in (*args, *closed.consts)))
-    if key not in _EVALUATORS:
-        if len(_EVALUATORS) > 256:
-            _EVALUATORS.clear()
-        jaxpr, count = closed.jaxpr, len(args)
-
-        def evaluate(*args_and_arrays):
-            arrays = list(args_and_arrays[count:])
-            return jaxpr_as_fun(ClosedJaxpr(jaxpr, arrays))(*args_and_arrays[:count])[0]
-
-        evaluate.jaxpr = jaxpr  # what the function computes, to inspect without tracing again
-        _EVALUATORS[key] = evaluate
-    return _EVALUATORS[key], tuple(closed.consts)
-
-
-def _convert(name: str, fn, signature: str, example: tuple, kind: str) -> tuple:
-    """``fn`` with the arrays it closes over as arguments (:func:`_hoisted`), checked."""
-    if not callable(fn):
-        raise TypeError(f"`{name}` must be a function {signature}; got {type(fn).__name__}.")
-    args = [jnp.zeros(x.shape, x.dtype) for x in example]
-    try:
-        inspect.signature(fn).bind(*args)
-    except TypeError as error:
-        raise TypeError(
-            f"`{name}` must accept {len(example)} scalars {signature}; {error}."
-        ) from None
-    except ValueError:  # no signature to inspect (some built-ins): calling it will tell
-        pass
-    out = jax.eval_shape(fn, *args)
-    is_array = isinstance(out, jax.ShapeDtypeStruct)
-    want = jnp.floating if kind == "float" else jnp.bool_
-    if not is_array or out.shape != () or not jnp.issubdtype(out.dtype, want):
-        got = f"{out.dtype}{list(out.shape)}" if is_array else type(out).__name__
-        raise TypeError(f"`{name}` must return one {kind} scalar; got {got}.")
-    return _hoisted(fn, args)
-
-
 def _mask_mod(shapes: _Shapes, mask_mod) -> MaskRule:
-    """A function of ``(batch, head, q_idx, kv_idx)`` as a rule; a rule or block mask checked.
-
-    Arrays a function closed over are shared by the batch (it indexes them with ``batch``
-    itself); a rule's array fields are mapped over the batch where they lead with it.
-    """
+    """A function of ``(batch, head, q_idx, kv_idx)`` as a rule; a block mask checked."""
     if isinstance(mask_mod, BlockMask):
-        return _block_mask(shapes, mask_mod)
-    if isinstance(mask_mod, FunctionMask):
-        consts = tuple(_shared(x, shapes) for x in mask_mod.consts)
-        return dataclasses.replace(mask_mod, consts=consts)
-    if isinstance(mask_mod, MaskRule):
-
-        def batched(x):
-            x = jnp.asarray(x)
-            return x if x.shape[: len(shapes.batch)] == shapes.batch else _shared(x, shapes)
-
-        return jax.tree.map(batched, mask_mod)
-    return _mask_mod(shapes, function_mask(mask_mod))
+        _check_block_mask(shapes, mask_mod)
+    return mask_mod if isinstance(mask_mod, MaskRule) else function_mask(mask_mod)
 
 
-def function_mask(mask_mod) -> FunctionMask:
-    """A user's ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` as a rule, checked."""
-    signature = "mask_mod(batch, head, q_idx, kv_idx) -> bool"
-    fn, consts = _convert("mask_mod", mask_mod, signature, (_INDEX,) * 4, "bool")
-    jaxpr = fn.jaxpr
-    read = {id(x) for eqn in jaxpr.eqns for x in eqn.invars} | {id(x) for x in jaxpr.outvars}
-    batch, head = (id(x) in read for x in jaxpr.invars[:2])
-    return FunctionMask(fn, consts, uses_head=head, uses_batch=batch)
-
-
-def _block_mask(shapes: _Shapes, block_mask: BlockMask) -> BlockMask:
-    """A :class:`~jax_sdpa.BlockMask` made for this call's sequences, batch and heads."""
+def _check_block_mask(shapes: _Shapes, block_mask: BlockMask) -> None:
+    """A :class:`~jax_sdpa.BlockMask` must be made for this call's sequences, batch and heads."""
     seq = (shapes.seq_q * shapes.shards, shapes.seq_kv * shapes.shards)
     if (block_mask.q_len, block_mask.kv_len) != seq:
         raise ValueError(
@@ -350,22 +317,18 @@ def _block_mask(shapes: _Shapes, block_mask: BlockMask) -> BlockMask:
             f"{(block_mask.q_len, block_mask.kv_len)}; the call's sequences are {seq}."
         )
     batch, heads = block_mask.classes.shape[:2]
-    if batch not in (1, math.prod(shapes.batch)) or heads not in (1, shapes.heads):
+    # On a ring with the batch or heads split over devices: the whole batch's, all heads'.
+    whole = (math.prod(shapes.batch) * shapes.batch_shards, shapes.heads * shapes.head_shards)
+    if batch not in (1, whole[0]) or heads not in (1, whole[1]):
         raise ValueError(
             f"`mask_mod` is a BlockMask for batch {batch} and {heads} heads; the call has "
-            f"batch {math.prod(shapes.batch)} and {shapes.heads} heads (or use 1 for either)."
+            f"batch {whole[0]} and {whole[1]} heads (or use 1 for either)."
         )
-    if heads == 1 < shapes.heads and block_mask.rule.per_head:
+    if heads == 1 < whole[1] and block_mask.rule.per_head:
         raise ValueError(
             "`mask_mod` is a BlockMask classified for one head, but its mask reads `head`: "
-            f"build it with heads={shapes.heads}."
+            f"build it with heads={whole[1]}."
         )
-    leading = shapes.batch if batch > 1 else (1,) * len(shapes.batch)
-    return dataclasses.replace(
-        block_mask,
-        rule=_mask_mod(shapes, block_mask.rule),
-        classes=block_mask.classes.reshape(leading + block_mask.classes.shape[1:]),
-    )
 
 
 def _score_mod(shapes: _Shapes, query_dtype, score_mod=None, **_) -> tuple:
@@ -374,7 +337,8 @@ def _score_mod(shapes: _Shapes, query_dtype, score_mod=None, **_) -> tuple:
         return None, ()
     signature = "score_mod(score, batch, head, q_idx, kv_idx) -> score"
     score = jax.ShapeDtypeStruct((), accumulation_dtype(query_dtype))
-    fn, consts = _convert("score_mod", score_mod, signature, (score, *(_INDEX,) * 4), "float")
+    example = (score, *(INDEX_ARGUMENT,) * 4)
+    fn, consts = convert("score_mod", score_mod, signature, example, "float")
     return fn, tuple(_shared(x, shapes) for x in consts)
 
 

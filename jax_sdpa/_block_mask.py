@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_sdpa import _checks
-from jax_sdpa._arguments import function_mask
 from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q
 from jax_sdpa._masks import BlockMask, MaskRule, classify_blocks
+from jax_sdpa._user_functions import function_mask
 
 
 def create_block_mask(

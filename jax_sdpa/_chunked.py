@@ -39,7 +39,15 @@ from jax import lax
 from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._formula import CallArrays, Formula, window
 from jax_sdpa._heads import Result, over_heads
-from jax_sdpa._masks import BlockMask, LengthMask, MaskRule, classify_blocks
+from jax_sdpa._masks import (
+    INDEX,
+    BlockMask,
+    LengthMask,
+    MaskRule,
+    classify_blocks,
+    indices,
+    positions,
+)
 from jax_sdpa._online_softmax import State, zeros_from
 from jax_sdpa._steps import accumulation_dtype, weighted_sum
 
@@ -185,8 +193,14 @@ def _rows_first(x: jax.Array, n_heads: int) -> jax.Array:
 
 def _add_at(total: jax.Array, part: jax.Array, start: tuple) -> jax.Array:
     """``total[start : start + part.shape] += part``, in place under ``jit``."""
+    start = indices(*start)
     current = lax.dynamic_slice(total, start, part.shape)
     return lax.dynamic_update_slice(total, current + part.astype(total.dtype), start)
+
+
+def loop(lower, upper, body, carry):
+    """``lax.fori_loop`` whose index is an :data:`~jax_sdpa._masks.INDEX`, whatever x64 says."""
+    return lax.fori_loop(jnp.asarray(lower, INDEX), jnp.asarray(upper, INDEX), body, carry)
 
 
 def _sweep(step, rule: MaskRule | None, reach, full_reach, offset, block: int, count: int, carry):
@@ -199,7 +213,7 @@ def _sweep(step, rule: MaskRule | None, reach, full_reach, offset, block: int, c
     the blocks in between run with the rule.
     """
     if rule is None:
-        return lax.fori_loop(0, count, lambda n, c: step(n, c, None), carry)
+        return loop(0, count, lambda n, c: step(n, c, None), carry)
     lo, hi = (x - offset for x in reach(rule))
     lo, hi = jnp.clip(lo // block, 0, count), jnp.clip(-(-hi // block), 0, count)
     full_lo, full_hi = (x - offset for x in full_reach(rule))
@@ -207,7 +221,7 @@ def _sweep(step, rule: MaskRule | None, reach, full_reach, offset, block: int, c
     full_hi = jnp.clip(full_hi // block, full_lo, hi)
     runs = ((lo, full_lo, rule), (full_lo, full_hi, None), (full_hi, hi, rule))
     for start, stop, tile_rule in runs:
-        carry = lax.fori_loop(start, stop, functools.partial(step, rule=tile_rule), carry)
+        carry = loop(start, stop, functools.partial(step, rule=tile_rule), carry)
     return carry
 
 
@@ -235,7 +249,7 @@ def _classified(tile, classify, skip):
 
 def _tile_class(rule: MaskRule, arrays: CallArrays, rows: tuple, cols: tuple):
     """``rule.tile_class`` of the tile ``rows × cols``, each ``(global start, count)``."""
-    q_idx, kv_idx = (start + jnp.arange(count, dtype=jnp.int32) for start, count in (rows, cols))
+    q_idx, kv_idx = (positions(start, count) for start, count in (rows, cols))
     batch, heads = arrays.indices()
     return rule.tile_class(q_idx, kv_idx, batch, jnp.atleast_1d(heads))
 
@@ -304,7 +318,7 @@ def forward_sweep(
             )
         )
 
-    return lax.fori_loop(0, query.shape[0] // tiles.block_q, query_block, state)
+    return loop(0, query.shape[0] // tiles.block_q, query_block, state)
 
 
 def _accumulate(tiles: Tiles, grads: tuple, tile_grads: tuple, i, j) -> tuple:
@@ -368,7 +382,7 @@ def backward_sweep(
 
         def skip(i, _):  # a skipped tile's gradients: zeros, for the accumulators to stay out
             shapes = jax.eval_shape(functools.partial(tile, i, None, rule=None))
-            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+            return jax.tree.map(lambda x: zeros_from(query, x.dtype, x.shape), shapes)
 
         guarded = _classified(tile, classify, skip)
 
@@ -387,7 +401,7 @@ def backward_sweep(
             grads,
         )
 
-    return lax.fori_loop(0, key.shape[0] // tiles.block_kv, key_block, grads)
+    return loop(0, key.shape[0] // tiles.block_kv, key_block, grads)
 
 
 def zeros_like_grads(query, key, value, arrays: CallArrays) -> tuple:
@@ -484,7 +498,7 @@ def _flash_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
         zeros_from(queries, value.dtype, (*query.shape[:2], value.shape[-1])),
         zeros_from(queries, accumulation_dtype(query.dtype), query.shape[:2]),
     )
-    out, lse = lax.fori_loop(0, query.shape[0] // tiles.block_q, query_block, outputs)
+    out, lse = loop(0, query.shape[0] // tiles.block_q, query_block, outputs)
     return (out, lse), (query, key, value, arrays, out, lse)
 
 
@@ -525,7 +539,8 @@ def _blocked(tiles: Tiles, arrays: CallArrays, seq_q: int, seq_kv: int) -> Block
     classes = classify_blocks(
         arrays.rule, seq_q, seq_kv, tiles.block_q, tiles.block_kv, batch, jnp.atleast_1d(heads)
     )
-    return BlockMask(arrays.rule, classes, tiles.block_q, tiles.block_kv, seq_q, seq_kv)
+    # One sequence's classes, which its batch index need not pick: a batch axis of 1.
+    return BlockMask(arrays.rule, classes[None], tiles.block_q, tiles.block_kv, seq_q, seq_kv)
 
 
 def pad_keys(key, value, arrays: CallArrays, block: int) -> tuple:
@@ -536,7 +551,7 @@ def pad_keys(key, value, arrays: CallArrays, block: int) -> tuple:
     seq_kv = key.shape[0]
     if seq_kv % block == 0:
         return key, value, arrays
-    padding = LengthMask(None, jnp.asarray(seq_kv))
+    padding = LengthMask(None, jnp.asarray(seq_kv, INDEX))
     arrays = dataclasses.replace(
         arrays,
         rule=padding if arrays.rule is None else arrays.rule & padding,

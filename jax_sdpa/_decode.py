@@ -32,6 +32,7 @@ from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._chunked import Tiling, chunked_sequence, pad_keys
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_heads
+from jax_sdpa._masks import positions
 from jax_sdpa._steps import accumulation_dtype, raw_scores, weighted_sum
 
 # Up to this many columns (K·G·T: every query row of every head), the scores are one matrix
@@ -120,7 +121,7 @@ def split_keys(formula: Formula, query, keys, values, arrays: CallArrays) -> Res
         tile = arrays.window((0, seq_q), (start, size)).by_head(heads_kv)
         return _chunk_state(formula, per_query, keys, values, tile, start)
 
-    state = online_softmax.combine(jax.vmap(one_chunk)(jnp.arange(count), keys, values))
+    state = online_softmax.combine(jax.vmap(one_chunk)(positions(0, count), keys, values))
     if arrays.sinks is not None:
         sink = arrays.sinks.reshape(*heads_kv, 1)
         state = online_softmax.merge(

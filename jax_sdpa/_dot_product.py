@@ -325,6 +325,8 @@ def ring_attention(
     mask_mod: Callable | MaskRule | None = None,
     sinks: ArrayLike | None = None,
     layout: Layout = "contiguous",
+    batch_axis: Any = None,
+    head_axis: Any = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
     precision: lax.PrecisionLike = None,
@@ -352,6 +354,8 @@ def ring_attention(
     mask_mod: Callable | MaskRule | None = None,
     sinks: ArrayLike | None = None,
     layout: Layout = "contiguous",
+    batch_axis: Any = None,
+    head_axis: Any = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
     precision: lax.PrecisionLike = None,
@@ -377,6 +381,8 @@ def ring_attention(
     mask_mod: Callable | MaskRule | None = None,
     sinks: ArrayLike | None = None,
     layout: Layout = "contiguous",
+    batch_axis: Any = None,
+    head_axis: Any = None,
     return_residual: bool = False,
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
@@ -391,10 +397,8 @@ def ring_attention(
     result is this device's shard of :func:`dot_product_attention` on the whole sequence, with the
     same meaning for every argument accepted here (masks use global positions; a query with no
     allowed key outputs zeros), and the backward pass rotates the key/value gradients the same
-    way. :func:`jax_sdpa.ring_dot_product_attention` does the sharding for you. With a
-    ``score_mod`` or a ``mask_mod`` function, call it in a ``shard_map`` with ``check_vma=False``
-    (the function is replayed from its trace, whose constants do not vary over the mesh);
-    ``ring_dot_product_attention`` does so.
+    way. :func:`jax_sdpa.ring_dot_product_attention` does the sharding for you. It works under
+    ``shard_map``'s default checks (``check_vma=True``), mods and sinks included.
 
     Args:
         query: This device's queries, ``(B, T/P, N, H)`` (or ``(T/P, N, H)``).
@@ -427,6 +431,10 @@ def ring_attention(
         layout: ``"contiguous"``: device ``p`` holds positions ``[p·L, (p+1)·L)``;
             ``"striped"``: the sequence in ``2P`` chunks, device ``p`` holding chunks ``p`` and
             ``2P−1−p`` (see :func:`jax_sdpa.to_striped`), which balances causal work.
+        batch_axis: The mesh axis the (leading) batch axis is split over, if any: the mods and
+            a :class:`~jax_sdpa.BlockMask` then see each sequence's index in the whole batch.
+        head_axis: The mesh axis the query and key/value heads are split over, if any: the mods
+            then see each head's index among all heads (``sinks`` are this device's heads').
         return_residual: Also return this device's log-sum-exp, ``(B, T/P, N)`` (differentiable).
 
     Returns:

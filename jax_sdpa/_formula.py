@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float
 
-from jax_sdpa._masks import Index, MaskRule
+from jax_sdpa._masks import Index, MaskRule, indices, positions
 from jax_sdpa._steps import dropout_weights, raw_scores, scale_scores, soft_cap_scores
 
 
@@ -80,9 +80,7 @@ class Formula:
             scores = scores + arrays.bias.astype(scores.dtype)
             finite = scores != -jnp.inf  # a −∞ bias masks its key exactly
             mask = finite if mask is None else mask & finite
-        # int32 positions, as the mods were traced with (also where float64 is enabled).
-        q_idx = jnp.asarray(q_offset, jnp.int32) + jnp.arange(raw.shape[0], dtype=jnp.int32)
-        kv_idx = jnp.asarray(kv_offset, jnp.int32) + jnp.arange(raw.shape[1], dtype=jnp.int32)
+        q_idx, kv_idx = positions(q_offset, raw.shape[0]), positions(kv_offset, raw.shape[1])
         if self.score_mod is not None:
             # The mod sees 0, not −∞, where the bias masked (no NaN in its gradient there), and
             # a −∞ it returns masks too.
@@ -136,7 +134,7 @@ def window(shape: tuple, rows: tuple, cols: tuple) -> tuple[tuple, tuple]:
     (row, n_rows), (col, n_cols) = rows, cols
     full_rows, full_cols = shape[-2] > 1, shape[-1] > 1
     start = (0,) * (len(shape) - 2) + (row if full_rows else 0, col if full_cols else 0)
-    return start, shape[:-2] + (n_rows if full_rows else 1, n_cols if full_cols else 1)
+    return indices(*start), shape[:-2] + (n_rows if full_rows else 1, n_cols if full_cols else 1)
 
 
 def _per_head(x: Array | None, heads: tuple[int, int]) -> Array | None:

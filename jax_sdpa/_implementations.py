@@ -24,6 +24,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.interpreters import ad
+from jax.interpreters import partial_eval as pe
 from jaxtyping import Array
 
 from jax_sdpa._attention import dense_sequence
@@ -89,10 +91,15 @@ class Config:
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One way to compute attention: ``run`` a call, or say why it cannot (``unsupported``)."""
+    """One way to compute attention: ``run`` a call, or say why it cannot (``unsupported``).
+
+    ``forward_mode``: whether ``jax.jvp`` can differentiate it. A path with its own backward pass
+    (``jax.custom_vjp``) has reverse mode only; forward-over-reverse (``jax.hessian``) still works.
+    """
 
     run: Callable[[Inputs, Config], Result]
     unsupported: Callable[[Inputs, Config], str | None] = lambda inputs, config: None
+    forward_mode: bool = False
 
 
 def _dense(inputs: Inputs, config: Config) -> Result:
@@ -207,7 +214,7 @@ def _cudnn(inputs: Inputs, config: Config) -> Result:
 
 
 IMPLEMENTATIONS: dict[str, Entry] = {
-    "xla": Entry(_dense),
+    "xla": Entry(_dense, forward_mode=True),
     "chunked": Entry(_chunked, _chunked_unsupported),
     "decode": Entry(_decode, _decode_unsupported),
     "cudnn": Entry(_cudnn, _cudnn_unsupported),
@@ -228,13 +235,37 @@ def _preference(inputs: Inputs) -> tuple[str, ...]:
     return ("xla", "chunked")
 
 
+def _forward_mode(inputs: Inputs) -> bool:
+    """Whether forward-mode differentiation (``jax.jvp``, ``jacfwd``) acts on the call itself.
+
+    That is: the innermost differentiation of some input, looking through ``vmap``, is a JVP
+    (reverse mode, ``jax.grad``, linearizes instead). It cannot be seen from inside a
+    ``jax.jit`` that ``jax.jvp`` is applied to afterwards.
+    """
+    for x in jax.tree.leaves(inputs):
+        while type(x).__name__ == "BatchTracer":
+            x = x.val
+        if isinstance(x, ad.JVPTracer) and not isinstance(x.tangent, pe.JaxprTracer):
+            return True  # (a JaxprTracer tangent: reverse mode, on JAX that linearizes so)
+    return False
+
+
 def choose(inputs: Inputs, config: Config, requested: str | None) -> str:
     """The implementation that runs the call: ``requested``, or the first that supports it.
 
     Raises:
         ValueError: With the implementation's own message, if ``requested`` cannot run it.
+        TypeError: If ``requested`` has no forward mode and ``jax.jvp`` differentiates the call.
     """
+    forward = _forward_mode(inputs)
+    if forward and requested is not None and not IMPLEMENTATIONS[requested].forward_mode:
+        raise TypeError(
+            f"`implementation={requested!r}` has no forward-mode derivative (jax.jvp, "
+            "jax.jacfwd): its backward pass is its own (jax.custom_vjp); "
+            "implementation='xla' has one."
+        )
     names = _preference(inputs) if requested is None else (requested,)
+    names = [name for name in names if IMPLEMENTATIONS[name].forward_mode or not forward]
     reasons = [IMPLEMENTATIONS[name].unsupported(inputs, config) for name in names]
     for name, reason in zip(names, reasons, strict=True):
         if reason is None:
@@ -242,20 +273,26 @@ def choose(inputs: Inputs, config: Config, requested: str | None) -> str:
     raise ValueError(reasons[0])
 
 
-def _without_positions(inputs: Inputs) -> Result:
-    """``T = 0`` or ``S = 0``: no query, or no key to attend to — rows of 0 with lse −∞."""
+def without_positions(inputs: Inputs) -> Result:
+    """``T = 0`` or ``S = 0``: no query, or no key to attend to — rows of 0.
+
+    A row's log-sum-exp is then its head's sink (the only logit it has), or −∞ without sinks.
+    """
     *batch, seq_q, heads, _ = inputs.query.shape
     dtype = accumulation_dtype(inputs.query.dtype)
     weights = jnp.zeros((*batch, heads, seq_q, inputs.key.shape[-3]), dtype)
     out = jnp.zeros((*batch, seq_q, heads, inputs.value.shape[-1]), inputs.value.dtype)
-    return Result(out, jnp.full((*batch, seq_q, heads), -jnp.inf, dtype), weights)
+    sinks = inputs.arrays.sinks
+    per_head = jnp.full((heads,), -jnp.inf, dtype) if sinks is None else sinks.astype(dtype)
+    lse = jnp.broadcast_to(per_head[..., None, :], (*batch, seq_q, heads))
+    return Result(out, lse, weights)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def run(inputs: Inputs, *, config: Config) -> Result:
     """The jitted batched computation of a bound call; the weights only where asked for."""
     if 0 in (inputs.query.shape[-3], inputs.key.shape[-3]):
-        result = _without_positions(inputs)
+        result = without_positions(inputs)
     else:
         result = IMPLEMENTATIONS[config.implementation].run(inputs, config)
     weights = None if config.output == "attention" else result.weights

@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Integer
 
@@ -48,7 +49,32 @@ __all__ = [
 ]
 
 Index = int | Integer[Array, ""]
+#: The dtype of every position, block number and batch or head index: int32 also where
+#: ``jax_enable_x64`` is on, so that the indices computed anywhere agree with each other and with
+#: those the user's functions were traced with.
+INDEX = jnp.int32
 _NO_LIMIT = 2**31 - 1
+
+
+def _less(a, b) -> Bool[Array, "..."]:
+    """``a < b`` for integers of any two dtypes (explicitly promoted: no strict-mode error)."""
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    dtype = np.promote_types(a.dtype, b.dtype)  # (jnp's refuses under strict promotion)
+    return a.astype(dtype) < b.astype(dtype)
+
+
+def indices(*starts: Index) -> tuple[Integer[Array, ""], ...]:
+    """The start indices of a ``lax.dynamic_slice``, as :data:`INDEX`.
+
+    (Python ints beside traced int32 indices would become int64 under x64, and a dynamic slice
+    refuses mixed types.)
+    """
+    return tuple(jnp.asarray(start, INDEX) for start in starts)
+
+
+def positions(start: Index, count: int) -> Integer[Array, " count"]:
+    """``start, start + 1, …, start + count − 1``: a run of positions, as :data:`INDEX`."""
+    return jnp.asarray(start, INDEX) + jnp.arange(count, dtype=INDEX)
 
 
 def _rule(cls: type) -> type:
@@ -59,6 +85,21 @@ def _rule(cls: type) -> type:
 def _static(default: Any = dataclasses.MISSING) -> Any:
     """A field that is part of the rule's type, not a leaf: it may set loop bounds and shapes."""
     return dataclasses.field(default=default, metadata={"static": True})
+
+
+def _per_sequence(*axes: str, index: bool = False) -> Any:
+    """An array field with these axes for one sequence, and optionally the batch's before them.
+
+    With exactly ``len(axes)`` axes it is shared by every sequence of a call; with the call's batch
+    axes before those, each sequence has its own (:func:`with_batch`). ``index`` fields hold
+    positions (lengths), kept as :data:`INDEX`.
+    """
+    return dataclasses.field(default=None, metadata={"axes": axes, "index": index})
+
+
+def _shared(default: Any = dataclasses.MISSING) -> Any:
+    """An array field (or a tuple of them) that every sequence of a call shares whole."""
+    return dataclasses.field(default=default, metadata={"shared": True})
 
 
 class MaskRule:
@@ -199,15 +240,14 @@ class LengthMask(MaskRule):
     carry leading batch axes, which ``jax.vmap`` maps away.
     """
 
-    q_length: Integer[Array, "*batch"] | None = None
-    kv_length: Integer[Array, "*batch"] | None = None
+    q_length: Integer[Array, "*batch"] | None = _per_sequence(index=True)
+    kv_length: Integer[Array, "*batch"] | None = _per_sequence(index=True)
 
     def __call__(self, q_idx, kv_idx):
         allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
-        if self.q_length is not None:
-            allowed = allowed & (q_idx < self.q_length)
-        if self.kv_length is not None:
-            allowed = allowed & (kv_idx < self.kv_length)
+        for idx, length in ((q_idx, self.q_length), (kv_idx, self.kv_length)):
+            if length is not None:
+                allowed = allowed & _less(idx, length)
         return allowed
 
     def kv_range(self, q_lo, q_hi):
@@ -242,11 +282,13 @@ class SegmentMask(MaskRule):
     ``q_segment_ids`` has one id per query position, ``kv_segment_ids`` one per key position.
     """
 
-    q_segment_ids: Integer[Array, "*batch q_seq"] = None
-    kv_segment_ids: Integer[Array, "*batch kv_seq"] = None
+    q_segment_ids: Integer[Array, "*batch q_seq"] = _per_sequence("q_seq")
+    kv_segment_ids: Integer[Array, "*batch kv_seq"] = _per_sequence("kv_seq")
 
     def __call__(self, q_idx, kv_idx):
-        return self.q_segment_ids[q_idx] == self.kv_segment_ids[kv_idx]
+        q_ids, kv_ids = self.q_segment_ids[q_idx], self.kv_segment_ids[kv_idx]
+        dtype = np.promote_types(q_ids.dtype, kv_ids.dtype)  # explicitly: ids of any two dtypes
+        return q_ids.astype(dtype) == kv_ids.astype(dtype)
 
     @property
     def opaque(self) -> bool:  # where segments start is data: a tile must look at its ids
@@ -349,7 +391,7 @@ class FunctionMask(MaskRule):
     """
 
     fn: Callable = _static()
-    consts: tuple = ()
+    consts: tuple = _shared(())
     uses_head: bool = _static(True)
     uses_batch: bool = _static(True)
 
@@ -382,14 +424,15 @@ EMPTY, PARTIAL, FULL = 0, 1, 2  # a tile's class in a BlockMask
 class BlockMask(MaskRule):
     """A rule with the class of each of its tiles computed once (:func:`create_block_mask`).
 
-    ``classes[batch, head, i, j]`` is ``EMPTY`` (0: the rule allows no entry of query block
-    ``i`` × key block ``j``; the chunked and ring paths skip it), ``FULL`` (2: every entry;
-    they compute it without evaluating the rule) or ``PARTIAL`` (1: they evaluate ``rule``
-    there). Its batch and head axes may be 1, shared by all. Any entry is ``rule``'s answer.
+    ``classes[batch, head, i, j]`` (``batch`` indexes the flattened batch) is ``EMPTY`` (0: the
+    rule allows no entry of query block ``i`` × key block ``j``; the chunked and ring paths skip
+    it), ``FULL`` (2: every entry; they compute it without evaluating the rule) or ``PARTIAL``
+    (1: they evaluate ``rule`` there). Its batch and head axes may be 1, shared by all. Any
+    entry is ``rule``'s answer.
     """
 
     rule: MaskRule
-    classes: Integer[Array, "*batch heads q_blocks kv_blocks"]
+    classes: Integer[Array, "batch heads q_blocks kv_blocks"] = _shared()
     block_q: int = _static()
     block_kv: int = _static()
     q_len: int = _static()
@@ -423,16 +466,17 @@ class BlockMask(MaskRule):
         return self.rule.q_full_range(kv_lo, kv_hi)
 
     def tile_class(self, q_idx, kv_idx, batch, heads):
-        """Read from ``classes`` (one sequence's, ``(heads, q_blocks, kv_blocks)``).
+        """Read from ``classes[batch]`` (or ``[0]``, shared): ``(heads, q_blocks, kv_blocks)``.
 
         The tile may cover several blocks, or parts of them: it is empty (full) if every block
         it touches is.
         """
-        classes = self.classes if self.classes.shape[0] == 1 else self.classes[heads]
+        classes = self.classes[batch if self.classes.shape[0] > 1 else 0]
+        classes = classes if classes.shape[0] == 1 else classes[heads]
         rows, row_seen = _touched(q_idx, self.block_q, classes.shape[1])
         cols, col_seen = _touched(kv_idx, self.block_kv, classes.shape[2])
         touched = lax.dynamic_slice(
-            classes, (0, rows, cols), (classes.shape[0], row_seen.size, col_seen.size)
+            classes, indices(0, rows, cols), (classes.shape[0], row_seen.size, col_seen.size)
         )
         seen = (row_seen[:, None] & col_seen[None, :])[None]
         return jnp.all((touched == EMPTY) | ~seen), jnp.all((touched == FULL) | ~seen)
@@ -446,7 +490,7 @@ def _touched(idx, block: int, count: int) -> tuple[Array, Array]:
     size = min(-(-idx.size // block) + 1, count)
     lo, hi = idx[0] // block, idx[-1] // block + 1
     first = jnp.clip(lo, 0, count - size)
-    blocks = first + jnp.arange(size)
+    blocks = positions(first, size)
     return first, (blocks >= lo) & (blocks < hi)
 
 
@@ -468,13 +512,13 @@ def classify_blocks(
 
     def tile(ij):
         i, j = jnp.divmod(ij, kv_blocks)
-        q_idx = jnp.minimum(i * block_q + jnp.arange(block_q), q_len - 1)
-        kv_idx = jnp.minimum(j * block_kv + jnp.arange(block_kv), kv_len - 1)
+        q_idx = jnp.minimum(positions(i * block_q, block_q), q_len - 1)
+        kv_idx = jnp.minimum(positions(j * block_kv, block_kv), kv_len - 1)
         empty, full = jax.vmap(lambda h: rule.tile_class(q_idx, kv_idx, batch, h[None]))(heads)
         return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int8)
 
     per_step = max(1, _ENTRIES_PER_STEP // (heads.size * block_q * block_kv))
-    classes = lax.map(tile, jnp.arange(q_blocks * kv_blocks), batch_size=per_step)
+    classes = lax.map(tile, positions(0, q_blocks * kv_blocks), batch_size=per_step)
     return classes.T.reshape(heads.size, q_blocks, kv_blocks)
 
 
@@ -510,6 +554,55 @@ def _union_within(ranges) -> tuple[Index, Index]:
     return lo, hi
 
 
+def with_batch(rule: MaskRule, batch: tuple[int, ...], sizes: dict[str, int]) -> MaskRule:
+    """``rule`` for a call with batch axes ``batch``: each array field leads with them.
+
+    Each field says what its axes are (:func:`_per_sequence`): one with exactly those is shared by
+    the batch and gets a leading 1 per batch axis; one with the batch axes before them (each full
+    or 1) is per sequence; any other shape is refused. Whether an array is per sequence never
+    depends on its sizes happening to equal the batch's. ``sizes`` are the call's ``q_seq`` and
+    ``kv_seq`` (a ring's whole sequences), which the per-sequence axes must have.
+
+    Raises:
+        ValueError: Naming the rule's field, the shapes it may have and the one it has.
+    """
+
+    def shared(x):
+        x = jnp.asarray(x)
+        return x.reshape((1,) * len(batch) + x.shape)
+
+    def fitted(name: str, x, axes: tuple[str, ...], index: bool):
+        x = jnp.asarray(x)
+        own = tuple(sizes[axis] for axis in axes)
+        lead = x.shape[: x.ndim - len(axes)]
+        if (
+            x.shape[len(lead) :] != own
+            or len(lead) not in (0, len(batch))
+            or any(n not in (1, b) for n, b in zip(lead, batch, strict=False))
+        ):
+            letters = ", ".join(axes)
+            raise ValueError(
+                f"`mask_mod`'s {type(rule).__name__}.{name} must have shape ({letters}) = {own}, "
+                f"shared by the batch, or (batch, {letters}) = {(*batch, *own)}; got {x.shape}."
+            )
+        x = x if lead else shared(x)
+        return x.astype(INDEX) if index else x
+
+    changes = {}
+    for field in dataclasses.fields(rule):
+        value = getattr(rule, field.name)
+        if field.metadata.get("shared"):
+            changes[field.name] = jax.tree.map(shared, value)
+        elif isinstance(value, MaskRule):
+            changes[field.name] = with_batch(value, batch, sizes)
+        elif isinstance(value, tuple):  # the parts of a combination
+            changes[field.name] = tuple(with_batch(part, batch, sizes) for part in value)
+        elif "axes" in field.metadata and value is not None:
+            meta = field.metadata
+            changes[field.name] = fitted(field.name, value, meta["axes"], meta["index"])
+    return dataclasses.replace(rule, **changes)
+
+
 def materialize_mask(
     rule: MaskRule,
     q_len: int,
@@ -530,6 +623,5 @@ def materialize_mask(
                [1, 1, 0],
                [0, 1, 1]], dtype=int32)
     """
-    q_idx = q_offset + jnp.arange(q_len)[:, None]
-    kv_idx = kv_offset + jnp.arange(kv_len)[None, :]
+    q_idx, kv_idx = positions(q_offset, q_len)[:, None], positions(kv_offset, kv_len)[None, :]
     return rule.at(q_idx, kv_idx, batch, head)

@@ -30,14 +30,14 @@ from jax_sdpa._arguments import (
     _Shapes,
     _sinks,
     _window,
-    function_mask,
 )
 from jax_sdpa._chunked import DEFAULT_BLOCK_KV
 from jax_sdpa._decode import split_keys
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import over_batch
-from jax_sdpa._masks import FunctionMask
-from jax_sdpa._steps import accumulation_dtype
+from jax_sdpa._implementations import Inputs, without_positions
+from jax_sdpa._masks import INDEX, FunctionMask, indices
+from jax_sdpa._user_functions import function_mask
 
 __all__ = ["paged_attention", "update_cache", "update_paged_cache"]
 
@@ -180,20 +180,15 @@ def paged_attention(
     page_table, lengths = jnp.asarray(page_table), jnp.asarray(lengths)
     shapes = _check_pages(query, key_pages, value_pages, page_table, lengths)
     _checks.check_positive_int("block_kv", block_kv)
-    if 0 in (shapes.seq_q, shapes.seq_kv):  # no query, or no key: rows of 0 with lse −∞
-        *rows, _ = query.shape
-        out = jnp.zeros((*rows, value_pages.shape[-1]), value_pages.dtype)
-        lse = jnp.full(rows, -jnp.inf, accumulation_dtype(query.dtype))
-        return (out, lse) if return_residual else out
     score_mod, score_consts = _score_mod(shapes, query.dtype, score_mod=score_mod)
     formula = dataclasses.replace(
         _formula(query.shape[-1], scale=scale, logits_soft_cap=logits_soft_cap),
         score_mod=score_mod,
     )
-    lengths = jnp.minimum(lengths, shapes.seq_kv)
+    lengths = jnp.minimum(lengths, shapes.seq_kv).astype(INDEX)
     positions = _last_queries(lengths, shapes.seq_q, is_causal, local_window_size)
+    mask_mod = positions if mask_mod is None else _mask_mod(shapes, mask_mod) & positions
     rule = _mask_rule(shapes, mask_mod=mask_mod)
-    rule = _mask_mod(shapes, positions) if rule is None else rule & _mask_mod(shapes, positions)
     arrays = CallArrays(
         rule=rule,
         batch=_index(shapes.batch),
@@ -201,6 +196,11 @@ def paged_attention(
         score_consts=score_consts,
         sinks=_sinks(shapes, sinks=sinks),
     )
+    if 0 in (shapes.seq_q, shapes.seq_kv):  # no query, or no key
+        empty = (*shapes.batch, 0, shapes.kv_heads)
+        keys, values = (jnp.zeros((*empty, x.shape[-1]), x.dtype) for x in (key_pages, value_pages))
+        out, lse, _ = without_positions(Inputs(query, keys, values, arrays))
+        return (out, lse) if return_residual else out
     pages_per_chunk = max(1, block_kv // key_pages.shape[1])
     out, lse = _paged(formula, pages_per_chunk, query, key_pages, value_pages, page_table, arrays)
     return (out, lse) if return_residual else out
@@ -255,7 +255,7 @@ def update_cache(
     """
 
     def write(cache, new, position):
-        start = (position, *(0,) * (cache.ndim - 1))
+        start = indices(position, *(0,) * (cache.ndim - 1))
         return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
 
     positions = jnp.asarray(positions)

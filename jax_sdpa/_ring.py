@@ -32,6 +32,7 @@ from jax_sdpa._chunked import (
     flat,
     forward_sweep,
     grads_like,
+    loop,
     sinks_grad,
     zeros_like_grads,
 )
@@ -49,6 +50,18 @@ class Ring:
     axis_name: str
     shards: int
     layout: Layout
+    batch_axis: str | None = None  # the mesh axes the batch and the heads are split over
+    head_axis: str | None = None
+
+    @property
+    def axes(self) -> frozenset:
+        """The mesh axes the call's positions, batch and head indices vary over."""
+        return frozenset({self.axis_name, self.batch_axis, self.head_axis} - {None})
+
+    def sizes(self) -> tuple[int, int, int]:
+        """The devices the sequence, the batch and the heads are split over (inside shard_map)."""
+        split = (self.axis_name, self.batch_axis, self.head_axis)
+        return tuple(1 if axis is None else lax.axis_size(axis) for axis in split)
 
     def pieces(self, shard, length: int):
         """The contiguous runs of a shard of ``length``: ``(local start, global start, size)``."""
@@ -115,7 +128,7 @@ def _ring_fwd(tiles: Tiles, ring: Ring, query, key, value, arrays: CallArrays):
 
     rows = query.shape[:2]  # (T, N)
     state = init(queries, rows, (rows[0], rows[1] * value.shape[-1]), arrays.sinks)
-    state, _, _ = lax.fori_loop(0, ring.shards, step, (state, flat(key), flat(value)))
+    state, _, _ = loop(0, ring.shards, step, (state, flat(key), flat(value)))
     out, lse = finish(state._replace(acc=state.acc.reshape(*rows, -1)), value.dtype)
     return (out, lse), (query, key, value, arrays, out, lse)
 
@@ -157,7 +170,7 @@ def _ring_bwd(tiles: Tiles, ring: Ring, residuals, cotangents):
 
     d_query, d_key, d_value, d_bias, d_consts = zeros_like_grads(queries, keys, values, arrays)
     carry = (d_query, d_bias, d_consts, keys, values, d_key, d_value)
-    d_query, d_bias, d_consts, _, _, d_key, d_value = lax.fori_loop(0, ring.shards, step, carry)
+    d_query, d_bias, d_consts, _, _, d_key, d_value = loop(0, ring.shards, step, carry)
     grads = (d_query, d_key, d_value, d_bias, d_consts)
     d_query, d_key, d_value, d_arrays = grads_like(grads, query, key, value, arrays)
     d_sinks = sinks_grad(arrays.sinks, lse, grad_rows)

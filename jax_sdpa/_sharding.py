@@ -203,17 +203,22 @@ def ring_dot_product_attention(
         "key_value_seq_lengths": key_value_seq_lengths,
     }
     lengths = {k: jnp.asarray(x) for k, x in lengths.items() if x is not None}
+    sinks = options.pop("sinks", None)  # one per head: each device gets its heads'
+    per_head = {} if sinks is None else {"sinks": jnp.asarray(sinks)}
+    for name, x in per_head.items():
+        _checks.check_shape(name, x, query.shape[2:3], "(heads,)")
     in_specs = (
         (seq_spec,) * 3
         + tuple(spec_4d(x) for x in extras.values())
         + (P(batch_axis),) * len(lengths)
+        + (P(head_axis),) * len(per_head)
     )
     out_specs = (seq_spec, P(batch_axis, seq_axis, head_axis)) if return_residual else seq_spec
 
     restripe = functools.partial(_restripe, axis_name=seq_axis, shards=shards)
 
     def local(query, key, value, *rest):
-        named = dict(zip([*extras, *lengths], rest, strict=True))
+        named = dict(zip([*extras, *lengths, *per_head], rest, strict=True))
         if layout == "striped":
             query, key, value = (restripe(x, 1) for x in (query, key, value))
             for name in extras:  # rows follow the queries (sharded), columns the keys (whole)
@@ -225,6 +230,8 @@ def ring_dot_product_attention(
             value,
             axis_name=seq_axis,
             layout=layout,
+            batch_axis=batch_axis,
+            head_axis=head_axis,
             return_residual=return_residual,
             **named,
             **options,
@@ -233,19 +240,6 @@ def ring_dot_product_attention(
             result = jax.tree.map(lambda x: restripe(x, 1, inverse=True), result)
         return result
 
-    args = (query, key, value, *extras.values(), *lengths.values())
+    args = (query, key, value, *extras.values(), *lengths.values(), *per_head.values())
     args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs, strict=True)]
-    # A score_mod or mask_mod is replayed inside the ring as the primitives it was traced to,
-    # whose constants do not vary over the mesh as its operands do, and the sinks' gradient is
-    # summed over the devices: check_vma would refuse both.
-    mods = [name for name in ("score_mod", "mask_mod", "sinks") if options.get(name) is not None]
-    if mods and (batch_axis or head_axis):
-        raise ValueError(
-            f"`{mods[0]}` needs the whole batch and all heads on each device (no `batch_axis` or "
-            f"`head_axis`): its batch and head indices would be the device's; got "
-            f"batch_axis={batch_axis!r}, head_axis={head_axis!r}."
-        )
-    sharded = jax.shard_map(
-        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=not mods
-    )
-    return sharded(*args)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)

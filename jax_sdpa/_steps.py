@@ -272,7 +272,7 @@ def _keep_bits(
     on its own and equals the same block of the whole grid, so the dense and the blocked
     implementations drop exactly the same weights.
     """
-    q_idx, kv_idx = jnp.broadcast_arrays(q_idx.astype(jnp.uint32), kv_idx.astype(jnp.uint32))
+    q_idx, kv_idx = jnp.broadcast_arrays(q_idx, kv_idx)
     return threefry2x32_p.bind(seed[0], seed[1], q_idx, kv_idx)[0]
 
 
@@ -311,8 +311,10 @@ def dropout_weights(
     """
     weights = jnp.asarray(weights)
     seed = jax.random.bits(rng, (2,), jnp.uint32)
-    q_idx = q_offset + jnp.arange(weights.shape[0])[:, None]
-    kv_idx = kv_offset + jnp.arange(weights.shape[1])[None, :]
+    # Counters, not indices: uint32 whatever their dtype and jax_enable_x64 (the bits need 32).
+    q_idx = jnp.asarray(q_offset, jnp.uint32) + jnp.arange(weights.shape[0], dtype=jnp.uint32)
+    kv_idx = jnp.asarray(kv_offset, jnp.uint32) + jnp.arange(weights.shape[1], dtype=jnp.uint32)
+    q_idx, kv_idx = q_idx[:, None], kv_idx[None, :]
     keep_prob = 1.0 - rate
     threshold = jnp.uint32(min(round(keep_prob * 2.0**32), 2**32 - 1))
     keep = _keep_bits(seed, q_idx, kv_idx) < threshold

@@ -59,7 +59,7 @@ def t5_bucket(relative, num_buckets, max_distance, bidirectional):
 
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_relative_position_bias_buckets_are_t5s(bidirectional):
-    table = jnp.arange(32, dtype=jnp.float32)[:, None] * jnp.ones((1, 2))  # bias = bucket number
+    table = jnp.arange(32, dtype=jnp.float32)[:, None] * jnp.ones((1, 2), jnp.float32)  # bucket
     score_mod = mods.relative_position_bias(table, 32, 128, bidirectional)
     relative = jnp.arange(-300, 301)
     got = jax.vmap(lambda r: score_mod(jnp.float32(0), 0, 1, 0, r))(relative)

@@ -105,7 +105,7 @@ def test_a_bfloat16_cache_accumulates_in_float32(rng):
 def test_the_gradient_is_the_chunked_one(rng):
     q, key, v = qkv(rng, 2, 3, 70, 4, 2, 8)
     lengths = np.array([70, 33])
-    d_out = rng.normal(size=(2, 3, 4, 8))
+    d_out = jnp.asarray(rng.normal(size=(2, 3, 4, 8)), jnp.float32)
 
     def loss(impl):
         return lambda q, k, v: jnp.sum(

@@ -6,8 +6,8 @@ import pytest
 
 import jax_sdpa as js
 
-Q = jnp.ones((2, 5, 4, 8))
-KV = jnp.ones((2, 7, 2, 8))
+Q = jnp.ones((2, 5, 4, 8), jnp.float32)
+KV = jnp.ones((2, 7, 2, 8), jnp.float32)
 
 
 def call(**overrides):
@@ -20,32 +20,36 @@ def call(**overrides):
     "overrides,error,message",
     [
         (
-            dict(query=jnp.ones((5, 8))),
+            dict(query=jnp.ones((5, 8), jnp.float32)),
             ValueError,
             "`query` must have rank 4 (batch, q_seq, heads, d_k) or rank 3 without batch; got shape (5, 8).",
         ),
         (
-            dict(key=jnp.ones((2, 7, 2, 6)), value=jnp.ones((2, 7, 2, 6))),
+            dict(
+                key=jnp.ones((2, 7, 2, 6), jnp.float32), value=jnp.ones((2, 7, 2, 6), jnp.float32)
+            ),
             ValueError,
             "`query` and `key` must have the same feature size d_k; got 8 and 6.",
         ),
         (
-            dict(query=jnp.ones((2, 5, 3, 8))),
+            dict(query=jnp.ones((2, 5, 3, 8), jnp.float32)),
             ValueError,
             "The number of query heads must be a multiple of the key/value heads; got 3 query heads and 2 ",
         ),
         (
-            dict(value=jnp.ones((2, 6, 2, 8))),
+            dict(value=jnp.ones((2, 6, 2, 8), jnp.float32)),
             ValueError,
             "`key` and `value` must have the same length kv_seq; got 7 and 6.",
         ),
         (
-            dict(value=jnp.ones((2, 7, 1, 8))),
+            dict(value=jnp.ones((2, 7, 1, 8), jnp.float32)),
             ValueError,
             "`key` and `value` must have the same number of heads kv_heads; got 2 and 1.",
         ),
         (
-            dict(key=jnp.ones((3, 7, 2, 8)), value=jnp.ones((3, 7, 2, 8))),
+            dict(
+                key=jnp.ones((3, 7, 2, 8), jnp.float32), value=jnp.ones((3, 7, 2, 8), jnp.float32)
+            ),
             ValueError,
             "`query` and `key` must have the same batch shape; got (2,) and (3,).",
         ),
@@ -71,7 +75,7 @@ def call(**overrides):
             "`mask` must broadcast to (batch, heads, q_seq, kv_seq) = (2, 4, 5, 7); got (3, 1, 5, 7).",
         ),
         (
-            dict(bias=jnp.ones((2, 2, 5, 7))),
+            dict(bias=jnp.ones((2, 2, 5, 7), jnp.float32)),
             ValueError,
             "`bias` must broadcast to (batch, heads, q_seq, kv_seq) = (2, 4, 5, 7); got (2, 2, 5, 7).",
         ),
@@ -86,7 +90,7 @@ def call(**overrides):
             "`query_seq_lengths` must have shape (batch) = (2,); got (3,).",
         ),
         (
-            dict(key_value_seq_lengths=jnp.ones((2,))),
+            dict(key_value_seq_lengths=jnp.ones((2,), jnp.float32)),
             TypeError,
             "`key_value_seq_lengths` must have an integer dtype; got float32.",
         ),
@@ -172,31 +176,51 @@ def test_errors_are_raised_at_trace_time():
     "args,kwargs,error,message",
     [
         (
-            (jnp.ones((2, 5, 8)), jnp.ones((7, 8)), jnp.ones((7, 8))),
+            (
+                jnp.ones((2, 5, 8), jnp.float32),
+                jnp.ones((7, 8), jnp.float32),
+                jnp.ones((7, 8), jnp.float32),
+            ),
             {},
             ValueError,
             "`query` must have rank 2 (q_seq, d_k); got shape (2, 5, 8).",
         ),
         (
-            (jnp.ones((5, 8)), jnp.ones((7, 6)), jnp.ones((7, 8))),
+            (
+                jnp.ones((5, 8), jnp.float32),
+                jnp.ones((7, 6), jnp.float32),
+                jnp.ones((7, 8), jnp.float32),
+            ),
             {},
             ValueError,
             "`query` and `key` must have the same feature size d_k; got 8 and 6.",
         ),
         (
-            (jnp.ones((5, 8)), jnp.ones((7, 8)), jnp.ones((6, 8))),
+            (
+                jnp.ones((5, 8), jnp.float32),
+                jnp.ones((7, 8), jnp.float32),
+                jnp.ones((6, 8), jnp.float32),
+            ),
             {},
             ValueError,
             "`key` and `value` must have the same length kv_seq; got 7 and 6.",
         ),
         (
-            (jnp.ones((5, 8)), jnp.ones((7, 8)), jnp.ones((7, 8))),
+            (
+                jnp.ones((5, 8), jnp.float32),
+                jnp.ones((7, 8), jnp.float32),
+                jnp.ones((7, 8), jnp.float32),
+            ),
             {"mask": jnp.ones((5, 6), bool)},
             ValueError,
             "`mask` must broadcast to (q_seq, kv_seq) = (5, 7); got (5, 6).",
         ),
         (
-            (jnp.ones((5, 8), jnp.int32), jnp.ones((7, 8)), jnp.ones((7, 8))),
+            (
+                jnp.ones((5, 8), jnp.int32),
+                jnp.ones((7, 8), jnp.float32),
+                jnp.ones((7, 8), jnp.float32),
+            ),
             {},
             TypeError,
             "`query` must have a floating-point dtype; got int32.",

@@ -217,7 +217,7 @@ def test_mods_under_jit_vmap_and_checkpoint(rng, impl):
             "`score_mod` must return one float scalar; got int32[].",
         ),
         (
-            dict(score_mod=lambda s, b, h, i, j: jnp.ones(2)),
+            dict(score_mod=lambda s, b, h, i, j: jnp.ones(2, jnp.float32)),
             TypeError,
             "`score_mod` must return one float scalar; got float32[2].",
         ),
@@ -329,8 +329,8 @@ def test_a_minus_infinity_bias_still_masks_under_a_score_mod(rng, impl):
     # The mod sees 0 where the bias is −∞ (no NaN in the gradient of what it closes over), and
     # the entry stays masked whatever the mod returns there.
     q, k, v = qkv(rng, 1, 5, 6, 2, 2, 4)
-    bias = jnp.zeros((1, 2, 5, 6)).at[:, :, :, 2].set(-jnp.inf)
-    t = jnp.array([2.0, 0.5])
+    bias = jnp.zeros((1, 2, 5, 6), jnp.float32).at[:, :, :, 2].set(-jnp.inf)
+    t = jnp.array([2.0, 0.5], jnp.float32)
 
     def f(t):
         mod = lambda s, b, h, i, j: s * t[h]  # noqa: E731

@@ -146,7 +146,11 @@ def test_lengths_past_the_pages_are_refused_or_clamped_to_the_sequences_own_page
     [
         ({"query": np.zeros((2, 2, 8))}, ValueError, "`query` must have rank 4"),
         ({"key_pages": np.zeros((6, 4, 2, 8), np.int32)}, TypeError, "`key_pages`"),
-        ({"value_pages": np.zeros((6, 5, 2, 8))}, ValueError, "(num_pages, page_size, kv_heads)"),
+        (
+            {"value_pages": np.zeros((6, 5, 2, 8), np.float32)},
+            ValueError,
+            "(num_pages, page_size, kv_heads)",
+        ),
         ({"page_table": np.zeros((2, 3))}, TypeError, "`page_table`"),
         ({"page_table": np.zeros((3, 3), np.int32)}, ValueError, "`page_table` must have shape"),
         (
@@ -183,7 +187,7 @@ def test_writing_a_step_into_either_cache_then_attending_equals_the_full_sequenc
     q_all, k_all, v_all = (
         jnp.asarray(rng.normal(size=(b, total, heads, h)), jnp.float32) for heads in (n, k, k)
     )
-    cache = jnp.zeros((b, 16, k, h))
+    cache = jnp.zeros((b, 16, k, h), jnp.float32)
     key_cache, value_cache = cache, cache
     key_pages, value_pages, table = paged_cache(rng, b, 4, page_size, k, h)
     write_paged = jax.jit(js.update_paged_cache, donate_argnums=(0, 1))
@@ -236,11 +240,11 @@ def test_page_numbers_outside_the_pool_read_zeros_and_are_never_written(rng):
 
 def test_no_query_or_no_page_gives_zeros(rng):
     key_pages, value_pages, table = paged_cache(rng, 2, 3, 4, 1, 8)
-    q = jnp.zeros((2, 0, 2, 8))
+    q = jnp.zeros((2, 0, 2, 8), jnp.float32)
     lengths = jnp.array([3, 5])
     out, lse = js.paged_attention(q, key_pages, value_pages, table, lengths, return_residual=True)
     assert out.shape == (2, 0, 2, 8) and lse.shape == (2, 0, 2)
-    q = jnp.ones((2, 1, 2, 8))
+    q = jnp.ones((2, 1, 2, 8), jnp.float32)
     out = js.paged_attention(q, key_pages, value_pages, table[:, :0], jnp.array([0, 0]))
     np.testing.assert_array_equal(out, 0.0)
     with pytest.raises(TypeError, match="`query`"):

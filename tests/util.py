@@ -32,6 +32,18 @@ def broadcast_shape(full, pattern):
     return tuple(d if keep else 1 for d, keep in zip(tail, pattern, strict=True))
 
 
+_NN_ATTENTION = jax.nn.dot_product_attention  # as imported, whatever a test patches later
+
+
+def nn_attention(*args, **kwargs):
+    """``jax.nn.dot_product_attention``, with standard promotion, not the tests' strict one.
+
+    Its own code promotes implicitly: under x64, its int64 positions meet int32 lengths.
+    """
+    with jax.numpy_dtype_promotion("standard"):
+        return _NN_ATTENTION(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def enable_x64():
     """float64 inside the block (``jax.enable_x64`` where it exists, the config flag before)."""

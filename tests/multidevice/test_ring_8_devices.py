@@ -131,20 +131,40 @@ def test_keys_and_values_travel_by_collective_permute_never_all_gather():
         assert "all-gather" not in text and "all-reduce" not in text
 
 
-def test_ring_attention_inside_a_user_shard_map_with_vma_checks():
+@pytest.mark.parametrize("layout, block_mask", [("contiguous", False), ("striped", True)])
+def test_ring_attention_in_a_user_shard_map_with_its_default_checks(layout, block_mask):
+    # shard_map's defaults (check_vma=True) with everything the trace of a mod meets: a
+    # score_mod over a captured table, a mask_mod (or a BlockMask of it), sinks, and their
+    # gradients, which sum over the devices once.
     m = mesh((8,), ("seq",))
     spec = P(None, "seq", None, None)
-    ring = jax.shard_map(
-        functools.partial(js.ring_attention, axis_name="seq", layout="striped"),
-        mesh=m,
-        in_specs=(spec,) * 3,
-        out_specs=spec,
-        check_vma=True,
-    )
     q, k, v = inputs(5)
-    striped = [js.to_striped(x, 8) for x in (q, k, v)]
-    out = js.from_striped(jax.jit(ring)(*striped), 8)
-    np.testing.assert_allclose(out, js.dot_product_attention(q, k, v), atol=1e-6)
+    gen = np.random.default_rng(11)
+    slopes = jnp.asarray(gen.uniform(0.1, 1.0, size=4), jnp.float32)
+    sinks = jnp.asarray(gen.normal(size=4), jnp.float32)
+    mask_mod = lambda b, h, i, j: (j <= i) & (i - j < 40)  # noqa: E731
+    if block_mask:
+        mask_mod = js.create_block_mask(mask_mod, None, None, 64, 64, block_q=8, block_kv=8)
+
+    def options(slopes, sinks):
+        score_mod = lambda s, b, h, i, j: s - slopes[h] * (i - j).astype(s.dtype)  # noqa: E731
+        return dict(score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
+
+    def local(q, k, v, slopes, sinks):
+        options_ = options(slopes, sinks)
+        return js.ring_attention(q, k, v, axis_name="seq", layout=layout, **options_)
+
+    sharded = jax.shard_map(local, mesh=m, in_specs=(spec,) * 3 + (P(), P()), out_specs=spec)
+    order = (lambda x: js.to_striped(x, 8)) if layout == "striped" else (lambda x: x)
+    unorder = (lambda x: js.from_striped(x, 8)) if layout == "striped" else (lambda x: x)
+
+    def ring(q, k, v, slopes, sinks):
+        return unorder(sharded(order(q), order(k), order(v), slopes, sinks))
+
+    def dense(q, k, v, slopes, sinks):
+        return js.dot_product_attention(q, k, v, **options(slopes, sinks))
+
+    check(jax.jit(ring), dense, (q, k, v, slopes, sinks), argnums=(0, 1, 2, 3, 4))
 
 
 def _temp_mib(shards: int, seq: int) -> float:
@@ -245,30 +265,60 @@ def test_ring_with_score_mod_mask_mod_and_sinks_in_global_positions(layout, bloc
     check(ring, dense, (q, k, v, slopes, sinks), argnums=(0, 1, 2, 3, 4))
 
 
-def test_ring_with_sinks_alone_and_mods_refusing_sharded_heads():
+PREFIX = jnp.array([5, 20], jnp.int32)
+
+
+def _by_batch_and_head(b, h, i, j):
+    return (j < PREFIX[b]) | ((j <= i) & ((h != 3) | (i - j < 8)))
+
+
+BY_BATCH_AND_HEAD = js.create_block_mask(_by_batch_and_head, 2, 4, 64, 64, block_q=8, block_kv=8)
+
+
+@pytest.mark.parametrize(
+    "shape, names, layout, mask_mod",
+    [
+        ((2, 4), ("batch", "seq"), "contiguous", _by_batch_and_head),
+        ((4, 2), ("seq", "heads"), "striped", _by_batch_and_head),
+        ((2, 2, 2), ("batch", "seq", "heads"), "striped", BY_BATCH_AND_HEAD),
+    ],
+    ids=["batch2xseq4", "seq4xheads2", "batch2xseq2xheads2-block_mask"],
+)
+def test_mods_and_sinks_see_the_whole_batch_and_all_heads_when_both_are_split(
+    shape, names, layout, mask_mod
+):
+    split = {"batch": "batch", "head": "heads"}
+    # With the batch or the heads over devices, a mod (or a BlockMask made for the whole batch
+    # and all heads) still sees each sequence's index in the whole batch and each head's among
+    # all heads, and each device takes the sinks of its own heads.
+    axes = {f"{axis}_axis": name if name in names else None for axis, name in split.items()}
     q, k, v = inputs(8)
-    sinks = jnp.asarray(np.random.default_rng(9).normal(size=4), jnp.float32)
-    ring = functools.partial(
-        js.ring_dot_product_attention,
-        mesh=mesh((8,), ("seq",)),
-        seq_axis="seq",
-        is_causal=True,
-        block_q=4,
-        block_kv=4,
-    )
-    check(
-        lambda q, k, v, s: ring(q, k, v, sinks=s),
-        lambda q, k, v, s: js.dot_product_attention(q, k, v, is_causal=True, sinks=s),
-        (q, k, v, sinks),
-        argnums=(0, 1, 2, 3),
-    )
-    with pytest.raises(ValueError, match="^`sinks` needs the whole batch and all heads"):
-        js.ring_dot_product_attention(
+    gen = np.random.default_rng(9)
+    slopes = jnp.asarray(gen.uniform(0.1, 1.0, size=4), jnp.float32)
+    per_sequence = jnp.asarray(gen.normal(size=2), jnp.float32)
+    sinks = jnp.asarray(gen.normal(size=4), jnp.float32)
+
+    def options(slopes, per_sequence, sinks):
+        def score_mod(s, b, h, i, j):
+            return s - slopes[h] * (i - j).astype(s.dtype) + per_sequence[b]
+
+        return dict(score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
+
+    def ring(q, k, v, *arrays):
+        return js.ring_dot_product_attention(
             q,
             k,
             v,
-            mesh=mesh((4, 2), ("seq", "heads")),
+            mesh=mesh(shape, names),
             seq_axis="seq",
-            head_axis="heads",
-            sinks=sinks,
+            layout=layout,
+            block_q=4,
+            block_kv=4,
+            **axes,
+            **options(*arrays),
         )
+
+    def dense(q, k, v, *arrays):
+        return js.dot_product_attention(q, k, v, **options(*arrays))
+
+    check(ring, dense, (q, k, v, slopes, per_sequence, sinks), argnums=(0, 1, 2, 3, 4, 5))

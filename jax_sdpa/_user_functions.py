@@ -1,0 +1,169 @@
+r"""The user's functions (``score_mod``, ``mask_mod``) as programs: traced once, replayed per tile.
+
+A mod is a Python closure over arrays (ALiBi slopes, a bias table, document ids). Each call
+traces it to a jaxpr whose inputs are its scalar arguments *and* the arrays it closed over (as
+``jax.closure_convert`` does, but for every array, traced or not): the arrays then travel with
+the call's other arrays — into ``jax.jit``, through the implementations' own backward passes,
+round a ring of devices — and get gradients, while every tile replays the jaxpr.
+
+Inside ``jax.shard_map``, whose default ``check_vma=True`` types each value by the mesh axes it
+varies over, a replay must agree with those types: the tile's positions vary over the ring while
+a literal or a table in the trace does not. There the replay casts every operand to the axes its
+inputs vary over (``lax.pcast(..., to="varying")``, a no-op at run time), as ``jax.numpy`` does
+when it meets such operands while the user's function runs.
+
+All indices are :data:`~jax_sdpa._masks.INDEX` (int32), also where ``jax_enable_x64`` is on.
+"""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+
+from jax_sdpa._masks import INDEX, FunctionMask
+
+INDEX_ARGUMENT = jax.ShapeDtypeStruct((), INDEX)
+
+_EVALUATORS: dict = {}  # jaxpr text and shapes → its evaluator; cleared when it grows large
+
+
+def _varying(x) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # JAX 0.10; before, the axes were ``aval.vma``
+    return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+
+
+def varying_axes(tree) -> frozenset:
+    """The mesh axes any leaf of ``tree`` varies over (``shard_map``'s types; empty outside)."""
+    return frozenset().union(*map(_varying, jax.tree.leaves(tree)))
+
+
+def vary(x, axes: frozenset):
+    """``x`` cast to vary over ``axes`` too (a no-op at run time)."""
+    missing = tuple(sorted(axes - varying_axes(x), key=str))
+    if not missing:
+        return x
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)  # JAX before 0.8.2
+
+
+# The primitives that call a jaxpr as a function, and the parameter that holds it: a replay
+# inside shard_map evaluates the callee itself (its jaxpr is typed for the trace's operands).
+_CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+}
+
+
+def _replay_varying(jaxpr: Jaxpr, consts: list, args: list, axes: frozenset) -> list:
+    """``jaxpr`` evaluated with every operand cast to vary over ``axes``.
+
+    A callee (a ``jit`` inside ``jax.numpy``, a ``custom_jvp`` function) is evaluated in place;
+    a ``cond`` runs each branch so; the ``pvary`` casts of the trace are already done.
+    """
+    env = {}
+
+    def read(var):
+        return jnp.asarray(var.val, var.aval.dtype) if isinstance(var, Literal) else env[var]
+
+    env.update(zip(jaxpr.constvars, (vary(x, axes) for x in consts), strict=True))
+    env.update(zip(jaxpr.invars, (vary(x, axes) for x in args), strict=True))
+    for eqn in jaxpr.eqns:
+        operands = [vary(read(var), axes) for var in eqn.invars]
+        name = eqn.primitive.name
+        if name in ("pvary", "pcast"):
+            outs = operands
+        elif name in _CALLS:
+            callee = eqn.params[_CALLS[name]]
+            if isinstance(callee, Jaxpr):
+                callee = ClosedJaxpr(callee, ())
+            outs = _replay_varying(callee.jaxpr, list(callee.consts), operands, axes)
+        elif name == "cond":
+            branches = [
+                lambda *ops, b=b: _replay_varying(b.jaxpr, list(b.consts), list(ops), axes)
+                for b in eqn.params["branches"]
+            ]
+            outs = lax.switch(operands[0], branches, *operands[1:])
+        else:
+            outs = eqn.primitive.bind(*operands, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(var) for var in jaxpr.outvars]
+
+
+def _replay(jaxpr: Jaxpr, consts: list, args: list):
+    """The one result of ``jaxpr`` on ``args``, its closed-over arrays being ``consts``."""
+    axes = varying_axes((consts, args))
+    if not axes:
+        return jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*args)[0]
+    return _replay_varying(jaxpr, consts, args, axes)[0]
+
+
+def _hoisted(fn, args: list) -> tuple:
+    """``(g, arrays)``: ``fn(*args) == g(*args, *arrays)`` for every array ``fn`` closes over.
+
+    As ``jax.closure_convert``, but every closed-over array is hoisted, traced or not: a table
+    the function closes over is an input of the compiled program, not a constant baked into it.
+    ``fn`` is traced afresh on every call (it may read values that changed since), and ``g`` is
+    shared by every function that traces to the same program with the same shapes, so that a
+    call with new values, or with a new but equal lambda, reuses the compiled program.
+    """
+    closed = jax.make_jaxpr(lambda *a: fn(*a))(*args)
+    key = (str(closed.jaxpr), tuple(jax.typeof(x) for x in (*args, *closed.consts)))
+    if key not in _EVALUATORS:
+        if len(_EVALUATORS) > 256:
+            _EVALUATORS.clear()
+        jaxpr, count = closed.jaxpr, len(args)
+
+        def evaluate(*args_and_arrays):
+            arrays = list(args_and_arrays[count:])
+            return _replay(jaxpr, arrays, list(args_and_arrays[:count]))
+
+        evaluate.jaxpr = jaxpr  # what the function computes, to inspect without tracing again
+        _EVALUATORS[key] = evaluate
+    return _EVALUATORS[key], tuple(closed.consts)
+
+
+def convert(name: str, fn, signature: str, example: tuple, kind: str) -> tuple:
+    """``fn`` with the arrays it closes over as arguments (:func:`_hoisted`), checked.
+
+    ``example`` holds the ``jax.ShapeDtypeStruct`` of each scalar argument; ``kind`` is what it
+    must return, ``"float"`` or ``"bool"``.
+    """
+    if not callable(fn):
+        raise TypeError(f"`{name}` must be a function {signature}; got {type(fn).__name__}.")
+    args = [jnp.zeros(x.shape, x.dtype) for x in example]
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError as error:
+        raise TypeError(
+            f"`{name}` must accept {len(example)} scalars {signature}; {error}."
+        ) from None
+    except ValueError:  # no signature to inspect (some built-ins): calling it will tell
+        pass
+    out = jax.eval_shape(fn, *args)
+    is_array = isinstance(out, jax.ShapeDtypeStruct)
+    want = jnp.floating if kind == "float" else jnp.bool_
+    if not is_array or out.shape != () or not jnp.issubdtype(out.dtype, want):
+        got = f"{out.dtype}{list(out.shape)}" if is_array else type(out).__name__
+        raise TypeError(f"`{name}` must return one {kind} scalar; got {got}.")
+    return _hoisted(fn, args)
+
+
+def function_mask(mask_mod) -> FunctionMask:
+    """A user's ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` as a rule, checked."""
+    signature = "mask_mod(batch, head, q_idx, kv_idx) -> bool"
+    fn, consts = convert("mask_mod", mask_mod, signature, (INDEX_ARGUMENT,) * 4, "bool")
+    jaxpr = fn.jaxpr
+    read = {id(x) for eqn in jaxpr.eqns for x in eqn.invars} | {id(x) for x in jaxpr.outvars}
+    batch, head = (id(x) in read for x in jaxpr.invars[:2])
+    return FunctionMask(fn, consts, uses_head=head, uses_batch=batch)
