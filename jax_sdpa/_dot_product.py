@@ -184,7 +184,9 @@ def dot_product_attention(
             its gradient is the chunked path's); ``None``: decode for ``N·T ≤ 64`` query rows
             against ``S ≥ 1024`` keys, else chunked on CPU (the faster there at every size
             measured), dense on accelerators while ``B·N·T·S ≤ 2^24``; dense wherever the
-            weights are needed; ``"cudnn"`` hands the call to
+            weights are needed, and under ``jax.jvp``/``jax.jacfwd`` of the call (the other
+            paths have their own backward pass, reverse mode only: asked for, they raise a
+            ``TypeError``); ``"cudnn"`` hands the call to
             ``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU.
         return_residual: Also return the log-sum-exp of each row's scores, shape ``(B, T, N)``, in
             at least float32 (``jax.nn`` returns it in the input dtype); −∞ for a row with no key.

@@ -236,8 +236,8 @@ class LocalWindowMask(MaskRule):
 class LengthMask(MaskRule):
     """Padding: only the first ``q_length`` queries and ``kv_length`` keys take part.
 
-    A padded query (``i >= q_length``) sees no key at all, so its output is 0. Lengths may
-    carry leading batch axes, which ``jax.vmap`` maps away.
+    A padded query (``i >= q_length``) sees no key at all, so its output is 0. Passed as a
+    ``mask_mod``, a scalar length is shared by the batch and a ``(batch,)`` one is per sequence.
     """
 
     q_length: Integer[Array, "*batch"] | None = _per_sequence(index=True)
@@ -280,6 +280,8 @@ class SegmentMask(MaskRule):
     """Packed sequences: a query sees only keys of the same segment id.
 
     ``q_segment_ids`` has one id per query position, ``kv_segment_ids`` one per key position.
+    Passed as a ``mask_mod``, ids of shape ``(q_seq,)`` are shared by the batch and ids of shape
+    ``(batch, q_seq)`` are per sequence, whatever the sizes.
     """
 
     q_segment_ids: Integer[Array, "*batch q_seq"] = _per_sequence("q_seq")
@@ -580,10 +582,10 @@ def with_batch(rule: MaskRule, batch: tuple[int, ...], sizes: dict[str, int]) ->
             or len(lead) not in (0, len(batch))
             or any(n not in (1, b) for n, b in zip(lead, batch, strict=False))
         ):
-            letters = ", ".join(axes)
             raise ValueError(
-                f"`mask_mod`'s {type(rule).__name__}.{name} must have shape ({letters}) = {own}, "
-                f"shared by the batch, or (batch, {letters}) = {(*batch, *own)}; got {x.shape}."
+                f"`mask_mod`'s {type(rule).__name__}.{name} must have shape {_letters(axes)} = "
+                f"{own}, shared by the batch, or {_letters(('batch', *axes))} = "
+                f"{(*batch, *own)}; got {x.shape}."
             )
         x = x if lead else shared(x)
         return x.astype(INDEX) if index else x
@@ -601,6 +603,11 @@ def with_batch(rule: MaskRule, batch: tuple[int, ...], sizes: dict[str, int]) ->
             meta = field.metadata
             changes[field.name] = fitted(field.name, value, meta["axes"], meta["index"])
     return dataclasses.replace(rule, **changes)
+
+
+def _letters(names: tuple[str, ...]) -> str:
+    """A shape in letters: ``(batch, q_seq)``, ``(q_seq,)``, ``()``."""
+    return "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
 
 
 def materialize_mask(

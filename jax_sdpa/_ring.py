@@ -22,6 +22,7 @@ import functools
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from jax_sdpa._chunked import (
@@ -63,32 +64,44 @@ class Ring:
         split = (self.axis_name, self.batch_axis, self.head_axis)
         return tuple(1 if axis is None else lax.axis_size(axis) for axis in split)
 
-    def pieces(self, shard, length: int):
-        """The contiguous runs of a shard of ``length``: ``(local start, global start, size)``."""
-        if self.layout == "contiguous":
-            return [(0, shard * length, length)]
-        half = length // 2
-        return [(0, shard * half, half), (half, (2 * self.shards - 1 - shard) * half, half)]
+    @property
+    def pieces(self) -> int:
+        """The contiguous runs of positions each device holds: 1, or 2 when striped."""
+        return 1 if self.layout == "contiguous" else 2
+
+    def piece(self, shard, n, length: int):
+        """Run ``n`` of a shard of ``length``: ``(local start, global start, size)``.
+
+        Striped, device ``d`` holds chunks ``d`` and ``2P − 1 − d`` of the ``2P``.
+        """
+        size = length // self.pieces
+        chunk = (
+            shard
+            if self.layout == "contiguous"
+            else jnp.where(n == 0, shard, 2 * self.shards - 1 - shard)
+        )
+        return n * size, chunk * size, size
 
     def rotate(self, xs):
         """Passes ``xs`` to the next device of the ring."""
         perm = [(i, (i + 1) % self.shards) for i in range(self.shards)]
         return lax.ppermute(xs, self.axis_name, perm)
 
-    def runs(self, me, src, seq_q: int, seq_kv: int):
-        """Every (query run, key run) pair of one step: ``((start, size), global start)`` each.
+    def run(self, n, me, src, seq_q: int, seq_kv: int):
+        """Pair ``n`` of (query run, key run) at one step: ``((start, size), global start)`` each.
 
-        The key run's columns in a bias or mask follow the sharded key order: shard ``src``
-        starts at column ``src · seq_kv``.
+        There are ``pieces²`` pairs, looped over (one copy of the sweep in the program, not one
+        per pair). The key run's columns in a bias or mask follow the sharded key order: shard
+        ``src`` starts at column ``src · seq_kv``.
         """
-        for q_start, q_offset, q_size in self.pieces(me, seq_q):
-            for kv_start, kv_offset, kv_size in self.pieces(src, seq_kv):
-                cols = (src * seq_kv + kv_start, kv_size)
-                yield ((q_start, q_size), q_offset), ((kv_start, kv_size), kv_offset), cols
+        q_start, q_offset, q_size = self.piece(me, n // self.pieces, seq_q)
+        kv_start, kv_offset, kv_size = self.piece(src, n % self.pieces, seq_kv)
+        cols = (src * seq_kv + kv_start, kv_size)
+        return ((q_start, q_size), q_offset), ((kv_start, kv_size), kv_offset), cols
 
 
 def _slice(x, run, axis: int = 0):
-    return lax.slice_in_dim(x, run[0], run[0] + run[1], axis=axis)
+    return lax.dynamic_slice_in_dim(x, run[0], run[1], axis=axis)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -103,7 +116,9 @@ def _ring_fwd(tiles: Tiles, ring: Ring, query, key, value, arrays: CallArrays):
 
     def visit(step, state, key, value):
         src = (me - step) % ring.shards
-        for (q_run, q_offset), (kv_run, kv_offset), cols in ring.runs(me, src, seq_q, seq_kv):
+
+        def pair(n, state):
+            (q_run, q_offset), (kv_run, kv_offset), cols = ring.run(n, me, src, seq_q, seq_kv)
             rows = functools.partial(_slice, run=q_run)
             part = forward_sweep(
                 tiles,
@@ -116,8 +131,9 @@ def _ring_fwd(tiles: Tiles, ring: Ring, query, key, value, arrays: CallArrays):
                 kv_offset,
             )
             put = functools.partial(lax.dynamic_update_slice_in_dim, start_index=q_run[0], axis=0)
-            state = jax.tree.map(put, state, part)
-        return state
+            return jax.tree.map(put, state, part)
+
+        return loop(0, ring.pieces**2, pair, state)
 
     def step(s, carry):
         state, key, value = carry
@@ -143,7 +159,10 @@ def _ring_bwd(tiles: Tiles, ring: Ring, residuals, cotangents):
     def step(s, carry):
         d_query, d_bias, d_consts, key, value, d_key, d_value = carry
         src = (me - s) % ring.shards
-        for (q_run, q_offset), (kv_run, kv_offset), cols in ring.runs(me, src, seq_q, seq_kv):
+
+        def pair(n, grads):
+            d_query, d_key, d_value, d_bias, d_consts = grads
+            (q_run, q_offset), (kv_run, kv_offset), cols = ring.run(n, me, src, seq_q, seq_kv)
             rows = functools.partial(_slice, run=q_run)
             kv = functools.partial(_slice, run=kv_run)
             bias_at = None if d_bias is None else window(d_bias.shape, q_run, cols)
@@ -165,6 +184,10 @@ def _ring_bwd(tiles: Tiles, ring: Ring, residuals, cotangents):
             d_value = lax.dynamic_update_slice_in_dim(d_value, d_v, kv_run[0], 0)
             if d_bias is not None:
                 d_bias = lax.dynamic_update_slice(d_bias, d_b, bias_at[0])
+            return d_query, d_key, d_value, d_bias, d_consts
+
+        grads = (d_query, d_key, d_value, d_bias, d_consts)
+        d_query, d_key, d_value, d_bias, d_consts = loop(0, ring.pieces**2, pair, grads)
         # Keys, values and their gradients travel on together; after a full turn they are home.
         return (d_query, d_bias, d_consts, *ring.rotate((key, value, d_key, d_value)))
 

@@ -1,17 +1,24 @@
 import os
 
-import jax
-import numpy as np
-import pytest
+# XLA's LLVM backend at -O0 for the tests (and the processes they start): every HLO pass still
+# runs, so the programs checked are the ones XLA builds, and compiling them, most of the suite's
+# time on a CPU, takes about a third less; running is slower, which the tests' small shapes do
+# not feel. An optimization level given in XLA_FLAGS wins.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from tests.profile import X64  # noqa: E402
 
 # tests/multidevice needs 8 simulated devices, set up before JAX starts: tests/test_ring.py runs
 # it in a subprocess with JAX_SDPA_MULTIDEVICE=1.
 collect_ignore = [] if os.environ.get("JAX_SDPA_MULTIDEVICE") else ["multidevice"]
 
-# JAX_SDPA_X64=1 runs the suite with float64 enabled, as many scientific users run JAX: every
-# index must stay int32 and float32 inputs float32 (CI runs the behaviour tests both ways).
-X64 = os.environ.get("JAX_SDPA_X64", "0") == "1"
-jax.config.update("jax_enable_x64", X64)
+jax.config.update("jax_enable_x64", X64)  # JAX_SDPA_X64=1 (tests/profile.py)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -20,3 +27,21 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def rng():
     """A NumPy generator with a fixed seed: inputs are reproducible, test by test."""
     return np.random.default_rng(0)
+
+
+# With one worker per core, each given a file at a time in this order: the longest first.
+LONGEST = ("test_x64.py", "test_ring.py", "test_docs.py", "test_multihost.py")
+
+
+def pytest_collection_modifyitems(items):
+    """The end-to-end tests first, the longest of them first (the rest in their own order)."""
+
+    def rank(item):
+        name = item.path.name
+        return (
+            LONGEST.index(name)
+            if name in LONGEST
+            else len(LONGEST) + (not item.get_closest_marker("slow"))
+        )
+
+    items.sort(key=rank)

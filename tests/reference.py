@@ -3,10 +3,12 @@
 Independent of jax_sdpa: it builds the full (B, N, T, S) mask from its definition, repeats
 key/value heads for GQA, and differentiates by hand:
 
-    dV = Wᵀ dO,  dW = dO Vᵀ,  dS = W ∘ (dW − rowsum(W ∘ dW)),  dQ = scale·dS' K,  dK = scale·dS'ᵀ Q
+    dV = Wᵀ dO,  dW = dO Vᵀ,  dS = W ∘ (dW − rowsum(W ∘ dW) + d_lse),  dQ = scale·dS' K,  dK = scale·dS'ᵀ Q
 
-with dS' = dS ∘ (1 − tanh²(s/c)) under a soft cap, and dBias = dS summed to the bias's shape.
-A row with no allowed key outputs 0 (the library's contract).
+where W includes a sink's column (whose value is 0, so its dW is 0; its dS is the sink's
+gradient), dS' = dS ∘ mod'(s) ∘ (1 − tanh²(s/c)) under a score_mod (its derivative taken by a
+central difference, entry by entry) and a soft cap, and dBias = dS ∘ mod'(s) summed to the bias's
+shape. A row with no allowed key outputs 0 (the library's contract).
 """
 
 import numpy as np
@@ -64,6 +66,7 @@ def attention(
     scale=None,
     soft_cap=None,
     d_out=None,
+    d_lse=None,
     score_mod=None,
     mask_mod=None,
     sinks=None,
@@ -73,13 +76,14 @@ def attention(
 
     ``score_mod(score, b, h, i, j)`` and ``mask_mod(b, h, i, j)`` are applied to the whole
     (B, N, T, S) grid at once, by broadcasting index arrays; ``sinks`` (N,) add a key without a
-    value to every row. Gradients (``d_out``) are written by hand only without those three.
+    value to every row. A −∞ bias masks its key whatever the score_mod makes of it, as a −∞ the
+    score_mod returns does.
 
     Returns a dict with ``out`` (B,T,N,V), ``lse`` (B,T,N), ``weights`` (B,N,T,S), ``allowed``
-    and, with ``d_out``, the gradients ``dq``, ``dk``, ``dv``, ``dbias``.
+    and, with ``d_out`` (and optionally ``d_lse``, the log-sum-exp's cotangent, 0 where it is
+    −∞), the gradients ``dq``, ``dk``, ``dv``, ``dbias``, ``dsinks``, and ``d_scores``, the
+    gradient of the scores the score_mod returns (for the arrays it closes over).
     """
-    if d_out is not None and (score_mod or mask_mod or sinks is not None):
-        raise ValueError("the hand-written backward covers no score_mod, mask_mod or sinks")
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
@@ -90,10 +94,12 @@ def attention(
     scores = soft_cap * np.tanh(raw / soft_cap) if soft_cap else raw
     if bias is not None:
         scores = scores + np.asarray(bias, np.float64)
-    grid = np.arange(b)[:, None, None, None], np.arange(n)[:, None, None], *np.indices((t, s))
-    if score_mod is not None:
-        scores = score_mod(scores, *grid)
     allowed = allowed_keys((b, n, t, s), **rules) & (scores != -np.inf)
+    grid = np.arange(b)[:, None, None, None], np.arange(n)[:, None, None], *np.indices((t, s))
+    before_mod = np.where(allowed, scores, 0)  # what the score_mod sees where a bias masked
+    if score_mod is not None:
+        scores = np.broadcast_to(score_mod(before_mod, *grid), allowed.shape)
+        allowed &= scores != -np.inf
     if mask_mod is not None:
         allowed &= np.broadcast_to(mask_mod(*grid), allowed.shape)
     masked = np.where(allowed, scores, -np.inf)
@@ -104,7 +110,8 @@ def attention(
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     p = np.where(np.isfinite(masked), np.exp(masked - row_max), 0.0)
     denom = p.sum(-1, keepdims=True)
-    weights = (p / np.where(denom > 0, denom, 1.0))[..., :s]
+    full_weights = p / np.where(denom > 0, denom, 1.0)  # with the sink's column
+    weights = full_weights[..., :s]
     out = np.einsum("bnts,bsnv->btnv", weights, vf)
     with np.errstate(divide="ignore"):
         lse = np.where(denom[..., 0] > 0, row_max[..., 0] + np.log(denom[..., 0]), -np.inf)
@@ -112,9 +119,19 @@ def attention(
     if d_out is None:
         return result
     d_out = np.asarray(d_out, np.float64)
+    d_lse = np.zeros((b, t, n)) if d_lse is None else np.asarray(d_lse, np.float64)
+    d_lse = np.where(np.isfinite(lse.transpose(0, 2, 1)), d_lse, 0).transpose(0, 2, 1)
     dvf = np.einsum("bnts,btnv->bsnv", weights, d_out)
     dw = np.einsum("btnv,bsnv->bnts", d_out, vf)
-    ds = weights * (dw - (weights * dw).sum(-1, keepdims=True))
+    dw = np.concatenate([dw, np.zeros((b, n, t, full_weights.shape[-1] - s))], axis=-1)
+    rows = (full_weights * dw).sum(-1, keepdims=True)
+    ds_full = full_weights * (dw - rows + d_lse[..., None])  # ∂lse/∂s = W
+    ds = ds_full[..., :s]
+    if score_mod is not None:  # the chain through the mod, by a central difference per entry
+        step = 1e-5 * (1 + np.abs(before_mod))
+        up, down = (score_mod(before_mod + x, *grid) for x in (step, -step))
+        slope = np.where(allowed, (up - down) / (2 * step), 0)
+        ds = ds * np.broadcast_to(slope, ds.shape)
     d_raw = ds * (1 - np.tanh(raw / soft_cap) ** 2) if soft_cap else ds
     dq = scale * np.einsum("bnts,bsnh->btnh", d_raw, kf)
     dkf = scale * np.einsum("bnts,btnh->bsnh", d_raw, q)
@@ -122,6 +139,9 @@ def attention(
     result["dk"] = dkf.reshape(b, s, kh, g, h).sum(3)
     result["dv"] = dvf.reshape(b, s, kh, g, -1).sum(3)
     result["dbias"] = None if bias is None else _sum_to(ds, np.shape(bias))
+    result["dsinks"] = None if sinks is None else ds_full[..., s].sum(axis=(0, 2))
+    result["d_scores"] = ds_full[..., :s]
+    result["before_mod"] = before_mod
     return result
 
 

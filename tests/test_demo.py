@@ -17,6 +17,8 @@ from PIL import Image
 
 from jax_sdpa import demo
 
+pytestmark = pytest.mark.slow  # end to end: -m "not slow" leaves it out
+
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):

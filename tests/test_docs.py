@@ -21,6 +21,8 @@ import pytest
 import jax_sdpa
 
 ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow  # end to end: -m "not slow" leaves it out
 NOTEBOOKS = sorted(path.stem for path in (ROOT / "notebooks").glob("*.ipynb"))
 
 

@@ -8,6 +8,9 @@ import pytest
 
 import jax_sdpa
 
+# The examples show what a default session prints (x64 off): no x64 pass (tests/profile.py).
+pytestmark = pytest.mark.x64_off
+
 MODULES = sorted(m.name for m in pkgutil.iter_modules(jax_sdpa.__path__, "jax_sdpa."))
 
 

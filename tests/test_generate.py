@@ -4,7 +4,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "generate.py"
+
+pytestmark = pytest.mark.slow  # end to end: -m "not slow" leaves it out
 
 
 def test_generation_with_contiguous_and_paged_caches_matches_the_full_forward():

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_sdpa as js
+from tests.profile import examples
 
 
 def grid(t, s):
@@ -55,7 +56,7 @@ def test_rules_are_pytrees_that_vmap_over_batch():
     assert leaves == []  # offsets and window sizes are static
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples("ranges"), deadline=None)
 @given(
     t=st.integers(1, 12),
     s=st.integers(1, 12),

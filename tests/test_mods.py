@@ -92,7 +92,7 @@ def test_rows_without_keys_output_zero_and_the_sink_is_their_log_sum_exp(rng, im
     out, lse = f(sinks, q)
     np.testing.assert_array_equal(np.asarray(out)[0, 2], 0)
     np.testing.assert_allclose(lse[0, 2], sinks, atol=1e-6)
-    g = jax.grad(lambda s, q: f(s, q)[0].sum(), argnums=(0, 1))(sinks, q)
+    g = jax.jit(jax.grad(lambda s, q: f(s, q)[0].sum(), argnums=(0, 1)))(sinks, q)
     assert all(np.isfinite(np.asarray(x)).all() for x in g)
     np.testing.assert_array_equal(np.asarray(g[1])[0, 2], 0)
 
@@ -145,10 +145,10 @@ def test_chunked_gradients_equal_dense_for_every_captured_array(rng, block_q, bl
 
     args = (q, k, v, bias, f32(slopes), f32(table), f32(sinks))
     chunked = {"implementation": "chunked", "block_q": block_q, "block_kv": block_kv}
-    got = jax.grad(functools.partial(loss, chunked), argnums=tuple(range(7)))(*args)
-    want = jax.grad(functools.partial(loss, {"implementation": "xla"}), argnums=tuple(range(7)))(
-        *args
-    )
+    got = jax.jit(jax.grad(functools.partial(loss, chunked), argnums=tuple(range(7))))(*args)
+    want = jax.jit(
+        jax.grad(functools.partial(loss, {"implementation": "xla"}), argnums=tuple(range(7)))
+    )(*args)
     for name, a, b in zip(
         ("q", "k", "v", "bias", "slopes", "table", "sinks"), got, want, strict=True
     ):
@@ -181,8 +181,8 @@ def test_a_mod_that_writes_minus_infinity_on_masked_entries_leaks_no_nan(rng, im
     causal_by_hand = lambda s, b, h, i, j: jnp.where(j <= i, s, -jnp.inf)  # noqa: E731
     f = lambda q: js.dot_product_attention(q, k, v, score_mod=causal_by_hand, **impl)  # noqa: E731
     np.testing.assert_allclose(f(q), js.dot_product_attention(q, k, v, is_causal=True), atol=1e-6)
-    g = jax.grad(lambda q: f(q).sum())(q)
-    want = jax.grad(lambda q: js.dot_product_attention(q, k, v, is_causal=True).sum())(q)
+    g = jax.jit(jax.grad(lambda q: f(q).sum()))(q)
+    want = jax.jit(jax.grad(lambda q: js.dot_product_attention(q, k, v, is_causal=True).sum()))(q)
     np.testing.assert_allclose(g, want, atol=1e-5)
 
 
@@ -197,8 +197,8 @@ def test_mods_under_jit_vmap_and_checkpoint(rng, impl):
     batched = jax.jit(jax.vmap(f, in_axes=(0, None)))(slopes, q)
     for n in range(3):
         np.testing.assert_allclose(batched[n], f(slopes[n], q), atol=1e-6)
-    g = jax.grad(lambda s: jax.checkpoint(f)(s, q).sum())(slopes[0])
-    np.testing.assert_allclose(g, jax.grad(lambda s: f(s, q).sum())(slopes[0]), atol=1e-6)
+    g = jax.jit(jax.grad(lambda s: jax.checkpoint(f)(s, q).sum()))(slopes[0])
+    np.testing.assert_allclose(g, jax.jit(jax.grad(lambda s: f(s, q).sum()))(slopes[0]), atol=1e-6)
     assert float(np.abs(g).max()) > 0
 
 
@@ -311,8 +311,10 @@ def test_chunked_skips_the_tiles_a_mask_mod_excludes(rng):
     by_head = lambda b, h, i, j: (j <= i) & ((h == 0) | (j < 4))  # noqa: E731
     out = js.dot_product_attention(q, k, v, mask_mod=by_head, **chunked)
     assert np.isfinite(np.asarray(out)[:, :4]).all() and np.isnan(np.asarray(out)[:, 4:, 0]).all()
-    g = jax.grad(
-        lambda q: js.dot_product_attention(q, k, v, mask_mod=causal, **chunked)[:, :4].sum()
+    g = jax.jit(
+        jax.grad(
+            lambda q: js.dot_product_attention(q, k, v, mask_mod=causal, **chunked)[:, :4].sum()
+        )
     )(q)
     assert np.isfinite(np.asarray(g)[:, :4]).all()  # the backward skips the tile too
     # The same with finite values equals the dense path.
@@ -340,7 +342,7 @@ def test_a_minus_infinity_bias_still_masks_under_a_score_mod(rng, impl):
         q, k, v, np.asarray(bias), score_mod=lambda s, b, h, i, j: s * np.asarray(t)[h]
     )
     np.testing.assert_allclose(f(t), expected["out"], atol=2e-6)
-    assert np.isfinite(np.asarray(jax.grad(lambda t: f(t).sum())(t))).all()
+    assert np.isfinite(np.asarray(jax.jit(jax.grad(lambda t: f(t).sum()))(t))).all()
     capped = js.dot_product_attention(q, k, v, bias, score_mod=js.mods.soft_cap(1.0), **impl)
     np.testing.assert_allclose(
         capped, js.dot_product_attention(q, k, v, bias, logits_soft_cap=1.0, **impl), atol=1e-6
@@ -373,7 +375,7 @@ def test_minus_infinity_sinks_are_no_sinks(rng, impl):
     np.testing.assert_allclose(
         f(sinks), js.dot_product_attention(q, k, v, mask_mod=nothing, **impl), atol=1e-6
     )
-    np.testing.assert_array_equal(np.asarray(jax.grad(lambda s: f(s).sum())(sinks)), 0)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(lambda s: f(s).sum()))(sinks)), 0)
 
 
 def test_built_in_rules_without_batch_axes_are_shared():
@@ -383,3 +385,54 @@ def test_built_in_rules_without_batch_axes_are_shared():
     np.testing.assert_array_equal(
         shared, js.dot_product_attention(q, q, q, key_value_seq_lengths=lengths)
     )
+
+
+@pytest.mark.parametrize("batch", [4, 3])
+def test_a_rule_shared_by_the_batch_is_so_whatever_the_batch_size(rng, batch):
+    # Segment ids of shape (T,) are shared by the batch, also when T happens to equal B; ids
+    # with the batch axis first are per sequence. Nothing is guessed from sizes.
+    q = jnp.asarray(rng.normal(size=(batch, 4, 2, 8)), jnp.float32)
+    ids = jnp.array([0, 0, 1, 1], jnp.int32)
+    for impl in ({"implementation": "xla"}, {"implementation": "chunked", "block_q": 3}):
+        shared = js.dot_product_attention(q, q, q, mask_mod=js.SegmentMask(ids, ids), **impl)
+        keyword = js.dot_product_attention(
+            q, q, q, query_segment_ids=jnp.broadcast_to(ids, (batch, 4)), **impl
+        )
+        np.testing.assert_array_equal(shared, keyword)
+    own = jnp.asarray(rng.integers(0, 2, size=(batch, 4)), jnp.int32)
+    np.testing.assert_array_equal(
+        js.dot_product_attention(q, q, q, mask_mod=js.SegmentMask(own, own)),
+        js.dot_product_attention(q, q, q, query_segment_ids=own),
+    )
+    message = (
+        "`mask_mod`'s SegmentMask.q_segment_ids must have shape (q_seq,) = (4,), shared by the "
+        f"batch, or (batch, q_seq) = ({batch}, 4); got (2, 4)."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        wrong = jnp.zeros((2, 4), jnp.int32)
+        js.dot_product_attention(q, q, q, mask_mod=js.SegmentMask(wrong, wrong))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked", "decode", "paged"])
+def test_with_no_keys_the_log_sum_exp_is_the_sink_and_it_has_its_gradient(implementation):
+    # S = 0 (no pages at all, for the paged cache): each row's only logit is its head's sink.
+    q = jnp.ones((1, 2, 2, 4), jnp.float32)
+    sinks = jnp.array([0.5, -1.0], jnp.float32)
+
+    def lse(sinks):
+        if implementation == "paged":
+            pages = jnp.ones((4, 2, 2, 4), jnp.float32)
+            table, lengths = jnp.zeros((1, 0), jnp.int32), jnp.array([0], jnp.int32)
+            call = js.paged_attention(
+                q, pages, pages, table, lengths, sinks=sinks, return_residual=True
+            )
+        else:
+            empty = jnp.ones((1, 0, 2, 4), jnp.float32)
+            call = js.dot_product_attention(
+                q, empty, empty, sinks=sinks, return_residual=True, implementation=implementation
+            )
+        np.testing.assert_array_equal(call[0], 0)
+        return call[1]
+
+    np.testing.assert_array_equal(lse(sinks), jnp.broadcast_to(sinks, (1, 2, 2)))
+    np.testing.assert_array_equal(jax.grad(lambda s: lse(s).sum())(sinks), [2.0, 2.0])

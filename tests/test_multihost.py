@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # end to end: -m "not slow" leaves it out
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "multihost"
 EXAMPLE = ROOT / "examples" / "multihost_ring.py"

@@ -51,7 +51,7 @@ def test_merge_gradients_equal_the_reference(rng, impl):
         out, _ = js.merge_attention(*halves(q, k, v, mask, 3, impl))
         return (out * d_out).sum()
 
-    grads = jax.grad(merged, argnums=(0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(merged, argnums=(0, 1, 2)))(q, k, v)
     for got, name in zip(grads, ("dq", "dk", "dv"), strict=True):
         assert np.isfinite(np.asarray(got)).all()
         assert ref.rel_err(got, expected[name]) <= 1e-5, name
@@ -71,7 +71,7 @@ def test_merge_gradients_reach_out_and_lse_and_stay_finite_without_keys():
     np.testing.assert_allclose(out[:, 0], [w * 2 - (1 - w), 0], rtol=1e-6)
     np.testing.assert_allclose(lse[0], np.logaddexp(0.3, 1.1), rtol=1e-6)
     assert np.isneginf(np.asarray(lse)[1])
-    ga, gb, gx, gy = jax.grad(f, argnums=(0, 1, 2, 3))(a, b, x, y)
+    ga, gb, gx, gy = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(a, b, x, y)
     # d/da [σ(a−b)·x + σ(b−a)·y] = w(1−w)(x − y), and d lse/da = w.
     np.testing.assert_allclose(ga[0], w * (1 - w) * 3 + w, rtol=1e-5)
     np.testing.assert_allclose(gb[0], -w * (1 - w) * 3 + (1 - w), rtol=1e-5)

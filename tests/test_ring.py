@@ -1,31 +1,16 @@
 """Ring attention's tests need 8 devices, which XLA simulates on the CPU only if told before JAX
-starts: they run in a process of their own, and this test fails if any of them fails."""
+starts: they run in a process of their own, with x64 off and (in the x64 pass's profile) on,
+and this test fails if any of them fails."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+import pytest
 
-TESTS = Path(__file__).resolve().parent
+from tests.profile import X64_PASS_PROFILE
+from tests.util import run_pytest
+
+pytestmark = pytest.mark.slow  # end to end: -m "not slow" leaves it out
 
 
-def test_ring_attention_on_8_simulated_devices():
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_SDPA_MULTIDEVICE="1"
-    )
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(TESTS / "multidevice"),
-        ],
-        cwd=TESTS.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+@pytest.mark.parametrize("x64", [False, True], ids=["x64-off", "x64-on"])
+def test_ring_attention_on_8_simulated_devices(x64):
+    env = {"JAX_SDPA_X64": "1", "JAX_SDPA_PROFILE": X64_PASS_PROFILE} if x64 else {}
+    run_pytest("tests/multidevice", devices=8, env=env)

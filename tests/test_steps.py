@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_sdpa as js
+from tests.profile import examples
 
 E = math.e
 
@@ -148,7 +149,7 @@ def test_dropout_block_equals_slice_of_whole():
     np.testing.assert_array_equal(block, whole[3:7, 5:12])
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples("rows"), deadline=None)
 @given(
     t=st.integers(1, 9),
     s=st.integers(1, 9),

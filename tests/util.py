@@ -1,6 +1,10 @@
 """Input builders and version shims shared by the tests."""
 
 import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -57,3 +61,19 @@ def enable_x64():
         yield
     finally:
         jax.config.update("jax_enable_x64", previous)
+
+
+def run_pytest(*args: str, devices: int | None = None, env: dict | None = None) -> None:
+    """Runs pytest on ``args`` in a process of its own; fails with its output if any test fails.
+
+    ``devices``: how many CPU devices XLA simulates there (which it reads before JAX starts:
+    the tests of ``tests/multidevice`` are collected only then).
+    """
+    env = dict(os.environ, **(env or {}))
+    if devices is not None:
+        flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+        env.update(XLA_FLAGS=flags, JAX_SDPA_MULTIDEVICE="1")
+    command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *args]
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-3000:]

@@ -1,0 +1,145 @@
+"""The settings users run: x64 on or off gives the same results, and forward-mode derivatives.
+
+With ``jax_enable_x64`` on, float32 inputs stay float32 and every feature gives what it gives
+with x64 off, to float32 rounding (the whole behaviour suite also runs with x64 on:
+``tests/test_x64.py``). ``jax.jvp`` and ``jax.jacfwd`` work on the default implementation; the
+implementations with their own backward pass have reverse mode only, and say so.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sdpa as js
+from tests import reference as ref
+from tests.util import enable_x64, qkv
+
+# Everything that classifies tiles or reads indices: a mask_mod over captured ids, segment ids,
+# a window, lengths, sinks and a score_mod over a captured table.
+DOCUMENTS = np.sort(np.random.default_rng(3).integers(0, 3, size=(2, 40)), axis=1)
+
+
+def _everything(q, k, v, slopes, implementation):
+    documents = jnp.asarray(DOCUMENTS, jnp.int32)
+    options = dict(
+        mask_mod=lambda b, h, i, j: (documents[b, i] == documents[b, j]) | (j < 2),
+        score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j).astype(s.dtype),
+        is_causal=True,
+        local_window_size=(20, 0),
+        key_value_seq_lengths=jnp.array([40, 31], jnp.int32),
+        sinks=jnp.array([0.3, -1.0, 0.0, 2.0], jnp.float32),
+        return_residual=True,
+    )
+    if implementation == "paged":
+        pages = (x.reshape(-1, 4, *x.shape[2:]) for x in (k, v))  # each sequence: 10 pages of 4
+        table = jnp.arange(20, dtype=jnp.int32).reshape(2, 10)
+        del options["key_value_seq_lengths"], options["is_causal"]
+        lengths = jnp.array([40, 31], jnp.int32)
+        return js.paged_attention(q[:, -3:], *pages, table, lengths, block_kv=8, **options)
+    tiles = {"block_q": 16, "block_kv": 8} if implementation != "xla" else {}
+    if implementation == "decode":
+        q = q[:, -3:]
+        options["causal_alignment"] = "bottom_right"
+    return js.dot_product_attention(q, k, v, implementation=implementation, **tiles, **options)
+
+
+@pytest.mark.x64_off  # (in a run with x64 on, "off" is on)
+@pytest.mark.parametrize("implementation", ["xla", "chunked", "decode", "paged"])
+def test_x64_on_gives_what_x64_off_gives_in_float32(rng, implementation):
+    q, k, v = qkv(rng, 2, 40, 40, 4, 2, 8)
+    slopes = jnp.asarray(rng.uniform(0.1, 1.0, size=4), jnp.float32)
+    d_out = rng.normal(size=(2, 3 if implementation in ("decode", "paged") else 40, 4, 8))
+
+    def run():
+        def loss(q, k, v, slopes):
+            out, lse = _everything(q, k, v, slopes, implementation)
+            return jnp.sum(out * jnp.asarray(d_out, jnp.float32)), (out, lse)
+
+        grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, slopes)
+        assert out.dtype == jnp.float32 and all(g.dtype == jnp.float32 for g in grads)
+        return out, lse, grads
+
+    off = run()
+    with enable_x64():
+        on = run()
+    for a, b in zip(jax.tree.leaves(on), jax.tree.leaves(off), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_issues_x64_repro_runs():
+    with enable_x64():
+        q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 63, 4, 16)), jnp.float32)
+        k = jnp.asarray(np.random.default_rng(1).standard_normal((1, 48, 2, 16)), jnp.float32)
+        out = js.dot_product_attention(
+            q,
+            k,
+            k,
+            implementation="chunked",
+            block_q=16,
+            block_kv=8,
+            mask_mod=lambda b, h, i, j: i >= j,
+        )
+    expected = ref.attention(q, k, k, is_causal=True)["out"]
+    np.testing.assert_allclose(out, expected, atol=2e-6)
+
+
+# --- forward mode ---------------------------------------------------------------------------
+
+
+def _central_difference(f, x, tangent, step=1e-6):
+    """``f``'s derivative along ``tangent`` at ``x``, by the float64 reference."""
+    x, tangent = np.asarray(x, np.float64), np.asarray(tangent, np.float64)
+    return (f(x + step * tangent) - f(x - step * tangent)) / (2 * step)
+
+
+@pytest.mark.parametrize(
+    "transform", ["jvp", "jit(jvp)", "jvp(vmap)", "jacfwd"], ids=lambda name: name
+)
+def test_forward_mode_on_the_default_implementation(rng, transform):
+    # implementation=None picks the chunked path on this CPU (and decode for this shape):
+    # under forward mode it takes the dense path, which has one.
+    q, k, v = qkv(rng, 1, 2, 1500, 2, 1, 4)
+    tangent = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    f = functools.partial(js.dot_product_attention, key=k, value=v, is_causal=True)
+    want = _central_difference(lambda x: ref.attention(x, k, v, is_causal=True)["out"], q, tangent)
+    if transform == "jvp":
+        got = jax.jvp(f, (q,), (tangent,))[1]
+    elif transform == "jit(jvp)":
+        got = jax.jit(lambda q, t: jax.jvp(f, (q,), (t,))[1])(q, tangent)
+    elif transform == "jvp(vmap)":
+        got = jax.jvp(jax.vmap(f), (q[None],), (tangent[None],))[1][0]
+    else:
+        jacobian = jax.jacfwd(f)(q)  # (out shape) + (q shape)
+        got = jnp.tensordot(jacobian, tangent, axes=q.ndim)
+    assert ref.rel_err(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("implementation", ["chunked", "decode", "ring"])
+def test_an_implementation_without_forward_mode_says_so(rng, implementation):
+    q, k, v = qkv(rng, 1, 4, 8, 2, 1, 4)
+    if implementation == "ring":
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+        f = functools.partial(js.ring_dot_product_attention, mesh=mesh, seq_axis="seq")
+    else:
+        f = functools.partial(js.dot_product_attention, implementation=implementation)
+    message = (
+        f"`implementation={implementation!r}` has no forward-mode derivative (jax.jvp, "
+        "jax.jacfwd): its backward pass is its own (jax.custom_vjp); implementation='xla' has one."
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        jax.jvp(lambda q: f(q, k, v), (q,), (q,))
+
+
+def test_forward_over_reverse_works_on_the_chunked_path(rng):
+    # jax.hessian is jacfwd(jacrev(f)): forward mode over the chunked path's own backward.
+    q, k, v = qkv(rng, 1, 3, 5, 1, 1, 2)
+
+    def total(q, implementation):
+        return js.dot_product_attention(q, k, v, implementation=implementation).sum()
+
+    hessians = [jax.hessian(total)(q, impl) for impl in ("chunked", "xla")]
+    np.testing.assert_allclose(*hessians, atol=1e-5)
