@@ -38,7 +38,7 @@ from jax_sdpa._steps import soft_cap_scores as soft_cap_scores
 from jax_sdpa._steps import softmax_weights as softmax_weights
 from jax_sdpa._steps import weighted_sum as weighted_sum
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = (
     "AndMask",
