@@ -30,6 +30,7 @@ from jax_sdpa._masks import (
     MaskRule,
     SegmentMask,
     positions,
+    shared,
     with_batch,
 )
 from jax_sdpa._ring import Ring
@@ -73,26 +74,27 @@ def bind(
     query, key, value, shapes = _query_key_value(query, key, value, ring, **keywords)
     score_mod, score_consts = _score_mod(shapes, query.dtype, **keywords)
     formula = dataclasses.replace(_formula(query.shape[-1], **keywords), score_mod=score_mod)
+    first_sequence = _first(ring, "batch_axis", math.prod(shapes.batch))
     arrays = CallArrays(
         bias=_per_logit("bias", bias, shapes),
         mask=_per_logit("mask", mask, shapes),
-        rule=_mask_rule(shapes, **keywords),
+        rule=_mask_rule(shapes, first_sequence, **keywords),
         dropout_rng=_dropout_rng(shapes, formula.dropout_rate, **keywords),
-        batch=_index(shapes.batch, _first(ring, "batch_axis", math.prod(shapes.batch))),
+        batch=_index(shapes.batch, first_sequence),
         head=_index(
             (1,) * len(shapes.batch) + (shapes.heads,), _first(ring, "head_axis", shapes.heads)
         ),
         score_consts=score_consts,
         sinks=_sinks(shapes, **keywords),
     )
-    inputs = _varying(Inputs(query, key, value, arrays), ring)
+    inputs = _varying_together(Inputs(query, key, value, arrays), ring)
     config = Config(formula, output, tiling=_tiling(**keywords), ring=ring)
     return inputs, dataclasses.replace(
         config, implementation=choose(inputs, config, implementation)
     )
 
 
-def _varying(inputs: Inputs, ring: Ring | None) -> Inputs:
+def _varying_together(inputs: Inputs, ring: Ring | None) -> Inputs:
     """Every array of the call varying over the mesh axes any of them varies over, and the ring's.
 
     Inside ``jax.shard_map`` (with its default ``check_vma=True``) values are typed by the axes
@@ -142,10 +144,10 @@ def _ring_spec(
     if layout == "striped":
         for name, x in (("query", query), ("key", key)):
             check_equal_parts(name, jnp.shape(x)[-3], 2, "local sequence", STRIPED)
-    for name, axis in (("batch_axis", batch_axis), ("head_axis", head_axis)):
-        if axis is not None:
-            _axis_size(name, axis)
-    return Ring(axis_name, _axis_size("axis_name", axis_name), layout, batch_axis, head_axis)
+    split = {name: axis for name, axis in (("batch", batch_axis), ("head", head_axis)) if axis}
+    sizes = {f"{name}_shards": _axis_size(f"{name}_axis", axis) for name, axis in split.items()}
+    shards = _axis_size("axis_name", axis_name)
+    return Ring(axis_name, shards, layout, batch_axis, head_axis, **sizes)
 
 
 def _axis_size(name: str, axis) -> int:
@@ -210,7 +212,7 @@ def _query_key_value(query, key, value, ring: Ring | None, dtype=None, **_):
             f"The number of query heads must be a multiple of the key/value heads; got "
             f"{heads} query heads and {kv_heads} key/value heads."
         )
-    shards = (1, 1, 1) if ring is None else ring.sizes()
+    shards = (1, 1, 1) if ring is None else (ring.shards, ring.batch_shards, ring.head_shards)
     return query, key, value, _Shapes(batch_shape, seq_q, heads, seq_kv, kv_heads, *shards)
 
 
@@ -248,6 +250,7 @@ def _per_batch(name: str, x, shapes: _Shapes, seq: int | None = None) -> jax.Arr
 
 def _mask_rule(
     shapes: _Shapes,
+    first_sequence: Index = 0,
     is_causal=False,
     local_window_size=None,
     causal_alignment="top_left",
@@ -258,7 +261,10 @@ def _mask_rule(
     mask_mod=None,
     **_,
 ) -> MaskRule | None:
-    """The mask rules a call asks for, as one :class:`~jax_sdpa.AndMask` (``None``: none)."""
+    """The mask rules a call asks for, as one :class:`~jax_sdpa.AndMask` (``None``: none).
+
+    ``first_sequence``: this device's first sequence, on a ring that splits the batch.
+    """
     _checks.check_choice("causal_alignment", causal_alignment, ("top_left", "bottom_right"))
     offset = 0 if causal_alignment == "top_left" else (shapes.seq_kv - shapes.seq_q) * shapes.shards
     rules: list[MaskRule] = [CausalMask(offset)] if is_causal else []
@@ -293,12 +299,10 @@ def _mask_rule(
     if not rules:
         return None
     sizes = {"q_seq": shapes.seq_q * shapes.shards, "kv_seq": shapes.seq_kv * shapes.shards}
-    return with_batch(AndMask(tuple(rules)), shapes.batch, sizes)
-
-
-def _shared(x: jax.Array, shapes: _Shapes) -> jax.Array:
-    """An array the whole batch shares, as a leaf of the call: with leading batch axes of 1."""
-    return jnp.reshape(x, (1,) * len(shapes.batch) + jnp.shape(x))
+    whole = None
+    if shapes.batch_shards > 1:
+        whole = (shapes.batch[0] * shapes.batch_shards, *shapes.batch[1:])
+    return with_batch(AndMask(tuple(rules)), shapes.batch, sizes, whole, first_sequence)
 
 
 def _mask_mod(shapes: _Shapes, mask_mod) -> MaskRule:
@@ -339,7 +343,7 @@ def _score_mod(shapes: _Shapes, query_dtype, score_mod=None, **_) -> tuple:
     score = jax.ShapeDtypeStruct((), accumulation_dtype(query_dtype))
     example = (score, *(INDEX_ARGUMENT,) * 4)
     fn, consts = convert("score_mod", score_mod, signature, example, "float")
-    return fn, tuple(_shared(x, shapes) for x in consts)
+    return fn, tuple(shared(x, shapes.batch) for x in consts)
 
 
 def _sinks(shapes: _Shapes, sinks=None, **_) -> jax.Array | None:
@@ -349,7 +353,7 @@ def _sinks(shapes: _Shapes, sinks=None, **_) -> jax.Array | None:
     sinks = jnp.asarray(sinks)
     _checks.check_shape("sinks", sinks, (shapes.heads,), "(heads,)")
     _checks.check_float("sinks", sinks)
-    return _shared(sinks, shapes)
+    return shared(sinks, shapes.batch)
 
 
 def _window(local_window_size) -> tuple[int, int]:

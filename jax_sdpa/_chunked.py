@@ -199,8 +199,15 @@ def _add_at(total: jax.Array, part: jax.Array, start: tuple) -> jax.Array:
 
 
 def loop(lower, upper, body, carry):
-    """``lax.fori_loop`` whose index is an :data:`~jax_sdpa._masks.INDEX`, whatever x64 says."""
-    return lax.fori_loop(jnp.asarray(lower, INDEX), jnp.asarray(upper, INDEX), body, carry)
+    """``lax.fori_loop`` whose index is an :data:`~jax_sdpa._masks.INDEX`, whatever x64 says.
+
+    Python-int bounds stay Python ints: the loop then has a known trip count, a ``scan`` that
+    reverse mode can differentiate (a gradient of a gradient goes through the backward pass's
+    loops); traced bounds (a mask rule's ranges) are cast alike.
+    """
+    if not all(isinstance(bound, int) for bound in (lower, upper)):
+        lower, upper = jnp.asarray(lower, INDEX), jnp.asarray(upper, INDEX)
+    return lax.fori_loop(lower, upper, lambda n, c: body(n.astype(INDEX), c), carry)
 
 
 def _sweep(step, rule: MaskRule | None, reach, full_reach, offset, block: int, count: int, carry):

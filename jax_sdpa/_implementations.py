@@ -24,8 +24,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core as jax_core  # the current trace: no public API says it
+from jax._src.interpreters import batching
 from jax.interpreters import ad
-from jax.interpreters import partial_eval as pe
 from jaxtyping import Array
 
 from jax_sdpa._attention import dense_sequence
@@ -38,6 +39,7 @@ from jax_sdpa._ring import Ring, ring_sequence
 from jax_sdpa._steps import accumulation_dtype
 
 Output = Literal["attention", "attention_and_weights", "weights"]
+ForwardMode = Literal["jvp", "over reverse", "none"]
 # implementation=None: on CPU the chunked path was measured at least as fast as the dense one at
 # every benchmark size, forward and backward (BENCHMARKS.md), so it is the default there. On
 # accelerators (not measured here) fused dense kernels are fast while the scores of the call,
@@ -93,13 +95,17 @@ class Config:
 class Entry:
     """One way to compute attention: ``run`` a call, or say why it cannot (``unsupported``).
 
-    ``forward_mode``: whether ``jax.jvp`` can differentiate it. A path with its own backward pass
-    (``jax.custom_vjp``) has reverse mode only; forward-over-reverse (``jax.hessian``) still works.
+    ``forward_mode``: what forward-mode differentiation it takes. ``"jvp"``: all of it;
+    ``"over reverse"``: only of its own backward pass (``jax.hessian``, ``jax.jvp`` of a
+    ``jax.grad``), as a path with a ``jax.custom_vjp`` has; ``"none"``: neither (a backward pass
+    that is itself another implementation's ``jax.vjp``).
+    ``asked_as``: how a user asks for it, for messages (``implementation=...`` by default).
     """
 
     run: Callable[[Inputs, Config], Result]
     unsupported: Callable[[Inputs, Config], str | None] = lambda inputs, config: None
-    forward_mode: bool = False
+    forward_mode: ForwardMode = "over reverse"
+    asked_as: str | None = None
 
 
 def _dense(inputs: Inputs, config: Config) -> Result:
@@ -214,11 +220,11 @@ def _cudnn(inputs: Inputs, config: Config) -> Result:
 
 
 IMPLEMENTATIONS: dict[str, Entry] = {
-    "xla": Entry(_dense, forward_mode=True),
+    "xla": Entry(_dense, forward_mode="jvp"),
     "chunked": Entry(_chunked, _chunked_unsupported),
-    "decode": Entry(_decode, _decode_unsupported),
+    "decode": Entry(_decode, _decode_unsupported, forward_mode="none"),
     "cudnn": Entry(_cudnn, _cudnn_unsupported),
-    "ring": Entry(_ring),
+    "ring": Entry(_ring, asked_as="`ring_attention`"),
 }
 
 
@@ -235,18 +241,32 @@ def _preference(inputs: Inputs) -> tuple[str, ...]:
     return ("xla", "chunked")
 
 
-def _forward_mode(inputs: Inputs) -> bool:
-    """Whether forward-mode differentiation (``jax.jvp``, ``jacfwd``) acts on the call itself.
+def _forward_mode(inputs: Inputs) -> ForwardMode | None:
+    """The forward-mode differentiation acting on the call, if any: ``"jvp"`` or ``"over reverse"``.
 
-    That is: the innermost differentiation of some input, looking through ``vmap``, is a JVP
-    (reverse mode, ``jax.grad``, linearizes instead). It cannot be seen from inside a
-    ``jax.jit`` that ``jax.jvp`` is applied to afterwards.
+    ``"jvp"``: the innermost transformation of the call, looking through ``vmap``, is a JVP
+    (``jax.jvp``, ``jax.jacfwd``) and some input carries its tangent. ``"over reverse"``: a JVP
+    further out, over a reverse-mode one (``jax.hessian``, ``jax.jvp`` of a ``jax.grad``): it
+    differentiates the backward pass. Not seen from here: a JVP of a ``jax.jit`` or a
+    ``jax.checkpoint`` that calls attention (the call is traced first, transformed afterwards).
     """
+    trace = getattr(jax_core, "trace_ctx", None) and jax_core.trace_ctx.trace
+    innermost = True
+    while trace is not None:
+        if isinstance(trace, ad.JVPTrace) and _carries(inputs, trace):
+            return "jvp" if innermost else "over reverse"
+        innermost = innermost and isinstance(trace, batching.BatchTrace)
+        trace = getattr(trace, "parent_trace", None)
+    return None
+
+
+def _carries(inputs: Inputs, trace) -> bool:
+    """Whether some input is (or, under ``vmap`` or reverse mode, holds) a tracer of ``trace``."""
     for x in jax.tree.leaves(inputs):
-        while type(x).__name__ == "BatchTracer":
-            x = x.val
-        if isinstance(x, ad.JVPTracer) and not isinstance(x.tangent, pe.JaxprTracer):
-            return True  # (a JaxprTracer tangent: reverse mode, on JAX that linearizes so)
+        while isinstance(x, jax_core.Tracer) and x._trace is not trace:
+            x = getattr(x, "val", getattr(x, "primal", None))
+        if x is not None and isinstance(x, jax_core.Tracer):
+            return True
     return False
 
 
@@ -258,14 +278,24 @@ def choose(inputs: Inputs, config: Config, requested: str | None) -> str:
         TypeError: If ``requested`` has no forward mode and ``jax.jvp`` differentiates the call.
     """
     forward = _forward_mode(inputs)
-    if forward and requested is not None and not IMPLEMENTATIONS[requested].forward_mode:
+
+    def takes(name: str) -> bool:
+        mode = IMPLEMENTATIONS[name].forward_mode
+        return forward is None or mode == "jvp" or forward == mode == "over reverse"
+
+    if requested is not None and not takes(requested):
+        asked = IMPLEMENTATIONS[requested].asked_as or f"`implementation={requested!r}`"
+        what = (
+            "forward-mode derivative (jax.jvp, jax.jacfwd)"
+            if forward == "jvp"
+            else ("forward-over-reverse derivative (jax.hessian, jax.jvp of jax.grad)")
+        )
         raise TypeError(
-            f"`implementation={requested!r}` has no forward-mode derivative (jax.jvp, "
-            "jax.jacfwd): its backward pass is its own (jax.custom_vjp); "
-            "implementation='xla' has one."
+            f"{asked} has no {what}: its backward pass is its own (jax.custom_vjp); "
+            "dot_product_attention(implementation='xla') has one."
         )
     names = _preference(inputs) if requested is None else (requested,)
-    names = [name for name in names if IMPLEMENTATIONS[name].forward_mode or not forward]
+    names = [name for name in names if takes(name)]
     reasons = [IMPLEMENTATIONS[name].unsupported(inputs, config) for name in names]
     for name, reason in zip(names, reasons, strict=True):
         if reason is None:

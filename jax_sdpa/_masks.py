@@ -26,6 +26,7 @@ Every rule answers ``rule(q_idx, kv_idx)`` for broadcasting integer arrays of po
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -56,11 +57,14 @@ INDEX = jnp.int32
 _NO_LIMIT = 2**31 - 1
 
 
-def _less(a, b) -> Bool[Array, "..."]:
-    """``a < b`` for integers of any two dtypes (explicitly promoted: no strict-mode error)."""
+def _promoted(a, b) -> tuple[Array, Array]:
+    """``a`` and ``b`` in their common dtype: integers of any two, with no implicit promotion.
+
+    (NumPy's ``promote_types``: ``jnp``'s refuses int32 with int64 under strict promotion.)
+    """
     a, b = jnp.asarray(a), jnp.asarray(b)
-    dtype = np.promote_types(a.dtype, b.dtype)  # (jnp's refuses under strict promotion)
-    return a.astype(dtype) < b.astype(dtype)
+    dtype = np.promote_types(a.dtype, b.dtype)
+    return a.astype(dtype), b.astype(dtype)
 
 
 def indices(*starts: Index) -> tuple[Integer[Array, ""], ...]:
@@ -95,11 +99,6 @@ def _per_sequence(*axes: str, index: bool = False) -> Any:
     positions (lengths), kept as :data:`INDEX`.
     """
     return dataclasses.field(default=None, metadata={"axes": axes, "index": index})
-
-
-def _shared(default: Any = dataclasses.MISSING) -> Any:
-    """An array field (or a tuple of them) that every sequence of a call shares whole."""
-    return dataclasses.field(default=default, metadata={"shared": True})
 
 
 class MaskRule:
@@ -247,7 +246,8 @@ class LengthMask(MaskRule):
         allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
         for idx, length in ((q_idx, self.q_length), (kv_idx, self.kv_length)):
             if length is not None:
-                allowed = allowed & _less(idx, length)
+                idx, length = _promoted(idx, length)
+                allowed = allowed & (idx < length)
         return allowed
 
     def kv_range(self, q_lo, q_hi):
@@ -288,9 +288,8 @@ class SegmentMask(MaskRule):
     kv_segment_ids: Integer[Array, "*batch kv_seq"] = _per_sequence("kv_seq")
 
     def __call__(self, q_idx, kv_idx):
-        q_ids, kv_ids = self.q_segment_ids[q_idx], self.kv_segment_ids[kv_idx]
-        dtype = np.promote_types(q_ids.dtype, kv_ids.dtype)  # explicitly: ids of any two dtypes
-        return q_ids.astype(dtype) == kv_ids.astype(dtype)
+        q_ids, kv_ids = _promoted(self.q_segment_ids[q_idx], self.kv_segment_ids[kv_idx])
+        return q_ids == kv_ids
 
     @property
     def opaque(self) -> bool:  # where segments start is data: a tile must look at its ids
@@ -393,7 +392,7 @@ class FunctionMask(MaskRule):
     """
 
     fn: Callable = _static()
-    consts: tuple = _shared(())
+    consts: tuple = ()  # shared by the batch, as every field that says nothing (with_batch)
     uses_head: bool = _static(True)
     uses_batch: bool = _static(True)
 
@@ -434,7 +433,7 @@ class BlockMask(MaskRule):
     """
 
     rule: MaskRule
-    classes: Integer[Array, "batch heads q_blocks kv_blocks"] = _shared()
+    classes: Integer[Array, "batch heads q_blocks kv_blocks"]  # shared: read at the batch index
     block_q: int = _static()
     block_kv: int = _static()
     q_len: int = _static()
@@ -556,27 +555,41 @@ def _union_within(ranges) -> tuple[Index, Index]:
     return lo, hi
 
 
-def with_batch(rule: MaskRule, batch: tuple[int, ...], sizes: dict[str, int]) -> MaskRule:
+def shared(x, batch: tuple[int, ...]) -> Array:
+    """``x`` as an array every sequence of a ``batch`` shares: a leading 1 per batch axis."""
+    x = jnp.asarray(x)
+    return x.reshape((1,) * len(batch) + x.shape)
+
+
+def with_batch(
+    rule: MaskRule, batch: tuple[int, ...], sizes: dict[str, int], whole=None, first: Index = 0
+) -> MaskRule:
     """``rule`` for a call with batch axes ``batch``: each array field leads with them.
 
     Each field says what its axes are (:func:`_per_sequence`): one with exactly those is shared by
     the batch and gets a leading 1 per batch axis; one with the batch axes before them (each full
     or 1) is per sequence; any other shape is refused. Whether an array is per sequence never
-    depends on its sizes happening to equal the batch's. ``sizes`` are the call's ``q_seq`` and
-    ``kv_seq`` (a ring's whole sequences), which the per-sequence axes must have.
+    depends on its sizes happening to equal the batch's. A field that says nothing (a rule of
+    the user's own), like the arrays a ``mask_mod`` closes over, is shared. ``sizes`` are the
+    call's ``q_seq`` and ``kv_seq`` (a ring's whole sequences), which the per-sequence axes must
+    have. On a ring that splits the leading batch axis over devices, ``whole`` is the whole
+    batch's axes and ``first`` this device's first sequence: a per-sequence field may have the
+    whole batch, of which the device takes its own.
 
     Raises:
         ValueError: Naming the rule's field, the shapes it may have and the one it has.
     """
-
-    def shared(x):
-        x = jnp.asarray(x)
-        return x.reshape((1,) * len(batch) + x.shape)
+    if not dataclasses.is_dataclass(rule):
+        return jax.tree.map(lambda x: shared(x, batch), rule)
+    nested = functools.partial(with_batch, batch=batch, sizes=sizes, whole=whole, first=first)
 
     def fitted(name: str, x, axes: tuple[str, ...], index: bool):
         x = jnp.asarray(x)
         own = tuple(sizes[axis] for axis in axes)
         lead = x.shape[: x.ndim - len(axes)]
+        if whole is not None and lead == whole:  # the whole batch: this device's sequences
+            x = lax.dynamic_slice_in_dim(x, first // math.prod(batch[1:]), batch[0])
+            lead = batch
         if (
             x.shape[len(lead) :] != own
             or len(lead) not in (0, len(batch))
@@ -585,23 +598,25 @@ def with_batch(rule: MaskRule, batch: tuple[int, ...], sizes: dict[str, int]) ->
             raise ValueError(
                 f"`mask_mod`'s {type(rule).__name__}.{name} must have shape {_letters(axes)} = "
                 f"{own}, shared by the batch, or {_letters(('batch', *axes))} = "
-                f"{(*batch, *own)}; got {x.shape}."
+                f"{(*(whole or batch), *own)}; got {x.shape}."
             )
-        x = x if lead else shared(x)
+        x = x if lead else shared(x, batch)
         return x.astype(INDEX) if index else x
 
     changes = {}
     for field in dataclasses.fields(rule):
-        value = getattr(rule, field.name)
-        if field.metadata.get("shared"):
-            changes[field.name] = jax.tree.map(shared, value)
-        elif isinstance(value, MaskRule):
-            changes[field.name] = with_batch(value, batch, sizes)
-        elif isinstance(value, tuple):  # the parts of a combination
-            changes[field.name] = tuple(with_batch(part, batch, sizes) for part in value)
-        elif "axes" in field.metadata and value is not None:
-            meta = field.metadata
-            changes[field.name] = fitted(field.name, value, meta["axes"], meta["index"])
+        value, meta = getattr(rule, field.name), field.metadata
+        if meta.get("static"):
+            continue
+        if isinstance(value, MaskRule):
+            changes[field.name] = nested(value)
+        elif isinstance(value, tuple) and value and all(isinstance(r, MaskRule) for r in value):
+            changes[field.name] = tuple(map(nested, value))  # the parts of a combination
+        elif "axes" in meta:
+            fit = functools.partial(fitted, field.name, axes=meta["axes"], index=meta["index"])
+            changes[field.name] = None if value is None else fit(value)
+        else:
+            changes[field.name] = jax.tree.map(lambda x: shared(x, batch), value)
     return dataclasses.replace(rule, **changes)
 
 

@@ -51,18 +51,15 @@ class Ring:
     axis_name: str
     shards: int
     layout: Layout
-    batch_axis: str | None = None  # the mesh axes the batch and the heads are split over
+    batch_axis: str | None = None  # the mesh axes the batch and the heads are split over,
     head_axis: str | None = None
+    batch_shards: int = 1  # and the devices along each
+    head_shards: int = 1
 
     @property
     def axes(self) -> frozenset:
         """The mesh axes the call's positions, batch and head indices vary over."""
         return frozenset({self.axis_name, self.batch_axis, self.head_axis} - {None})
-
-    def sizes(self) -> tuple[int, int, int]:
-        """The devices the sequence, the batch and the heads are split over (inside shard_map)."""
-        split = (self.axis_name, self.batch_axis, self.head_axis)
-        return tuple(1 if axis is None else lax.axis_size(axis) for axis in split)
 
     @property
     def pieces(self) -> int:

@@ -205,8 +205,8 @@ def ring_dot_product_attention(
     lengths = {k: jnp.asarray(x) for k, x in lengths.items() if x is not None}
     sinks = options.pop("sinks", None)  # one per head: each device gets its heads'
     per_head = {} if sinks is None else {"sinks": jnp.asarray(sinks)}
-    for name, x in per_head.items():
-        _checks.check_shape(name, x, query.shape[2:3], "(heads,)")
+    if sinks is not None:  # the whole call's heads (each device checks its own)
+        _checks.check_shape("sinks", per_head["sinks"], query.shape[2:3], "(heads,)")
     in_specs = (
         (seq_spec,) * 3
         + tuple(spec_4d(x) for x in extras.values())

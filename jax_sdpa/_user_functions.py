@@ -29,7 +29,7 @@ INDEX_ARGUMENT = jax.ShapeDtypeStruct((), INDEX)
 _EVALUATORS: dict = {}  # jaxpr text and shapes → its evaluator; cleared when it grows large
 
 
-def _varying(x) -> frozenset:
+def _axes_of(x) -> frozenset:
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)  # JAX 0.10; before, the axes were ``aval.vma``
     return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
@@ -37,7 +37,7 @@ def _varying(x) -> frozenset:
 
 def varying_axes(tree) -> frozenset:
     """The mesh axes any leaf of ``tree`` varies over (``shard_map``'s types; empty outside)."""
-    return frozenset().union(*map(_varying, jax.tree.leaves(tree)))
+    return frozenset().union(*map(_axes_of, jax.tree.leaves(tree)))
 
 
 def vary(x, axes: frozenset):
@@ -52,23 +52,58 @@ def vary(x, axes: frozenset):
 
 # The primitives that call a jaxpr as a function, and the parameter that holds it: a replay
 # inside shard_map evaluates the callee itself (its jaxpr is typed for the trace's operands).
+# ("pjit" is JAX's name for "jit" before 0.7.)
 _CALLS = {
     "jit": "jaxpr",
     "pjit": "jaxpr",
     "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
     "checkpoint": "jaxpr",
-    "remat": "jaxpr",
 }
+
+
+def _replayed(closed, axes: frozenset):
+    """A function of a jaxpr's inputs that replays it, every operand varying over ``axes``."""
+    if isinstance(closed, Jaxpr):
+        closed = ClosedJaxpr(closed, ())
+    return lambda *args: _replay_varying(closed.jaxpr, list(closed.consts), list(args), axes)
+
+
+def _control_flow(eqn, operands: list, axes: frozenset) -> list:
+    """A ``cond``, ``scan`` or ``while`` traced again, from its replayed jaxprs."""
+    p = eqn.params
+    if eqn.primitive.name == "cond":
+        branches = [_replayed(branch, axes) for branch in p["branches"]]
+        return lax.switch(operands[0], branches, *operands[1:])
+    if eqn.primitive.name == "scan":
+        consts, carry, xs = _split(operands, p["num_consts"], p["num_carry"])
+        body = _replayed(p["jaxpr"], axes)
+
+        def step(carry, x):
+            outs = body(*consts, *carry, *x)
+            return outs[: len(carry)], outs[len(carry) :]
+
+        carry, ys = lax.scan(step, carry, xs, p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        return [*carry, *ys]
+    cond_consts, body_consts, init = _split(operands, p["cond_nconsts"], p["body_nconsts"])
+    cond, body = _replayed(p["cond_jaxpr"], axes), _replayed(p["body_jaxpr"], axes)
+    return lax.while_loop(
+        lambda c: cond(*cond_consts, *c)[0], lambda c: body(*body_consts, *c), init
+    )
+
+
+def _split(xs: list, first: int, second: int) -> tuple[list, list, list]:
+    return xs[:first], xs[first : first + second], xs[first + second :]
 
 
 def _replay_varying(jaxpr: Jaxpr, consts: list, args: list, axes: frozenset) -> list:
     """``jaxpr`` evaluated with every operand cast to vary over ``axes``.
 
-    A callee (a ``jit`` inside ``jax.numpy``, a ``custom_jvp`` function) is evaluated in place;
-    a ``cond`` runs each branch so; the ``pvary`` casts of the trace are already done.
+    A callee (a ``jit`` inside ``jax.numpy``, a ``custom_jvp`` function) is evaluated in place,
+    so a custom derivative rule in the user's function gives way to the derivative of what it
+    computes; a ``cond``, ``scan`` or ``while`` is traced again from its replayed jaxprs; the
+    ``pvary`` casts of the trace are already done.
     """
     env = {}
 
@@ -83,16 +118,9 @@ def _replay_varying(jaxpr: Jaxpr, consts: list, args: list, axes: frozenset) -> 
         if name in ("pvary", "pcast"):
             outs = operands
         elif name in _CALLS:
-            callee = eqn.params[_CALLS[name]]
-            if isinstance(callee, Jaxpr):
-                callee = ClosedJaxpr(callee, ())
-            outs = _replay_varying(callee.jaxpr, list(callee.consts), operands, axes)
-        elif name == "cond":
-            branches = [
-                lambda *ops, b=b: _replay_varying(b.jaxpr, list(b.consts), list(ops), axes)
-                for b in eqn.params["branches"]
-            ]
-            outs = lax.switch(operands[0], branches, *operands[1:])
+            outs = _replayed(eqn.params[_CALLS[name]], axes)(*operands)
+        elif name in ("cond", "scan", "while"):
+            outs = _control_flow(eqn, operands, axes)
         else:
             outs = eqn.primitive.bind(*operands, **eqn.params)
             outs = outs if eqn.primitive.multiple_results else [outs]

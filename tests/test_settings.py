@@ -16,6 +16,7 @@ import pytest
 
 import jax_sdpa as js
 from tests import reference as ref
+from tests.profile import X64
 from tests.util import enable_x64, qkv
 
 # Everything that classifies tiles or reads indices: a mask_mod over captured ids, segment ids,
@@ -47,7 +48,8 @@ def _everything(q, k, v, slopes, implementation):
     return js.dot_product_attention(q, k, v, implementation=implementation, **tiles, **options)
 
 
-@pytest.mark.x64_off  # (in a run with x64 on, "off" is on)
+@pytest.mark.x64_off
+@pytest.mark.skipif(X64, reason="in a run with x64 on, off is on")
 @pytest.mark.parametrize("implementation", ["xla", "chunked", "decode", "paged"])
 def test_x64_on_gives_what_x64_off_gives_in_float32(rng, implementation):
     q, k, v = qkv(rng, 2, 40, 40, 4, 2, 8)
@@ -126,20 +128,49 @@ def test_an_implementation_without_forward_mode_says_so(rng, implementation):
         f = functools.partial(js.ring_dot_product_attention, mesh=mesh, seq_axis="seq")
     else:
         f = functools.partial(js.dot_product_attention, implementation=implementation)
+    asked = (
+        "`ring_attention`" if implementation == "ring" else f"`implementation={implementation!r}`"
+    )
     message = (
-        f"`implementation={implementation!r}` has no forward-mode derivative (jax.jvp, "
-        "jax.jacfwd): its backward pass is its own (jax.custom_vjp); implementation='xla' has one."
+        f"{asked} has no forward-mode derivative (jax.jvp, jax.jacfwd): its backward pass is its "
+        "own (jax.custom_vjp); dot_product_attention(implementation='xla') has one."
     )
     with pytest.raises(TypeError, match=re.escape(message)):
         jax.jvp(lambda q: f(q, k, v), (q,), (q,))
 
 
-def test_forward_over_reverse_works_on_the_chunked_path(rng):
-    # jax.hessian is jacfwd(jacrev(f)): forward mode over the chunked path's own backward.
-    q, k, v = qkv(rng, 1, 3, 5, 1, 1, 2)
+def test_forward_over_reverse_and_reverse_over_reverse_work_on_the_chunked_path(rng):
+    # jax.hessian is jacfwd(jacrev(f)): forward mode over the path's own backward; a jvp in the
+    # keys of a gradient in the queries likewise; a gradient of a gradient goes through the
+    # backward pass's loops (whose trip counts are known with no mask and whole tiles).
+    q, k, v = qkv(rng, 1, 4, 4, 2, 1, 2)
+    tangent = jnp.asarray(rng.normal(size=k.shape), jnp.float32)
 
-    def total(q, implementation):
-        return js.dot_product_attention(q, k, v, implementation=implementation).sum()
+    def total(q, k, implementation):
+        out = js.dot_product_attention(
+            q, k, v, implementation=implementation, block_q=2, block_kv=2
+        )
+        return jnp.sum(out * jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
 
-    hessians = [jax.hessian(total)(q, impl) for impl in ("chunked", "xla")]
-    np.testing.assert_allclose(*hessians, atol=1e-5)
+    def second_orders(impl):
+        hessian = jax.hessian(total)(q, k, impl)
+        mixed = jax.jvp(lambda k: jax.grad(total)(q, k, impl), (k,), (tangent,))[1]
+        grad_of_grad = jax.grad(lambda q: jnp.sum(jax.grad(total)(q, k, impl) ** 2))(q)
+        return hessian, mixed, grad_of_grad
+
+    for got, want in zip(second_orders("chunked"), second_orders("xla"), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_decode_path_says_it_has_no_forward_over_reverse_and_the_default_avoids_it(rng):
+    # Its backward pass is the chunked path's jax.vjp, which forward mode cannot go through.
+    q, k, v = qkv(rng, 1, 1, 1500, 2, 1, 4)
+
+    def total(q, **implementation):
+        return js.dot_product_attention(q, k, v, **implementation).sum()
+
+    with pytest.raises(TypeError, match="^`implementation='decode'` has no forward-over-reverse"):
+        jax.hessian(total)(q, implementation="decode")
+    np.testing.assert_allclose(
+        jax.hessian(total)(q), jax.hessian(total)(q, implementation="xla"), rtol=1e-4, atol=1e-6
+    )

@@ -161,10 +161,16 @@ def test_ring_attention_in_a_user_shard_map_with_its_default_checks(layout, bloc
 
     def options(slopes, sinks):
         # What a mod's trace holds besides primitives: jax.numpy's jitted functions (where,
-        # clip), a custom_jvp function (softplus) and a cond, each replayed per tile.
+        # clip), a custom_jvp function (softplus), a cond, a scan (searchsorted's) and a while
+        # loop, each replayed per tile.
         def score_mod(s, b, h, i, j):
             s = s - slopes[h] * jnp.clip(i - j, 0, 40).astype(s.dtype)
             s = jax.lax.cond(i % 2 == 0, lambda x: x + 0.5, lambda x: x, s)
+            bucket = jnp.searchsorted(jnp.array([2, 8, 32], jnp.int32), jnp.abs(i - j))
+            halvings = jax.lax.while_loop(
+                lambda c: c[0] > 1, lambda c: (c[0] // 2, c[1] + 1), (jnp.abs(i - j), 0)
+            )[1]
+            s = s - 0.1 * (bucket + halvings).astype(s.dtype)
             return jnp.where(j < 3, s, s - jax.nn.softplus(slopes[h]))
 
         return dict(score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
@@ -250,6 +256,9 @@ def _by_batch_and_head(b, h, i, j):
 
 
 BY_BATCH_AND_HEAD = js.create_block_mask(_by_batch_and_head, 2, 4, 64, 64, block_q=8, block_kv=8)
+# Built-in rules over the whole batch's ids, (B, T): each device takes its own sequences' rows.
+DOCUMENTS = jnp.asarray(np.sort(np.random.default_rng(10).integers(0, 4, (2, 64)), 1), jnp.int32)
+WHOLE_BATCH_RULES = js.SegmentMask(DOCUMENTS, DOCUMENTS) & js.CausalMask()
 
 
 @pytest.mark.parametrize(
@@ -258,12 +267,15 @@ BY_BATCH_AND_HEAD = js.create_block_mask(_by_batch_and_head, 2, 4, 64, 64, block
         ((2, 4), ("batch", "seq"), "contiguous", _by_batch_and_head),
         ((4, 2), ("seq", "heads"), "striped", _by_batch_and_head),
         ((2, 2, 2), ("batch", "seq", "heads"), "striped", BY_BATCH_AND_HEAD),
+        ((2, 4), ("batch", "seq"), "striped", WHOLE_BATCH_RULES),
     ],
-    ids=["batch2xseq4", "seq4xheads2", "batch2xseq2xheads2-block_mask"],
+    ids=["batch2xseq4", "seq4xheads2", "batch2xseq2xheads2-block_mask", "batch2xseq4-rules"],
 )
 def test_mods_and_sinks_see_the_whole_batch_and_all_heads_when_both_are_split(
     shape, names, layout, mask_mod
 ):
+    if isinstance(mask_mod, js.BlockMask):
+        assert (mask_mod.classes == 0).any()  # some tiles are skipped
     split = {"batch": "batch", "head": "heads"}
     # With the batch or the heads over devices, a mod (or a BlockMask made for the whole batch
     # and all heads) still sees each sequence's index in the whole batch and each head's among
