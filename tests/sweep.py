@@ -8,12 +8,15 @@ compile. For every case:
 
 - the output and the log-sum-exp equal the reference's (``tests/reference.py``, float64 NumPy),
   rows with no allowed key are exactly 0, and nothing is NaN;
-- each gradient (queries, keys, values, bias, sinks, every array a mod closes over) agrees with
-  the reference along a random direction: ``⟨∇f, u⟩`` against the reference's central difference
-  ``(f(x + εu) − f(x − εu)) / 2ε`` of ``f = ⟨out, d_out⟩ + ⟨lse, d_lse⟩``;
-- where ``jax.nn.dot_product_attention`` takes the call, its output on rows with a key.
+- every gradient of ``f = ⟨out, d_out⟩ + ⟨lse, d_lse⟩`` (queries, keys, values, bias, sinks,
+  every array a score_mod closes over) equals the reference's hand-derived backward; an array a
+  mod closes over gets the reference's gradient of the scores times the mod's central difference;
+- where ``jax.nn.dot_product_attention`` takes the call, its output on rows with a key equals
+  ours, and its gradients of ``⟨out, d_out⟩`` on those rows equal the reference's (a second
+  oracle for the hand-derived backward).
 
-A failure names the case: ``python -m tests.sweep chunked 12345`` runs that one again.
+A failure names the case and the command that runs it again, e.g.
+``python -m tests.sweep chunked 12 12003`` (implementation, structure seed, data seed).
 """
 
 import contextlib
@@ -347,7 +350,7 @@ def _ours(s: Structure, arrays: dict):
     )
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4)  # a structure's draws run one after another
 def program(s: Structure):
     """``arrays → (out, lse, gradients)``, jitted: compiled once per structure."""
 
@@ -387,11 +390,12 @@ def _paged_keys(data: dict, s: Structure) -> tuple[np.ndarray, np.ndarray, np.nd
     return keys, values, allowed
 
 
-def reference(s: Structure, data: dict) -> dict:
-    """The float64 reference of ``s`` on ``data``: outputs, ``allowed`` and every gradient."""
+def reference(s: Structure, data: dict, **cotangents) -> dict:
+    """The float64 reference of ``s`` on ``data``: outputs, ``allowed`` and every gradient (of
+    the data's ``d_out`` and ``d_lse``, or of the ``cotangents`` given)."""
     arrays = {
         name: np.asarray(x, np.float64) if np.issubdtype(x.dtype, np.floating) else x
-        for name, x in data.items()
+        for name, x in {**data, **cotangents}.items()
     }
     mods = dict(
         _mods(s, np, arrays), soft_cap=s.soft_cap, d_out=arrays["d_out"], d_lse=arrays["d_lse"]
@@ -459,17 +463,18 @@ def check_case(
     """Runs one case and raises ``AssertionError`` naming it if anything disagrees."""
     s = draw_structure(implementation, structure_seed, x64)
     data = draw_data(s, data_seed)
+    devices = "XLA_FLAGS=--xla_force_host_platform_device_count=8 " * (implementation == "ring")
     where = (
-        f"sweep case {implementation} {structure_seed} {data_seed} (rerun: python -m "
+        f"sweep case {implementation} {structure_seed} {data_seed} (rerun: {devices}python -m "
         f"tests.sweep {implementation} {structure_seed} {data_seed}{' --x64' * s.x64}): {s}"
     )
     with enable_x64() if s.x64 else contextlib.nullcontext():
         out, lse, grads = program(s)(jax.tree.map(jnp.asarray, data))
-        theirs = _jax_nn(s, data)
+        want = reference(s, data)
+        has_key = want["allowed"].any(-1).transpose(0, 2, 1)  # (B, T, N)
+        theirs = _jax_nn(s, data, has_key)
     assert out.dtype == s.dtype, f"output {out.dtype}, inputs {np.dtype(s.dtype)}; {where}"
-    want = reference(s, data)
     tolerance = 1e-9 if s.float64 else 1e-5
-    has_key = want["allowed"].any(-1).transpose(0, 2, 1)  # (B, T, N)
     for name, x in (("output", out), ("log-sum-exp", lse), *grads.items()):
         assert not np.isnan(np.asarray(x)).any(), f"NaN in the {name}; {where}"
     error = _error(out, want["out"])
@@ -484,8 +489,16 @@ def check_case(
         error = _error(grad, want[name])
         assert error <= 2 * tolerance, f"gradient of {name} off by {error:.1e}; {where}"
     if theirs is not None:
-        error = _error(out, np.where(has_key[..., None], np.asarray(theirs, np.float64), 0))
+        theirs_out, theirs_grads = theirs
+        error = _error(out, np.where(has_key[..., None], np.asarray(theirs_out, np.float64), 0))
         assert error <= tolerance, f"jax.nn's output differs by {error:.1e}; {where}"
+        d_out = np.where(has_key[..., None], data["d_out"], 0)
+        want = reference(s, data, d_out=d_out, d_lse=np.zeros_like(data["d_lse"]))
+        for name, grad in theirs_grads.items():
+            error = _error(grad, want[name])
+            assert error <= 2 * tolerance, (
+                f"jax.nn's gradient of {name} differs by {error:.1e}; {where}"
+            )
 
 
 def _error(x, want) -> float:
@@ -495,27 +508,40 @@ def _error(x, want) -> float:
     return float(np.abs(x - want).max(initial=0) / max(1.0, np.abs(want).max(initial=0)))
 
 
-def _jax_nn(s: Structure, data: dict):
-    """``jax.nn.dot_product_attention`` of the case, where it takes the call meaning the same."""
+def _jax_nn(s: Structure, data: dict, has_key: np.ndarray):
+    """``jax.nn.dot_product_attention``'s output of the case and its gradients of ``⟨out, d_out⟩``
+    on the rows with a key, where it takes the call meaning the same; else None."""
     beyond = (s.bottom_right, s.soft_cap, s.sinks, s.score_mod, s.mask_mod, s.segments)
+    beyond += (s.d_v != s.d_k,)  # jax.nn asks for values as wide as the keys
     if s.implementation not in ("xla", "chunked") or any(beyond):
         return None
     mask = data.get("mask")
     if mask is None and s.window is not None:  # jax.nn before 0.8 ignored a window without one
         mask = np.ones((1,), bool)
-    return nn_attention(
-        *(jnp.asarray(data[name]) for name in ("query", "key", "value")),
-        bias=None if s.bias is None else jnp.asarray(data["bias"]),
-        mask=None if mask is None else jnp.asarray(mask),
-        scale=s.scale,
-        is_causal=s.is_causal,
-        local_window_size=s.window,
-        query_seq_lengths=data.get("query_seq_lengths"),
-        key_value_seq_lengths=data.get("key_value_seq_lengths"),
-    )
+    names = ("query", "key", "value") + ("bias",) * (s.bias is not None)
+
+    def attend(diff):
+        return nn_attention(
+            diff["query"],
+            diff["key"],
+            diff["value"],
+            bias=diff.get("bias"),
+            mask=None if mask is None else jnp.asarray(mask),
+            scale=s.scale,
+            is_causal=s.is_causal,
+            local_window_size=s.window,
+            query_seq_lengths=data.get("query_seq_lengths"),
+            key_value_seq_lengths=data.get("key_value_seq_lengths"),
+        )
+
+    out, pullback = jax.vjp(attend, {name: jnp.asarray(data[name]) for name in names})
+    d_out = jnp.where(jnp.asarray(has_key)[..., None], jnp.asarray(data["d_out"]), 0)
+    return out, pullback(d_out.astype(out.dtype))[0]
 
 
 if __name__ == "__main__":  # python -m tests.sweep IMPLEMENTATION STRUCTURE DATA [--x64]
+    jax.config.update("jax_numpy_dtype_promotion", "strict")  # as the suite runs (conftest.py)
+    jax.config.update("jax_numpy_rank_promotion", "raise")
     implementation, structure_seed, data_seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     check_case(implementation, structure_seed, data_seed, x64="--x64" in sys.argv or None)
     print("ok")

@@ -139,17 +139,24 @@ def test_an_implementation_without_forward_mode_says_so(rng, implementation):
         jax.jvp(lambda q: f(q, k, v), (q,), (q,))
 
 
-def test_forward_over_reverse_and_reverse_over_reverse_work_on_the_chunked_path(rng):
+@pytest.mark.parametrize("implementation", ["chunked", "ring"])
+def test_forward_over_reverse_and_reverse_over_reverse_work_on_the_custom_vjp_paths(
+    rng, implementation
+):
     # jax.hessian is jacfwd(jacrev(f)): forward mode over the path's own backward; a jvp in the
     # keys of a gradient in the queries likewise; a gradient of a gradient goes through the
     # backward pass's loops (whose trip counts are known with no mask and whole tiles).
     q, k, v = qkv(rng, 1, 4, 4, 2, 1, 2)
     tangent = jnp.asarray(rng.normal(size=k.shape), jnp.float32)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
 
     def total(q, k, implementation):
-        out = js.dot_product_attention(
-            q, k, v, implementation=implementation, block_q=2, block_kv=2
-        )
+        if implementation == "ring":
+            out = js.ring_dot_product_attention(q, k, v, mesh=mesh, seq_axis="seq")
+        else:
+            out = js.dot_product_attention(
+                q, k, v, implementation=implementation, block_q=2, block_kv=2
+            )
         return jnp.sum(out * jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
 
     def second_orders(impl):
@@ -158,7 +165,7 @@ def test_forward_over_reverse_and_reverse_over_reverse_work_on_the_chunked_path(
         grad_of_grad = jax.grad(lambda q: jnp.sum(jax.grad(total)(q, k, impl) ** 2))(q)
         return hessian, mixed, grad_of_grad
 
-    for got, want in zip(second_orders("chunked"), second_orders("xla"), strict=True):
+    for got, want in zip(second_orders(implementation), second_orders("xla"), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
