@@ -10,12 +10,12 @@ sequence over many devices.
 
 from jax_sdpa import mods as mods
 from jax_sdpa._attention import attention as attention
+from jax_sdpa._block_mask import BlockMask as BlockMask
 from jax_sdpa._block_mask import create_block_mask as create_block_mask
 from jax_sdpa._dot_product import dot_product_attention as dot_product_attention
 from jax_sdpa._dot_product import dot_product_attention_weights as dot_product_attention_weights
 from jax_sdpa._dot_product import ring_attention as ring_attention
 from jax_sdpa._masks import AndMask as AndMask
-from jax_sdpa._masks import BlockMask as BlockMask
 from jax_sdpa._masks import CausalMask as CausalMask
 from jax_sdpa._masks import LengthMask as LengthMask
 from jax_sdpa._masks import LocalWindowMask as LocalWindowMask

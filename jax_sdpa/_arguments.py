@@ -17,12 +17,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_sdpa import _checks
-from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, Tiling
+from jax_sdpa._block_mask import BlockMask
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._implementations import Config, Inputs, Output, choose
 from jax_sdpa._masks import (
     AndMask,
-    BlockMask,
     CausalMask,
     Index,
     LengthMask,
@@ -35,6 +34,7 @@ from jax_sdpa._masks import (
 )
 from jax_sdpa._ring import Ring
 from jax_sdpa._steps import accumulation_dtype, default_scale
+from jax_sdpa._tiles import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, Tiling
 from jax_sdpa._user_functions import (
     INDEX_ARGUMENT,
     convert,
@@ -143,7 +143,7 @@ def _ring_spec(
     _checks.check_choice("layout", layout, ("contiguous", "striped"))
     if layout == "striped":
         for name, x in (("query", query), ("key", key)):
-            check_equal_parts(name, jnp.shape(x)[-3], 2, "local sequence", STRIPED)
+            _checks.check_equal_parts(name, jnp.shape(x)[-3], 2, "local sequence", _checks.STRIPED)
     split = {name: axis for name, axis in (("batch", batch_axis), ("head", head_axis)) if axis}
     sizes = {f"{name}_shards": _axis_size(f"{name}_axis", axis) for name, axis in split.items()}
     shards = _axis_size("axis_name", axis_name)
@@ -164,21 +164,6 @@ def _axis_size(name: str, axis) -> int:
         raise ValueError(
             f"`{name}` must name an axis of the enclosing `jax.shard_map` {axes}; got {axis!r}."
         ) from None
-
-
-STRIPED = "for layout='striped' (two chunks per device)"
-
-
-def check_equal_parts(name: str, length: int, parts: int, what: str, where: str) -> None:
-    """The one rule of sharding a sequence (or batch, or heads): ``parts`` equal parts.
-
-    With ``layout="striped"`` each device holds two chunks, so a ring of ``P`` devices needs
-    ``2P`` chunks; ``where`` says which mesh axis or layout asks for the parts.
-    """
-    if length % parts:
-        raise ValueError(
-            f"`{name}` must split its {what} into {parts} equal parts {where}; got {what} {length}."
-        )
 
 
 def _query_key_value(query, key, value, ring: Ring | None, dtype=None, **_):

@@ -55,15 +55,15 @@ def dense_sequence(
     dropout with ``dropped_weights``); each key/value head serves its ``G = N // K`` query heads.
     """
     seq, heads, _ = query.shape
-    grouped = (key.shape[1], heads // key.shape[1])  # (K, G)
+    groups = (key.shape[1], heads // key.shape[1])  # (K, G)
     head = _weights_head if dropped_weights else attention_head
 
     def each(per_query, per_kv):
         return head(formula, per_query[0], *per_kv, per_query[1])
 
-    query = jnp.moveaxis(query.reshape(seq, *grouped, -1), 0, 2)  # (K, G, T, H)
+    query = jnp.moveaxis(query.reshape(seq, *groups, -1), 0, 2)  # (K, G, T, H)
     kv = (jnp.moveaxis(key, 1, 0), jnp.moveaxis(value, 1, 0))
-    result = over_heads(each, grouped, (query, arrays.by_head(grouped)), kv)
+    result = over_heads(each, groups, (query, arrays.by_head(groups)), kv)
     out, lse, weights = (x.reshape(heads, *x.shape[2:]) for x in result)
     # (N, T, V) → (T, N, V) and (N, T) → (T, N), the layout of jax.nn.
     return Result(jnp.moveaxis(out, 0, 1), jnp.moveaxis(lse, 0, 1), weights)

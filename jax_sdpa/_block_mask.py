@@ -8,13 +8,119 @@ entry once, in the forward pass (the backward pass reads the classes). A
 that share the mask, as PyTorch FlexAttention's ``create_block_mask`` does.
 """
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jaxtyping import Array, Integer
 
 from jax_sdpa import _checks
-from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q
-from jax_sdpa._masks import BlockMask, MaskRule, classify_blocks
+from jax_sdpa._masks import Index, MaskRule, indices, positions, rule_class, static_field
+from jax_sdpa._tiles import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q
 from jax_sdpa._user_functions import function_mask
+
+EMPTY, PARTIAL, FULL = 0, 1, 2  # a tile's class in a BlockMask
+
+
+@rule_class
+class BlockMask(MaskRule):
+    """A rule with the class of each of its tiles computed once (:func:`create_block_mask`).
+
+    ``classes[batch, head, i, j]`` (``batch`` indexes the flattened batch) is ``EMPTY`` (0: the
+    rule allows no entry of query block ``i`` × key block ``j``; the chunked and ring paths skip
+    it), ``FULL`` (2: every entry; they compute it without evaluating the rule) or ``PARTIAL``
+    (1: they evaluate ``rule`` there). Its batch and head axes may be 1, shared by all. Any
+    entry is ``rule``'s answer.
+    """
+
+    rule: MaskRule
+    classes: Integer[Array, "batch heads q_blocks kv_blocks"]  # shared: read at the batch index
+    block_q: int = static_field()
+    block_kv: int = static_field()
+    q_len: int = static_field()
+    kv_len: int = static_field()
+
+    @property
+    def opaque(self) -> bool:
+        return True
+
+    @property
+    def per_head(self) -> bool:
+        return self.rule.per_head
+
+    def __call__(self, q_idx, kv_idx):
+        return self.rule(q_idx, kv_idx)
+
+    def at(self, q_idx, kv_idx, batch, head):
+        return self.rule.at(q_idx, kv_idx, batch, head)
+
+    # The rule's own ranges still bound the loops (a causal part keeps its triangle).
+    def kv_range(self, q_lo, q_hi):
+        return self.rule.kv_range(q_lo, q_hi)
+
+    def q_range(self, kv_lo, kv_hi):
+        return self.rule.q_range(kv_lo, kv_hi)
+
+    def kv_full_range(self, q_lo, q_hi):
+        return self.rule.kv_full_range(q_lo, q_hi)
+
+    def q_full_range(self, kv_lo, kv_hi):
+        return self.rule.q_full_range(kv_lo, kv_hi)
+
+    def tile_class(self, q_idx, kv_idx, batch, heads):
+        """Read from ``classes[batch]`` (or ``[0]``, shared): ``(heads, q_blocks, kv_blocks)``.
+
+        The tile may cover several blocks, or parts of them: it is empty (full) if every block
+        it touches is.
+        """
+        classes = self.classes[batch if self.classes.shape[0] > 1 else 0]
+        classes = classes if classes.shape[0] == 1 else classes[heads]
+        rows, row_seen = _touched(q_idx, self.block_q, classes.shape[1])
+        cols, col_seen = _touched(kv_idx, self.block_kv, classes.shape[2])
+        touched = lax.dynamic_slice(
+            classes, indices(0, rows, cols), (classes.shape[0], row_seen.size, col_seen.size)
+        )
+        seen = (row_seen[:, None] & col_seen[None, :])[None]
+        return jnp.all((touched == EMPTY) | ~seen), jnp.all((touched == FULL) | ~seen)
+
+
+def _touched(idx, block: int, count: int) -> tuple[Array, Array]:
+    """``(first, seen)``: the blocks a run of positions touches are ``first + n`` where ``seen``.
+
+    ``seen`` has a static size, the most blocks a run of ``idx.size`` positions can touch.
+    """
+    size = min(-(-idx.size // block) + 1, count)
+    lo, hi = idx[0] // block, idx[-1] // block + 1
+    first = jnp.clip(lo, 0, count - size)
+    blocks = positions(first, size)
+    return first, (blocks >= lo) & (blocks < hi)
+
+
+# Tiles classified per step of the loop that builds a BlockMask: the step holds this many
+# entries of the mask at most, whatever the sequence lengths.
+_ENTRIES_PER_STEP = 2**22
+
+
+def classify_blocks(
+    rule: MaskRule, q_len: int, kv_len: int, block_q: int, block_kv: int, batch: Index, heads
+) -> Integer[Array, "heads q_blocks kv_blocks"]:
+    """The :class:`BlockMask` classes of one sequence, ``(len(heads) or 1, q_blocks, kv_blocks)``.
+
+    Tiles are classified with :meth:`MaskRule.tile_class`, a few at a time: the mask is never
+    held whole. Positions past ``q_len`` (``kv_len``) in the last blocks are not looked at.
+    """
+    heads = heads if rule.per_head else heads[:1]
+    q_blocks, kv_blocks = -(-q_len // block_q), -(-kv_len // block_kv)
+
+    def tile(ij):
+        i, j = jnp.divmod(ij, kv_blocks)
+        q_idx = jnp.minimum(positions(i * block_q, block_q), q_len - 1)
+        kv_idx = jnp.minimum(positions(j * block_kv, block_kv), kv_len - 1)
+        empty, full = jax.vmap(lambda h: rule.tile_class(q_idx, kv_idx, batch, h[None]))(heads)
+        return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int8)
+
+    per_step = max(1, _ENTRIES_PER_STEP // (heads.size * block_q * block_kv))
+    classes = lax.map(tile, positions(0, q_blocks * kv_blocks), batch_size=per_step)
+    return classes.T.reshape(heads.size, q_blocks, kv_blocks)
 
 
 def create_block_mask(

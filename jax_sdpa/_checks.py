@@ -83,5 +83,22 @@ def check_choice(name: str, value, choices: Sequence) -> None:
 
 def check_positive_int(name: str, value) -> None:
     """A Python int ≥ 1 (a static size: a length, a tile)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a positive int; got {value!r}.")
+    if value < 1:
         raise ValueError(f"`{name}` must be a positive int; got {value!r}.")
+
+
+STRIPED = "for layout='striped' (two chunks per device)"
+
+
+def check_equal_parts(name: str, length: int, parts: int, what: str, where: str) -> None:
+    """The one rule of sharding a sequence (or batch, or heads): ``parts`` equal parts.
+
+    With ``layout="striped"`` each device holds two chunks, so a ring of ``P`` devices needs
+    ``2P`` chunks; ``where`` says which mesh axis or layout asks for the parts.
+    """
+    if length % parts:
+        raise ValueError(
+            f"`{name}` must split its {what} into {parts} equal parts {where}; got {what} {length}."
+        )

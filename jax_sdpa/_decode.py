@@ -19,8 +19,9 @@ bandwidth, not the matrix units. Two things then decide the speed:
 
 Everything else is the formula's own code: :meth:`~jax_sdpa._formula.Formula.logits` (scale,
 soft cap, bias, ``score_mod``, mask rules at global positions) and the online softmax's
-``update``, ``combine`` and ``finish``. The pass has no backward of its own: differentiating
-it differentiates the chunked implementation at the same point.
+``update``, ``combine`` and ``finish``. The backward pass is the tile engine's
+(:func:`jax_sdpa._tiles_backward.backward`), from the log-sum-exp this pass saves: one tile of
+all the queries against each chunk of keys.
 """
 
 import functools
@@ -29,11 +30,12 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa import _online_softmax as online_softmax
-from jax_sdpa._chunked import Tiling, chunked_sequence, pad_keys
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_heads
 from jax_sdpa._masks import positions
 from jax_sdpa._steps import accumulation_dtype, raw_scores, weighted_sum
+from jax_sdpa._tiles import Tiles, Tiling, pad_keys
+from jax_sdpa._tiles_backward import backward
 
 # Up to this many columns (K·G·T: every query row of every head), the scores are one matrix
 # product of the keys as they lie, ``(L, K·H)``, with a block-diagonal matrix of the queries:
@@ -112,18 +114,18 @@ def split_keys(formula: Formula, query, keys, values, arrays: CallArrays) -> Res
     """
     seq_q, heads, _ = query.shape
     count, size, kv_heads, _ = keys.shape
-    heads_kv = (kv_heads, heads // kv_heads)
+    groups = (kv_heads, heads // kv_heads)
     query, formula = formula.scaled_queries(query)
-    per_query = jnp.moveaxis(query.reshape(seq_q, *heads_kv, -1), 0, 2)  # (K, G, T, H)
+    per_query = jnp.moveaxis(query.reshape(seq_q, *groups, -1), 0, 2)  # (K, G, T, H)
 
     def one_chunk(n, keys, values):
         start = n * size
-        tile = arrays.window((0, seq_q), (start, size)).by_head(heads_kv)
+        tile = arrays.block((0, seq_q), (start, size)).by_head(groups)
         return _chunk_state(formula, per_query, keys, values, tile, start)
 
     state = online_softmax.combine(jax.vmap(one_chunk)(positions(0, count), keys, values))
     if arrays.sinks is not None:
-        sink = arrays.sinks.reshape(*heads_kv, 1)
+        sink = arrays.sinks.reshape(*groups, 1)
         state = online_softmax.merge(
             state, online_softmax.init(per_query, state.denom.shape, state.acc.shape, sink)
         )
@@ -132,30 +134,19 @@ def split_keys(formula: Formula, query, keys, values, arrays: CallArrays) -> Res
     return Result(out, jnp.moveaxis(lse, 2, 0).reshape(seq_q, heads), None)
 
 
-def _contiguous(chunk: int, key, value, arrays: CallArrays) -> tuple[tuple, CallArrays]:
-    """A contiguous ``(S, K, ·)`` cache as whole chunks ``(C, chunk, K, ·)`` (padded, masked)."""
-    key, value, arrays = pad_keys(key, value, arrays, chunk)
-    return tuple(x.reshape(-1, chunk, *x.shape[1:]) for x in (key, value)), arrays
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _decode(tiles: Tiles, query, key, value, arrays: CallArrays):
+    return _decode_fwd(tiles, query, key, value, arrays)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _decode(formula: Formula, tiling: Tiling, query, key, value, arrays: CallArrays):
-    (keys, values), arrays = _contiguous(min(tiling.block_kv, key.shape[0]), key, value, arrays)
-    return split_keys(formula, query, keys, values, arrays)[:2]
+def _decode_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
+    """The keys and values, whole chunks of ``tiles.block_kv``, split and their states merged."""
+    keys, values = (x.reshape(-1, tiles.block_kv, *x.shape[1:]) for x in (key, value))
+    out, lse, _ = split_keys(tiles.formula, query, keys, values, arrays)
+    return (out, lse), (query, key, value, arrays, out, lse)
 
 
-def _decode_fwd(formula, tiling, query, key, value, arrays):
-    return _decode(formula, tiling, query, key, value, arrays), (query, key, value, arrays)
-
-
-def _decode_bwd(formula, tiling, residuals, cotangents):
-    def chunked(*args):
-        return chunked_sequence(formula, tiling, *args)[:2]
-
-    return jax.vjp(chunked, *residuals)[1](cotangents)
-
-
-_decode.defvjp(_decode_fwd, _decode_bwd)
+_decode.defvjp(_decode_fwd, backward)
 
 
 def decode_sequence(
@@ -163,7 +154,10 @@ def decode_sequence(
 ) -> Result:
     """Split-key attention of one sequence, all heads: ``(out, lse, None)`` in jax.nn's layout.
 
-    Chunks of ``tiling.block_kv`` keys. The same results as
-    :func:`jax_sdpa._chunked.chunked_sequence`; its gradient is that path's.
+    Chunks of ``tiling.block_kv`` keys (the last padded, its padding masked); every query in
+    one tile. The same results as :func:`jax_sdpa._chunked.chunked_sequence`.
     """
-    return Result(*_decode(formula, tiling, query, key, value, arrays), None)
+    (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
+    tiles = Tiles(formula, seq_q, min(tiling.block_kv, seq_kv), (kv_heads, heads // kv_heads))
+    key, value, arrays = pad_keys(key, value, arrays, tiles.block_kv)
+    return Result(*_decode(tiles, query, key, value, arrays), None)

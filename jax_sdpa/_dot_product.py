@@ -31,10 +31,10 @@ from jaxtyping import Array, ArrayLike, Float
 
 from jax_sdpa import _checks
 from jax_sdpa._arguments import bind
-from jax_sdpa._chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q
 from jax_sdpa._implementations import run
 from jax_sdpa._masks import MaskRule
 from jax_sdpa._ring import Layout
+from jax_sdpa._tiles import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q
 
 __all__ = ["dot_product_attention", "dot_product_attention_weights", "ring_attention"]
 

@@ -126,22 +126,23 @@ class Formula:
         )
 
 
-def window(shape: tuple, rows: tuple, cols: tuple) -> tuple[tuple, tuple]:
-    """Start and size of ``rows = (start, count)`` × ``cols`` in a ``(..., t, s)`` bias or mask.
+def block_of(shape: tuple, q_block: tuple, kv_block: tuple) -> tuple[tuple, tuple]:
+    """Start and size of a tile, ``q_block = (start, count)`` × ``kv_block``, in a bias or mask.
 
-    Its ``t`` and ``s`` axes are either full or 1 (broadcast): a broadcast axis stays at 0 and 1.
+    The array is ``(..., t, s)``, its ``t`` and ``s`` axes full or 1 (broadcast): a broadcast
+    axis stays at 0 and 1.
     """
-    (row, n_rows), (col, n_cols) = rows, cols
+    (row, n_rows), (col, n_cols) = q_block, kv_block
     full_rows, full_cols = shape[-2] > 1, shape[-1] > 1
     start = (0,) * (len(shape) - 2) + (row if full_rows else 0, col if full_cols else 0)
     return indices(*start), shape[:-2] + (n_rows if full_rows else 1, n_cols if full_cols else 1)
 
 
-def _per_head(x: Array | None, heads: tuple[int, int]) -> Array | None:
+def _per_head(x: Array | None, groups: tuple[int, int]) -> Array | None:
     """``(N, ...)`` → ``(K, G, ...)``; a leading 1 (shared by all heads) → ``(1, 1, ...)``."""
     if x is None:
         return None
-    return x.reshape((heads if x.shape[0] > 1 else (1, 1)) + x.shape[1:])
+    return x.reshape((groups if x.shape[0] > 1 else (1, 1)) + x.shape[1:])
 
 
 @jax.tree_util.register_dataclass
@@ -178,7 +179,7 @@ class CallArrays:
         """``(batch, head)`` of one head's arrays (0 and 0 where they are not tracked)."""
         return (0 if self.batch is None else self.batch), (0 if self.head is None else self.head)
 
-    def by_head(self, heads: tuple[int, int]) -> "CallArrays":
+    def by_head(self, groups: tuple[int, int]) -> "CallArrays":
         """The per-sequence arrays with ``(K, G)`` leading every leaf, or ``(1, 1)`` if shared.
 
         ``K`` key/value heads each serve ``G`` query heads (:func:`jax_sdpa._heads.over_heads`);
@@ -187,20 +188,22 @@ class CallArrays:
         shared = (self.rule, self.batch, self.score_consts)
         rule, batch, score_consts = jax.tree.map(lambda x: jnp.expand_dims(x, (0, 1)), shared)
         return CallArrays(
-            bias=_per_head(self.bias, heads),
-            mask=_per_head(self.mask, heads),
+            bias=_per_head(self.bias, groups),
+            mask=_per_head(self.mask, groups),
             rule=rule,
-            dropout_rng=_per_head(self.dropout_rng, heads),
+            dropout_rng=_per_head(self.dropout_rng, groups),
             batch=batch,
-            head=_per_head(self.head, heads),
+            head=_per_head(self.head, groups),
             score_consts=score_consts,
-            sinks=_per_head(self.sinks, heads),
+            sinks=_per_head(self.sinks, groups),
         )
 
-    def window(self, rows: tuple, cols: tuple) -> "CallArrays":
-        """The arrays of queries ``rows = (start, count)`` against keys ``cols`` (bias, mask)."""
+    def block(self, q_block: tuple, kv_block: tuple) -> "CallArrays":
+        """The arrays of queries ``q_block = (start, count)`` against keys ``kv_block``."""
 
         def cut(x):
-            return None if x is None else lax.dynamic_slice(x, *window(x.shape, rows, cols))
+            return (
+                None if x is None else lax.dynamic_slice(x, *block_of(x.shape, q_block, kv_block))
+            )
 
         return dataclasses.replace(self, bias=cut(self.bias), mask=cut(self.mask))

@@ -34,14 +34,14 @@ def _split(tree: Any) -> tuple[Any, Any]:
     return args, treedef.unflatten([None if s else 0 for s in shared])
 
 
-def over_heads(fn: Callable, heads: tuple[int, int], per_query: Any, per_kv: Any = ()) -> Any:
+def over_heads(fn: Callable, groups: tuple[int, int], per_query: Any, per_kv: Any = ()) -> Any:
     """``fn(per_query, per_kv)`` for every query head, results stacked ``(K, G, ...)``.
 
-    ``heads = (K, G)``: ``per_query`` is a pytree whose leaves lead with ``(K, G)``, or with
+    ``groups = (K, G)``: ``per_query`` is a pytree whose leaves lead with ``(K, G)``, or with
     ``(1, 1)`` where all heads share them; ``per_kv`` one whose leaves lead with ``K`` (or 1).
     ``fn`` sees one head's slices of each.
     """
-    kv_heads, group = heads
+    kv_heads, group = groups
 
     def kv_head(per_query, per_kv):
         args, axes = _split(per_query)

@@ -30,16 +30,16 @@ from jax.interpreters import ad
 from jaxtyping import Array
 
 from jax_sdpa._attention import dense_sequence
-from jax_sdpa._chunked import Tiling, chunked_sequence
+from jax_sdpa._chunked import chunked_sequence
 from jax_sdpa._decode import BLOCK_DIAGONAL_COLUMNS, decode_sequence
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
 from jax_sdpa._ring import Ring, ring_sequence
 from jax_sdpa._steps import accumulation_dtype
+from jax_sdpa._tiles import Tiling
 
 Output = Literal["attention", "attention_and_weights", "weights"]
-ForwardMode = Literal["jvp", "over reverse", "none"]
 # implementation=None: on CPU the chunked path was measured at least as fast as the dense one at
 # every benchmark size, forward and backward (BENCHMARKS.md), so it is the default there. On
 # accelerators (not measured here) fused dense kernels are fast while the scores of the call,
@@ -95,16 +95,15 @@ class Config:
 class Entry:
     """One way to compute attention: ``run`` a call, or say why it cannot (``unsupported``).
 
-    ``forward_mode``: what forward-mode differentiation it takes. ``"jvp"``: all of it;
-    ``"over reverse"``: only of its own backward pass (``jax.hessian``, ``jax.jvp`` of a
-    ``jax.grad``), as a path with a ``jax.custom_vjp`` has; ``"none"``: neither (a backward pass
-    that is itself another implementation's ``jax.vjp``).
+    ``jvp``: whether it has a forward-mode derivative. Without one (a ``jax.custom_vjp``), it
+    still has forward over reverse (``jax.hessian``, ``jax.jvp`` of a ``jax.grad``): forward mode
+    of its own backward pass.
     ``asked_as``: how a user asks for it, for messages (``implementation=...`` by default).
     """
 
     run: Callable[[Inputs, Config], Result]
     unsupported: Callable[[Inputs, Config], str | None] = lambda inputs, config: None
-    forward_mode: ForwardMode = "over reverse"
+    jvp: bool = False
     asked_as: str | None = None
 
 
@@ -220,9 +219,9 @@ def _cudnn(inputs: Inputs, config: Config) -> Result:
 
 
 IMPLEMENTATIONS: dict[str, Entry] = {
-    "xla": Entry(_dense, forward_mode="jvp"),
+    "xla": Entry(_dense, jvp=True),
     "chunked": Entry(_chunked, _chunked_unsupported),
-    "decode": Entry(_decode, _decode_unsupported, forward_mode="none"),
+    "decode": Entry(_decode, _decode_unsupported),
     "cudnn": Entry(_cudnn, _cudnn_unsupported),
     "ring": Entry(_ring, asked_as="`ring_attention`"),
 }
@@ -241,23 +240,18 @@ def _preference(inputs: Inputs) -> tuple[str, ...]:
     return ("xla", "chunked")
 
 
-def _forward_mode(inputs: Inputs) -> ForwardMode | None:
-    """The forward-mode differentiation acting on the call, if any: ``"jvp"`` or ``"over reverse"``.
+def _under_jvp(inputs: Inputs) -> bool:
+    """Whether the innermost transformation of the call, looking through ``vmap``, is a JVP.
 
-    ``"jvp"``: the innermost transformation of the call, looking through ``vmap``, is a JVP
-    (``jax.jvp``, ``jax.jacfwd``) and some input carries its tangent. ``"over reverse"``: a JVP
-    further out, over a reverse-mode one (``jax.hessian``, ``jax.jvp`` of a ``jax.grad``): it
-    differentiates the backward pass. Not seen from here: a JVP of a ``jax.jit`` or a
-    ``jax.checkpoint`` that calls attention (the call is traced first, transformed afterwards).
+    That is ``jax.jvp`` or ``jax.jacfwd`` of the call, with a tangent in some input; a JVP
+    further out, over a reverse-mode one (``jax.hessian``), differentiates the backward pass
+    instead. Not seen from here: a JVP of a ``jax.jit`` or a ``jax.checkpoint`` that calls
+    attention (the call is traced first, transformed afterwards).
     """
     trace = getattr(jax_core, "trace_ctx", None) and jax_core.trace_ctx.trace
-    innermost = True
-    while trace is not None:
-        if isinstance(trace, ad.JVPTrace) and _carries(inputs, trace):
-            return "jvp" if innermost else "over reverse"
-        innermost = innermost and isinstance(trace, batching.BatchTrace)
-        trace = getattr(trace, "parent_trace", None)
-    return None
+    while isinstance(trace, batching.BatchTrace):
+        trace = trace.parent_trace
+    return isinstance(trace, ad.JVPTrace) and _carries(inputs, trace)
 
 
 def _carries(inputs: Inputs, trace) -> bool:
@@ -277,22 +271,16 @@ def choose(inputs: Inputs, config: Config, requested: str | None) -> str:
         ValueError: With the implementation's own message, if ``requested`` cannot run it.
         TypeError: If ``requested`` has no forward mode and ``jax.jvp`` differentiates the call.
     """
-    forward = _forward_mode(inputs)
+    under_jvp = _under_jvp(inputs)
 
     def takes(name: str) -> bool:
-        mode = IMPLEMENTATIONS[name].forward_mode
-        return forward is None or mode == "jvp" or forward == mode == "over reverse"
+        return not under_jvp or IMPLEMENTATIONS[name].jvp
 
     if requested is not None and not takes(requested):
         asked = IMPLEMENTATIONS[requested].asked_as or f"`implementation={requested!r}`"
-        what = (
-            "forward-mode derivative (jax.jvp, jax.jacfwd)"
-            if forward == "jvp"
-            else ("forward-over-reverse derivative (jax.hessian, jax.jvp of jax.grad)")
-        )
         raise TypeError(
-            f"{asked} has no {what}: its backward pass is its own (jax.custom_vjp); "
-            "dot_product_attention(implementation='xla') has one."
+            f"{asked} has no forward-mode derivative (jax.jvp, jax.jacfwd): its backward pass "
+            "is its own (jax.custom_vjp); dot_product_attention(implementation='xla') has one."
         )
     names = _preference(inputs) if requested is None else (requested,)
     names = [name for name in names if takes(name)]

@@ -38,7 +38,6 @@ from jaxtyping import Array, Bool, Integer
 
 __all__ = [
     "AndMask",
-    "BlockMask",
     "CausalMask",
     "FunctionMask",
     "LengthMask",
@@ -81,12 +80,12 @@ def positions(start: Index, count: int) -> Integer[Array, " count"]:
     return jnp.asarray(start, INDEX) + jnp.arange(count, dtype=INDEX)
 
 
-def _rule(cls: type) -> type:
+def rule_class(cls: type) -> type:
     """A frozen dataclass pytree: array fields are leaves, ``static=True`` fields are not."""
     return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
 
 
-def _static(default: Any = dataclasses.MISSING) -> Any:
+def static_field(default: Any = dataclasses.MISSING) -> Any:
     """A field that is part of the rule's type, not a leaf: it may set loop bounds and shapes."""
     return dataclasses.field(default=default, metadata={"static": True})
 
@@ -175,7 +174,7 @@ class MaskRule:
         )
 
 
-@_rule
+@rule_class
 class CausalMask(MaskRule):
     r"""Query ``i`` sees keys ``j <= i + offset``.
 
@@ -184,7 +183,7 @@ class CausalMask(MaskRule):
     (KV-cache decoding, FlashAttention's convention).
     """
 
-    offset: int = _static(0)
+    offset: int = static_field(0)
 
     def __call__(self, q_idx, kv_idx):
         return kv_idx <= q_idx + self.offset
@@ -202,7 +201,7 @@ class CausalMask(MaskRule):
         return kv_hi - 1 - self.offset, _NO_LIMIT
 
 
-@_rule
+@rule_class
 class LocalWindowMask(MaskRule):
     r"""Query ``i`` sees keys ``i + offset - left <= j <= i + offset + right`` (both inclusive).
 
@@ -210,9 +209,9 @@ class LocalWindowMask(MaskRule):
     keys 3 to 8.
     """
 
-    left: int = _static()
-    right: int = _static()
-    offset: int = _static(0)
+    left: int = static_field()
+    right: int = static_field()
+    offset: int = static_field(0)
 
     def __call__(self, q_idx, kv_idx):
         centre = q_idx + self.offset
@@ -231,7 +230,7 @@ class LocalWindowMask(MaskRule):
         return kv_hi - 1 - self.offset - self.right, kv_lo - self.offset + self.left + 1
 
 
-@_rule
+@rule_class
 class LengthMask(MaskRule):
     """Padding: only the first ``q_length`` queries and ``kv_length`` keys take part.
 
@@ -275,7 +274,7 @@ class LengthMask(MaskRule):
         return 0, hi
 
 
-@_rule
+@rule_class
 class SegmentMask(MaskRule):
     """Packed sequences: a query sees only keys of the same segment id.
 
@@ -329,7 +328,7 @@ class _Combination(MaskRule):
         return functools.reduce(self._combine, parts, jnp.full(shape, self._empty))
 
 
-@_rule
+@rule_class
 class AndMask(_Combination):
     """Allowed where every one of ``rules`` allows; no rules at all allows everything."""
 
@@ -354,7 +353,7 @@ class AndMask(_Combination):
         return _intersect(rule.q_full_range(kv_lo, kv_hi) for rule in self.rules)
 
 
-@_rule
+@rule_class
 class OrMask(_Combination):
     """Allowed where any one of ``rules`` allows; no rules at all allows nothing."""
 
@@ -379,7 +378,7 @@ class OrMask(_Combination):
         return _union_within(rule.q_full_range(kv_lo, kv_hi) for rule in self.rules)
 
 
-@_rule
+@rule_class
 class FunctionMask(MaskRule):
     """A ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` of scalars, evaluated entry by entry.
 
@@ -391,10 +390,10 @@ class FunctionMask(MaskRule):
     it excludes.
     """
 
-    fn: Callable = _static()
+    fn: Callable = static_field()
     consts: tuple = ()  # shared by the batch, as every field that says nothing (with_batch)
-    uses_head: bool = _static(True)
-    uses_batch: bool = _static(True)
+    uses_head: bool = static_field(True)
+    uses_batch: bool = static_field(True)
 
     @property
     def opaque(self) -> bool:
@@ -416,111 +415,6 @@ class FunctionMask(MaskRule):
             return jax.vmap(jax.vmap(entry, (None, 0)), (0, None))(q_idx[:, 0], kv_idx[0])
         q_idx, kv_idx = jnp.broadcast_arrays(q_idx, kv_idx)
         return jax.vmap(entry)(q_idx.ravel(), kv_idx.ravel()).reshape(q_idx.shape)
-
-
-EMPTY, PARTIAL, FULL = 0, 1, 2  # a tile's class in a BlockMask
-
-
-@_rule
-class BlockMask(MaskRule):
-    """A rule with the class of each of its tiles computed once (:func:`create_block_mask`).
-
-    ``classes[batch, head, i, j]`` (``batch`` indexes the flattened batch) is ``EMPTY`` (0: the
-    rule allows no entry of query block ``i`` × key block ``j``; the chunked and ring paths skip
-    it), ``FULL`` (2: every entry; they compute it without evaluating the rule) or ``PARTIAL``
-    (1: they evaluate ``rule`` there). Its batch and head axes may be 1, shared by all. Any
-    entry is ``rule``'s answer.
-    """
-
-    rule: MaskRule
-    classes: Integer[Array, "batch heads q_blocks kv_blocks"]  # shared: read at the batch index
-    block_q: int = _static()
-    block_kv: int = _static()
-    q_len: int = _static()
-    kv_len: int = _static()
-
-    @property
-    def opaque(self) -> bool:
-        return True
-
-    @property
-    def per_head(self) -> bool:
-        return self.rule.per_head
-
-    def __call__(self, q_idx, kv_idx):
-        return self.rule(q_idx, kv_idx)
-
-    def at(self, q_idx, kv_idx, batch, head):
-        return self.rule.at(q_idx, kv_idx, batch, head)
-
-    # The rule's own ranges still bound the loops (a causal part keeps its triangle).
-    def kv_range(self, q_lo, q_hi):
-        return self.rule.kv_range(q_lo, q_hi)
-
-    def q_range(self, kv_lo, kv_hi):
-        return self.rule.q_range(kv_lo, kv_hi)
-
-    def kv_full_range(self, q_lo, q_hi):
-        return self.rule.kv_full_range(q_lo, q_hi)
-
-    def q_full_range(self, kv_lo, kv_hi):
-        return self.rule.q_full_range(kv_lo, kv_hi)
-
-    def tile_class(self, q_idx, kv_idx, batch, heads):
-        """Read from ``classes[batch]`` (or ``[0]``, shared): ``(heads, q_blocks, kv_blocks)``.
-
-        The tile may cover several blocks, or parts of them: it is empty (full) if every block
-        it touches is.
-        """
-        classes = self.classes[batch if self.classes.shape[0] > 1 else 0]
-        classes = classes if classes.shape[0] == 1 else classes[heads]
-        rows, row_seen = _touched(q_idx, self.block_q, classes.shape[1])
-        cols, col_seen = _touched(kv_idx, self.block_kv, classes.shape[2])
-        touched = lax.dynamic_slice(
-            classes, indices(0, rows, cols), (classes.shape[0], row_seen.size, col_seen.size)
-        )
-        seen = (row_seen[:, None] & col_seen[None, :])[None]
-        return jnp.all((touched == EMPTY) | ~seen), jnp.all((touched == FULL) | ~seen)
-
-
-def _touched(idx, block: int, count: int) -> tuple[Array, Array]:
-    """``(first, seen)``: the blocks a run of positions touches are ``first + n`` where ``seen``.
-
-    ``seen`` has a static size, the most blocks a run of ``idx.size`` positions can touch.
-    """
-    size = min(-(-idx.size // block) + 1, count)
-    lo, hi = idx[0] // block, idx[-1] // block + 1
-    first = jnp.clip(lo, 0, count - size)
-    blocks = positions(first, size)
-    return first, (blocks >= lo) & (blocks < hi)
-
-
-# Tiles classified per step of the loop that builds a BlockMask: the step holds this many
-# entries of the mask at most, whatever the sequence lengths.
-_ENTRIES_PER_STEP = 2**22
-
-
-def classify_blocks(
-    rule: MaskRule, q_len: int, kv_len: int, block_q: int, block_kv: int, batch: Index, heads
-) -> Integer[Array, "heads q_blocks kv_blocks"]:
-    """The :class:`BlockMask` classes of one sequence, ``(len(heads) or 1, q_blocks, kv_blocks)``.
-
-    Tiles are classified with :meth:`MaskRule.tile_class`, a few at a time: the mask is never
-    held whole. Positions past ``q_len`` (``kv_len``) in the last blocks are not looked at.
-    """
-    heads = heads if rule.per_head else heads[:1]
-    q_blocks, kv_blocks = -(-q_len // block_q), -(-kv_len // block_kv)
-
-    def tile(ij):
-        i, j = jnp.divmod(ij, kv_blocks)
-        q_idx = jnp.minimum(positions(i * block_q, block_q), q_len - 1)
-        kv_idx = jnp.minimum(positions(j * block_kv, block_kv), kv_len - 1)
-        empty, full = jax.vmap(lambda h: rule.tile_class(q_idx, kv_idx, batch, h[None]))(heads)
-        return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int8)
-
-    per_step = max(1, _ENTRIES_PER_STEP // (heads.size * block_q * block_kv))
-    classes = lax.map(tile, positions(0, q_blocks * kv_blocks), batch_size=per_step)
-    return classes.T.reshape(heads.size, q_blocks, kv_blocks)
 
 
 def _intersect(ranges) -> tuple[Index, Index]:

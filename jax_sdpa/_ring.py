@@ -2,8 +2,8 @@ r"""Ring attention: one sequence sharded over devices, keys and values passed ro
 
 Inside ``jax.shard_map``, device :math:`p` of :math:`P` holds a shard of the queries, keys and
 values of one long sequence. It keeps its queries; at step :math:`s` it holds the key/value shard
-of device :math:`(p - s) \bmod P`, folds it into its online-softmax state with the chunked
-path's block sweep (the same tile arithmetic, masks evaluated at *global* positions), and passes
+of device :math:`(p - s) \bmod P`, folds it into its online-softmax state with the tile
+engine's block sweep (:mod:`jax_sdpa._tiles`: masks evaluated at *global* positions), and passes
 it on with ``lax.ppermute`` while the next step computes (Liu, Zaharia & Abbeel 2023). After
 :math:`P` steps every query has met every key, and no device ever holds more than one shard of
 keys and values: there is no all-gather.
@@ -25,21 +25,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa._chunked import (
-    Tiles,
-    Tiling,
+from jax_sdpa._formula import CallArrays, Formula, block_of
+from jax_sdpa._heads import Result
+from jax_sdpa._online_softmax import finish, init
+from jax_sdpa._tiles import Tiles, Tiling, flat, forward_sweep, loop
+from jax_sdpa._tiles_backward import (
     backward_rows,
     backward_sweep,
-    flat,
-    forward_sweep,
     grads_like,
-    loop,
     sinks_grad,
     zeros_like_grads,
 )
-from jax_sdpa._formula import CallArrays, Formula, window
-from jax_sdpa._heads import Result
-from jax_sdpa._online_softmax import finish, init
 
 Layout = Literal["contiguous", "striped"]
 
@@ -93,8 +89,8 @@ class Ring:
         """
         q_start, q_offset, q_size = self.piece(me, n // self.pieces, seq_q)
         kv_start, kv_offset, kv_size = self.piece(src, n % self.pieces, seq_kv)
-        cols = (src * seq_kv + kv_start, kv_size)
-        return ((q_start, q_size), q_offset), ((kv_start, kv_size), kv_offset), cols
+        kv_columns = (src * seq_kv + kv_start, kv_size)
+        return ((q_start, q_size), q_offset), ((kv_start, kv_size), kv_offset), kv_columns
 
 
 def _slice(x, run, axis: int = 0):
@@ -115,15 +111,15 @@ def _ring_fwd(tiles: Tiles, ring: Ring, query, key, value, arrays: CallArrays):
         src = (me - step) % ring.shards
 
         def pair(n, state):
-            (q_run, q_offset), (kv_run, kv_offset), cols = ring.run(n, me, src, seq_q, seq_kv)
-            rows = functools.partial(_slice, run=q_run)
+            (q_run, q_offset), (kv_run, kv_offset), kv_columns = ring.run(n, me, src, seq_q, seq_kv)
+            q_part = functools.partial(_slice, run=q_run)
             part = forward_sweep(
                 tiles,
-                rows(queries),
+                q_part(queries),
                 _slice(key, kv_run),
                 _slice(value, kv_run),
-                arrays.window(q_run, cols),
-                jax.tree.map(rows, state),
+                arrays.block(q_run, kv_columns),
+                jax.tree.map(q_part, state),
                 q_offset,
                 kv_offset,
             )
@@ -139,16 +135,16 @@ def _ring_fwd(tiles: Tiles, ring: Ring, query, key, value, arrays: CallArrays):
         passed = ring.rotate((key, value))
         return (visit(s, state, key, value), *passed)
 
-    rows = query.shape[:2]  # (T, N)
-    state = init(queries, rows, (rows[0], rows[1] * value.shape[-1]), arrays.sinks)
+    shape = query.shape[:2]  # (T, N)
+    state = init(queries, shape, (shape[0], shape[1] * value.shape[-1]), arrays.sinks)
     state, _, _ = loop(0, ring.shards, step, (state, flat(key), flat(value)))
-    out, lse = finish(state._replace(acc=state.acc.reshape(*rows, -1)), value.dtype)
+    out, lse = finish(state._replace(acc=state.acc.reshape(*shape, -1)), value.dtype)
     return (out, lse), (query, key, value, arrays, out, lse)
 
 
 def _ring_bwd(tiles: Tiles, ring: Ring, residuals, cotangents):
     query, key, value, arrays, out, lse = residuals
-    grad_rows = backward_rows(out, lse, cotangents)
+    row_terms = backward_rows(out, lse, cotangents)
     me = lax.axis_index(ring.axis_name)
     seq_q, seq_kv = query.shape[0], key.shape[0]
     queries, keys, values = flat(query), flat(key), flat(value)
@@ -159,19 +155,19 @@ def _ring_bwd(tiles: Tiles, ring: Ring, residuals, cotangents):
 
         def pair(n, grads):
             d_query, d_key, d_value, d_bias, d_consts = grads
-            (q_run, q_offset), (kv_run, kv_offset), cols = ring.run(n, me, src, seq_q, seq_kv)
-            rows = functools.partial(_slice, run=q_run)
-            kv = functools.partial(_slice, run=kv_run)
-            bias_at = None if d_bias is None else window(d_bias.shape, q_run, cols)
+            (q_run, q_offset), (kv_run, kv_offset), kv_columns = ring.run(n, me, src, seq_q, seq_kv)
+            q_part = functools.partial(_slice, run=q_run)
+            kv_part = functools.partial(_slice, run=kv_run)
+            bias_at = None if d_bias is None else block_of(d_bias.shape, q_run, kv_columns)
             d_bias_run = None if d_bias is None else lax.dynamic_slice(d_bias, *bias_at)
-            grads = (rows(d_query), kv(d_key), kv(d_value), d_bias_run, d_consts)
+            grads = (q_part(d_query), kv_part(d_key), kv_part(d_value), d_bias_run, d_consts)
             d_q, d_k, d_v, d_b, d_consts = backward_sweep(
                 tiles,
-                rows(queries),
-                kv(key),
-                kv(value),
-                arrays.window(q_run, cols),
-                jax.tree.map(rows, grad_rows),
+                q_part(queries),
+                kv_part(key),
+                kv_part(value),
+                arrays.block(q_run, kv_columns),
+                jax.tree.map(q_part, row_terms),
                 grads,
                 q_offset,
                 kv_offset,
@@ -193,7 +189,7 @@ def _ring_bwd(tiles: Tiles, ring: Ring, residuals, cotangents):
     d_query, d_bias, d_consts, _, _, d_key, d_value = loop(0, ring.shards, step, carry)
     grads = (d_query, d_key, d_value, d_bias, d_consts)
     d_query, d_key, d_value, d_arrays = grads_like(grads, query, key, value, arrays)
-    d_sinks = sinks_grad(arrays.sinks, lse, grad_rows)
+    d_sinks = sinks_grad(arrays.sinks, lse, row_terms)
     return d_query, d_key, d_value, dataclasses.replace(d_arrays, sinks=d_sinks)
 
 

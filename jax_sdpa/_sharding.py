@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike
 
 from jax_sdpa import _checks
-from jax_sdpa._arguments import STRIPED, check_equal_parts
 from jax_sdpa._dot_product import ring_attention
 from jax_sdpa._ring import Layout
 
@@ -47,7 +46,7 @@ def to_striped(x: ArrayLike, shards: int, *, axis: int = 1) -> Array:
     """
     x = jnp.asarray(x)
     length = x.shape[axis]
-    check_equal_parts(
+    _checks.check_equal_parts(
         "x", length, 2 * shards, f"axis {axis}", f"(two for each of {shards} `shards`)"
     )
     return jnp.take(x, _striped_order(length, shards), axis=axis)
@@ -180,8 +179,8 @@ def ring_dot_product_attention(
     for name, x in (("query", query), ("key", key)):
         for what, (dim, axis, parts) in splits.items():
             striped = what == "sequence" and layout == "striped"
-            where = f"over mesh axis {axis!r}" + f" {STRIPED}" * striped
-            check_equal_parts(name, x.shape[dim], parts, what, where)
+            where = f"over mesh axis {axis!r}" + f" {_checks.STRIPED}" * striped
+            _checks.check_equal_parts(name, x.shape[dim], parts, what, where)
     extras = {"bias": bias, "mask": mask}
     extras = {
         k: jnp.reshape(jnp.asarray(x), (1,) * (4 - jnp.ndim(x)) + jnp.shape(x))

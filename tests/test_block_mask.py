@@ -154,7 +154,7 @@ def test_a_batch_still_skips_the_tiles_its_sequences_exclude(rng):
     [
         ((None, None, 0, 8), {}, ValueError, "`q_len` must be a positive int; got 0."),
         ((None, 0, 8, 8), {}, ValueError, "`heads` must be a positive int; got 0."),
-        ((None, None, 8, 8), {"block_kv": 2.0}, ValueError, "`block_kv` must be a positive int"),
+        ((None, None, 8, 8), {"block_kv": 2.0}, TypeError, "`block_kv` must be a positive int"),
     ],
 )
 def test_create_block_mask_errors(args, kwargs, error, message):

@@ -139,7 +139,7 @@ def test_an_implementation_without_forward_mode_says_so(rng, implementation):
         jax.jvp(lambda q: f(q, k, v), (q,), (q,))
 
 
-@pytest.mark.parametrize("implementation", ["chunked", "ring"])
+@pytest.mark.parametrize("implementation", ["chunked", "decode", "ring"])
 def test_forward_over_reverse_and_reverse_over_reverse_work_on_the_custom_vjp_paths(
     rng, implementation
 ):
@@ -167,17 +167,3 @@ def test_forward_over_reverse_and_reverse_over_reverse_work_on_the_custom_vjp_pa
 
     for got, want in zip(second_orders(implementation), second_orders("xla"), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-
-
-def test_the_decode_path_says_it_has_no_forward_over_reverse_and_the_default_avoids_it(rng):
-    # Its backward pass is the chunked path's jax.vjp, which forward mode cannot go through.
-    q, k, v = qkv(rng, 1, 1, 1500, 2, 1, 4)
-
-    def total(q, **implementation):
-        return js.dot_product_attention(q, k, v, **implementation).sum()
-
-    with pytest.raises(TypeError, match="^`implementation='decode'` has no forward-over-reverse"):
-        jax.hessian(total)(q, implementation="decode")
-    np.testing.assert_allclose(
-        jax.hessian(total)(q), jax.hessian(total)(q, implementation="xla"), rtol=1e-4, atol=1e-6
-    )

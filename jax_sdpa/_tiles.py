@@ -1,0 +1,355 @@
+r"""The tile engine: attention one ``(block_q, block_kv)`` tile at a time, forward and backward.
+
+Every tiled implementation (chunked, decode, the ring) is built from what this module and
+:mod:`jax_sdpa._tiles_backward` hold, and imports them, never each other. A tile's scores are
+the dense path's score steps (:meth:`jax_sdpa._formula.Formula.scores`); a sweep over key
+blocks folds them into the online softmax (:mod:`jax_sdpa._online_softmax`; Milakov &
+Gimelshein 2018; Rabe & Staats 2021; FlashAttention-2, Dao 2023)::
+
+    for j:  s, allowed = formula.scores(q_i, k_j, arrays_ij)   # the dense path's score steps
+            state = update(state, s, allowed, v_j)             # running max, denominator, output
+
+Every tile covers all heads: the ``K`` key/value heads and the ``G`` query heads that share
+each of them (GQA), mapped with ``jax.vmap`` inside the loops. The sequences stay in their
+``(T, N·H)`` layout — the heads flattened into each row — and each block is transposed to heads
+first as it is sliced: so XLA copies blocks, never whole arrays (measured in BENCHMARKS.md), and
+no ``(G, S, ·)`` copy of the keys, values or their gradients ever exists.
+
+Blocks that a mask rule excludes entirely (above a causal diagonal, outside a window, past a
+length) are skipped, not computed and masked; blocks it allows entirely run without evaluating
+the rule; only the tiles it cuts through pay for the mask. Sequences that tiles do not divide
+are padded (:func:`pad_to`, :func:`pad_keys`), the padded keys masked by a length rule.
+"""
+
+import dataclasses
+import functools
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_sdpa import _online_softmax as online_softmax
+from jax_sdpa._formula import CallArrays, Formula
+from jax_sdpa._heads import over_heads
+from jax_sdpa._masks import INDEX, LengthMask, MaskRule, indices, positions
+from jax_sdpa._online_softmax import State
+from jax_sdpa._steps import weighted_sum
+
+# The fastest tile measured on a 2-core CPU, causal or not, forward and backward (BENCHMARKS.md):
+# smaller tiles pay more per-iteration overhead than they save in cache misses.
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_KV = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """The tile a tiled implementation asks for: queries × keys (static)."""
+
+    block_q: int = DEFAULT_BLOCK_Q
+    block_kv: int = DEFAULT_BLOCK_KV
+
+
+class BackwardRows(NamedTuple):
+    """Per-row inputs of the backward pass, in the accumulation dtype.
+
+    ``d_out`` the output's cotangent as ``(T, N·V)`` rows; ``delta`` = rowsum(dO ∘ O) less the
+    log-sum-exp's cotangent, and ``shift``, the log-sum-exp (0 where −∞), ``(T, N)``. One
+    head's block has them ``(block_q, V)``, ``(block_q,)`` and ``(block_q,)``.
+    """
+
+    d_out: jax.Array
+    delta: jax.Array
+    shift: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One call's formula and tiles, fitted to its sequences and heads (a ``nondiff_argnum``).
+
+    Tiles are addressed by the global positions of their first query and first key
+    (``q_offset``, ``kv_offset``): those are what mask rules and dropout see.
+    """
+
+    formula: Formula
+    block_q: int
+    block_kv: int
+    groups: tuple[int, int]  # (K, G): key/value heads, query heads per key/value head
+
+    def scores(self, q_i, k_j, arrays: CallArrays, q_offset, kv_offset):
+        """Scores and allowed-mask of one head's tile: the dense path's steps.
+
+        The scale multiplies the queries (:meth:`Formula.scaled_queries`): in the forward pass
+        XLA hoists that out of the key loop, to once per query block.
+        """
+        q_i, formula = self.formula.scaled_queries(q_i)
+        return formula.scores(q_i, k_j, arrays, q_offset, kv_offset)
+
+    def drop_at(self, arrays: CallArrays, q_offset, kv_offset):
+        """Dropout of this tile's weights: the mask the dense path draws at the same positions."""
+        return functools.partial(
+            self.formula.drop,
+            dropout_rng=arrays.dropout_rng,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+        )
+
+    def forward_tile(self, state: State, q_i, k_j, v_j, arrays: CallArrays, q_offset, kv_offset):
+        """One online-softmax update of one head's state by one tile."""
+        scores, allowed = self.scores(q_i, k_j, arrays, q_offset, kv_offset)
+        drop = self.drop_at(arrays, q_offset, kv_offset)
+        return online_softmax.update(
+            state, scores, allowed, v_j, precision=self.formula.precision, drop=drop
+        )
+
+    def backward_tile(
+        self, q_i, k_j, v_j, arrays: CallArrays, row_terms: BackwardRows, q_offset, kv_offset
+    ):
+        """One head's gradients from one tile: ``(dq_i, dk_j, dv_j, dbias_ij, dconsts)``.
+
+        ``dconsts`` are those of the arrays the ``score_mod`` closed over (None for integers).
+        """
+
+        def tile_scores(q, k, bias, consts):
+            consts = tuple(
+                c if d is None else d for c, d in zip(arrays.score_consts, consts, strict=True)
+            )
+            tile = dataclasses.replace(arrays, bias=bias, score_consts=consts)
+            return self.scores(q, k, tile, q_offset, kv_offset)
+
+        scores, scores_vjp, allowed = jax.vjp(
+            tile_scores, q_i, k_j, arrays.bias, differentiable(arrays.score_consts), has_aux=True
+        )
+        p = online_softmax.recompute(
+            scores, allowed, row_terms.shift
+        )  # the weights, P = e^{S − lse}
+        drop = self.drop_at(arrays, q_offset, kv_offset)
+        _, sum_vjp = jax.vjp(
+            lambda p, v: weighted_sum(p, v, precision=self.formula.precision), drop(p), v_j
+        )
+        d_dropped, d_v_j = sum_vjp(row_terms.d_out)
+        d_p = drop(d_dropped)  # dropout is diagonal: its own adjoint
+        d_q_i, d_k_j, d_bias_ij, d_consts = scores_vjp(p * (d_p - row_terms.delta[:, None]))
+        return d_q_i, d_k_j, d_v_j, d_bias_ij, d_consts
+
+    def q_block(self, i) -> tuple:
+        """Query block ``i`` as ``(start, count)``."""
+        return i * self.block_q, self.block_q
+
+    def kv_block(self, j) -> tuple:
+        """Key block ``j`` as ``(start, count)``."""
+        return j * self.block_kv, self.block_kv
+
+    def tile(self, arrays: CallArrays, i, j, rule: MaskRule | None) -> CallArrays:
+        """The arrays of tile ``(i, j)`` for each head, with the rule that tile needs."""
+        arrays = arrays.block(self.q_block(i), self.kv_block(j))
+        return dataclasses.replace(arrays, rule=rule).by_head(self.groups)
+
+    def queries(self, x, i, vector: bool = False):
+        """Query block ``i`` of ``(T, N·d)`` rows as ``(K, G, block_q, d)``.
+
+        With ``vector``, of ``(T, N)`` rows as ``(K, G, block_q)``.
+        """
+        return _heads_first(_rows(x, i, self.block_q), self.groups, vector)
+
+    def keys(self, x, j):
+        """Block ``j`` of ``(S, K·d)`` key or value rows as ``(K, block_kv, d)``."""
+        return _heads_first(_rows(x, j, self.block_kv), self.groups[:1], False)
+
+
+def differentiable(consts: tuple) -> tuple:
+    """The floating-point arrays among ``consts``; None in place of the others."""
+    return tuple(c if jnp.issubdtype(c.dtype, jnp.inexact) else None for c in consts)
+
+
+def _rows(x: jax.Array, i, block: int) -> jax.Array:
+    return lax.dynamic_slice_in_dim(x, i * block, block, axis=0)
+
+
+def _heads_first(rows: jax.Array, groups: tuple, vector: bool) -> jax.Array:
+    """``(r, N·d)`` → ``(*groups, r, d)``; with ``vector``, ``(r, N)`` → ``(*groups, r)``."""
+    split = rows.reshape(rows.shape[0], *groups, *(() if vector else (-1,)))
+    return jnp.moveaxis(split, 0, len(groups))
+
+
+def rows_first(x: jax.Array, n_heads: int) -> jax.Array:
+    """``(*heads, r, d)`` → ``(r, heads·d)`` and ``(*heads, r)`` → ``(r, heads)``: the inverse."""
+    x = jnp.moveaxis(x, n_heads, 0)
+    return x.reshape(x.shape[0], -1)
+
+
+def add_at(total: jax.Array, part: jax.Array, start: tuple) -> jax.Array:
+    """``total[start : start + part.shape] += part``, in place under ``jit``."""
+    start = indices(*start)
+    current = lax.dynamic_slice(total, start, part.shape)
+    return lax.dynamic_update_slice(total, current + part.astype(total.dtype), start)
+
+
+def loop(lower, upper, body, carry):
+    """``lax.fori_loop`` whose index is an :data:`~jax_sdpa._masks.INDEX`, whatever x64 says.
+
+    Python-int bounds stay Python ints: the loop then has a known trip count, a ``scan`` that
+    reverse mode can differentiate (a gradient of a gradient goes through the backward pass's
+    loops); traced bounds (a mask rule's ranges) are cast alike.
+    """
+    if not all(isinstance(bound, int) for bound in (lower, upper)):
+        lower, upper = jnp.asarray(lower, INDEX), jnp.asarray(upper, INDEX)
+    return lax.fori_loop(lower, upper, lambda n, c: body(n.astype(INDEX), c), carry)
+
+
+def sweep(
+    step,
+    rule: MaskRule | None,
+    axis: Literal["kv", "q"],
+    span: tuple,
+    offset,
+    block: int,
+    count: int,
+    carry,
+):
+    """``carry = step(n, carry, tile_rule)`` over the ``axis`` blocks ``n`` that ``rule`` may allow.
+
+    ``span`` is the global ``(lo, hi)`` of the other axis's block: the rule's
+    ``kv_range(*span)`` (or ``q_range``) is where it may allow anything, its ``kv_full_range``
+    where it allows everything. Block ``n`` covers global indices ``offset + n·block`` onwards.
+    Blocks outside the first range are skipped; blocks wholly inside the second run with
+    ``tile_rule=None``, no mask to evaluate; the blocks in between run with the rule.
+    """
+    if rule is None:
+        return loop(0, count, lambda n, c: step(n, c, None), carry)
+    reach, full_reach = {
+        "kv": (rule.kv_range, rule.kv_full_range),
+        "q": (rule.q_range, rule.q_full_range),
+    }[axis]
+    lo, hi = (x - offset for x in reach(*span))
+    lo, hi = jnp.clip(lo // block, 0, count), jnp.clip(-(-hi // block), 0, count)
+    full_lo, full_hi = (x - offset for x in full_reach(*span))
+    full_lo = jnp.clip(-(-full_lo // block), lo, hi)
+    full_hi = jnp.clip(full_hi // block, full_lo, hi)
+    runs = ((lo, full_lo, rule), (full_lo, full_hi, None), (full_hi, hi, rule))
+    for start, stop, tile_rule in runs:
+        carry = loop(start, stop, functools.partial(step, rule=tile_rule), carry)
+    return carry
+
+
+def classified(tile, classify, skip):
+    """``tile(n, x, rule)`` that first reads the class of an opaque rule's tile (``classify``).
+
+    A tile the rule excludes entirely gives ``skip(n, x)``; one it allows entirely runs without
+    the rule. Rules with exact ranges (the built-in ones) are left to :func:`sweep`. ``x`` is
+    what the branches take and give: keep it small (a whole-sequence array there is copied).
+    """
+
+    def guarded(n, x, rule):
+        if rule is None or not rule.opaque:
+            return tile(n, x, rule)
+        empty, full = classify(n, rule)
+
+        def run(x):
+            with_rule = functools.partial(tile, n, rule=rule)
+            return lax.cond(full, functools.partial(tile, n, rule=None), with_rule, x)
+
+        return lax.cond(empty, functools.partial(skip, n), run, x)
+
+    return guarded
+
+
+def tile_class(rule: MaskRule, arrays: CallArrays, q_block: tuple, kv_block: tuple):
+    """``rule.tile_class`` of the tile ``q_block × kv_block``, each ``(global start, count)``."""
+    q_idx, kv_idx = (positions(start, count) for start, count in (q_block, kv_block))
+    batch, heads = arrays.indices()
+    return rule.tile_class(q_idx, kv_idx, batch, jnp.atleast_1d(heads))
+
+
+def sweep_keys(
+    tiles: Tiles, q_i, key, value, arrays: CallArrays, state: State, i, q_offset, kv_offset
+):
+    """Updates the heads-first state of query block ``i``, ``q_i``, with keys ``(S, K·H)``.
+
+    ``S`` is a whole number of blocks; the sweep's queries start at global position
+    ``q_offset``, its keys at ``kv_offset``; bias and mask are ``(N, t, s)`` for all the
+    queries of the sweep and exactly these keys.
+    """
+    tile_q = q_offset + i * tiles.block_q
+
+    def step(j, state, rule):
+        tile_kv = kv_offset + j * tiles.block_kv
+
+        def head(per_query, per_kv):
+            state, q, arrays = per_query
+            return tiles.forward_tile(state, q, *per_kv, arrays, tile_q, tile_kv)
+
+        kv = (tiles.keys(key, j), tiles.keys(value, j))
+        return over_heads(head, tiles.groups, (state, q_i, tiles.tile(arrays, i, j, rule)), kv)
+
+    def classify(j, rule):
+        kv_block = (kv_offset + j * tiles.block_kv, tiles.block_kv)
+        return tile_class(rule, arrays, (tile_q, tiles.block_q), kv_block)
+
+    guarded = classified(step, classify, skip=lambda j, state: state)
+    span = (tile_q, tile_q + tiles.block_q)
+    count = key.shape[0] // tiles.block_kv
+    return sweep(guarded, arrays.rule, "kv", span, kv_offset, tiles.block_kv, count, state)
+
+
+def forward_sweep(
+    tiles: Tiles, query, key, value, arrays: CallArrays, state: State, q_offset, kv_offset
+):
+    """Updates the online-softmax ``state`` of queries ``(T, N·H)`` with keys ``(S, K·H)``.
+
+    ``T`` and ``S`` are whole numbers of blocks; the queries start at global position
+    ``q_offset``, the keys at ``kv_offset``; bias and mask are ``(N, t, s)`` for exactly these
+    queries and keys; the state is ``(T, N)``, ``(T, N)``, ``(T, N·V)`` rows.
+    """
+
+    def query_block(i, state):
+        state_i = State(
+            tiles.queries(state.row_max, i, vector=True),
+            tiles.queries(state.denom, i, vector=True),
+            tiles.queries(state.acc, i),
+        )
+        q_i = tiles.queries(query, i)
+        state_i = sweep_keys(tiles, q_i, key, value, arrays, state_i, i, q_offset, kv_offset)
+        return State(  # in place: the state is a loop carry
+            *(
+                lax.dynamic_update_slice_in_dim(x, rows_first(x_i, 2), i * tiles.block_q, axis=0)
+                for x, x_i in zip(state, state_i, strict=True)
+            )
+        )
+
+    return loop(0, query.shape[0] // tiles.block_q, query_block, state)
+
+
+def pad_to(x: jax.Array | None, axis: int, multiple: int, value=0) -> jax.Array | None:
+    """Pads ``axis`` to a multiple of ``multiple`` (an axis of size 1 is broadcast: left alone)."""
+    if x is None:
+        return None
+    extra = -x.shape[axis] % multiple
+    if extra == 0 or x.shape[axis] == 1:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def pad_keys(key, value, arrays: CallArrays, block: int) -> tuple:
+    """``(key, value, arrays)`` with the keys padded to whole blocks, the padding masked.
+
+    The padded keys are masked by a length rule; the bias and mask gain their columns.
+    """
+    seq_kv = key.shape[0]
+    if seq_kv % block == 0:
+        return key, value, arrays
+    padding = LengthMask(None, jnp.asarray(seq_kv, INDEX))
+    arrays = dataclasses.replace(
+        arrays,
+        rule=padding if arrays.rule is None else arrays.rule & padding,
+        bias=pad_to(arrays.bias, -1, block),
+        mask=pad_to(arrays.mask, -1, block, False),
+    )
+    return pad_to(key, 0, block), pad_to(value, 0, block), arrays
+
+
+def flat(x: jax.Array) -> jax.Array:
+    """``(T, heads, d)`` → ``(T, heads·d)``: the layout the sweeps slice rows from."""
+    return x.reshape(x.shape[0], -1)
