@@ -7,6 +7,9 @@ import io
 import json
 import math
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,8 +19,10 @@ from matplotlib.colors import to_rgb
 from PIL import Image
 
 from jax_sdpa import demo
+from jax_sdpa.demo import _training
 
 pytestmark = pytest.mark.slow  # end to end: -m "not slow" leaves it out
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +44,7 @@ TINY = dataclasses.replace(
 
 @pytest.fixture(scope="module")
 def tiny_run():
-    program = demo._train_seeds_and_variants
+    program = _training._train_seeds_and_variants
     calls = []
 
     def counted(params, orders, scales, *examples, config):
@@ -48,7 +53,7 @@ def tiny_run():
 
     compiled_before = program._cache_size()
     with pytest.MonkeyPatch.context() as patch, jax.numpy_dtype_promotion("standard"):
-        patch.setattr(demo, "_train_seeds_and_variants", counted)
+        patch.setattr(_training, "_train_seeds_and_variants", counted)
         output = demo.run(TINY, show_progress=False)
     return output, calls, program._cache_size() - compiled_before
 
@@ -296,3 +301,37 @@ def test_command_line_reports_a_bad_config_and_the_quick_sizes(capsys):
     quick = demo.DemoConfig.quick()
     help_text = " ".join(capsys.readouterr().out.split())
     assert f"(d_k ≤ {max(quick.d_ks)}, {quick.steps} steps, {quick.seeds} seeds)" in help_text
+
+
+def test_the_package_imports_its_optional_dependencies_only_with_the_parts_that_use_them():
+    # None in sys.modules makes an import fail, as if the package were not installed.
+    script = """
+import sys
+sys.modules.update(matplotlib=None, optax=None, tqdm=None)
+import jax_sdpa
+assert "jax_sdpa.demo" not in sys.modules, "import jax_sdpa imports the demo"
+from jax_sdpa.demo import VARIANTS, DemoConfig, init_statistics, scale_for, spread
+assert DemoConfig.quick().d_ks == (16, 64, 256) and VARIANTS == ("unscaled", "scaled")
+try:
+    from jax_sdpa.demo import train
+except ImportError as error:
+    print(error)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "optax" in result.stdout  # Part B imports it at its top
+
+
+def test_python_m_runs_the_command_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "jax_sdpa.demo", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m jax_sdpa.demo")
+    assert "Why attention divides by √d_k, measured." in result.stdout

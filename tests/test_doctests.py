@@ -11,7 +11,8 @@ import jax_sdpa
 # The examples show what a default session prints (x64 off): no x64 pass (tests/profile.py).
 pytestmark = pytest.mark.x64_off
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(jax_sdpa.__path__, "jax_sdpa."))
+# Subpackages too (the demo's parts are modules of jax_sdpa.demo).
+MODULES = sorted(m.name for m in pkgutil.walk_packages(jax_sdpa.__path__, "jax_sdpa."))
 
 
 @pytest.mark.parametrize("name", MODULES)
