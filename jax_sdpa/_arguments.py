@@ -20,15 +20,14 @@ from jax_sdpa import _checks
 from jax_sdpa._block_mask import BlockMask
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._implementations import Config, Inputs, Output, choose
+from jax_sdpa._indices import Index, positions
 from jax_sdpa._masks import (
     AndMask,
     CausalMask,
-    Index,
     LengthMask,
     LocalWindowMask,
     MaskRule,
     SegmentMask,
-    positions,
     shared,
     with_batch,
 )

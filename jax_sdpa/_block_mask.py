@@ -14,7 +14,8 @@ from jax import lax
 from jaxtyping import Array, Integer
 
 from jax_sdpa import _checks
-from jax_sdpa._masks import Index, MaskRule, indices, positions, rule_class, static_field
+from jax_sdpa._indices import Index, indices, positions
+from jax_sdpa._masks import MaskRule, rule_class, static_field
 from jax_sdpa._tiles import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q
 from jax_sdpa._user_functions import function_mask
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_heads
-from jax_sdpa._masks import positions
+from jax_sdpa._indices import positions
 from jax_sdpa._steps import accumulation_dtype, raw_scores, weighted_sum
 from jax_sdpa._tiles import Tiles, Tiling, pad_keys
 from jax_sdpa._tiles_backward import backward

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float
 
-from jax_sdpa._masks import Index, MaskRule, indices, positions
+from jax_sdpa._indices import Index, indices, positions
+from jax_sdpa._masks import MaskRule
 from jax_sdpa._steps import dropout_weights, raw_scores, scale_scores, soft_cap_scores
 
 

@@ -36,10 +36,11 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Integer
 
+from jax_sdpa._indices import INDEX, Index, positions
+
 __all__ = [
     "AndMask",
     "CausalMask",
-    "FunctionMask",
     "LengthMask",
     "LocalWindowMask",
     "MaskRule",
@@ -48,11 +49,6 @@ __all__ = [
     "materialize_mask",
 ]
 
-Index = int | Integer[Array, ""]
-#: The dtype of every position, block number and batch or head index: int32 also where
-#: ``jax_enable_x64`` is on, so that the indices computed anywhere agree with each other and with
-#: those the user's functions were traced with.
-INDEX = jnp.int32
 _NO_LIMIT = 2**31 - 1
 
 
@@ -64,20 +60,6 @@ def _promoted(a, b) -> tuple[Array, Array]:
     a, b = jnp.asarray(a), jnp.asarray(b)
     dtype = np.promote_types(a.dtype, b.dtype)
     return a.astype(dtype), b.astype(dtype)
-
-
-def indices(*starts: Index) -> tuple[Integer[Array, ""], ...]:
-    """The start indices of a ``lax.dynamic_slice``, as :data:`INDEX`.
-
-    (Python ints beside traced int32 indices would become int64 under x64, and a dynamic slice
-    refuses mixed types.)
-    """
-    return tuple(jnp.asarray(start, INDEX) for start in starts)
-
-
-def positions(start: Index, count: int) -> Integer[Array, " count"]:
-    """``start, start + 1, …, start + count − 1``: a run of positions, as :data:`INDEX`."""
-    return jnp.asarray(start, INDEX) + jnp.arange(count, dtype=INDEX)
 
 
 def rule_class(cls: type) -> type:
@@ -376,45 +358,6 @@ class OrMask(_Combination):
 
     def q_full_range(self, kv_lo, kv_hi):
         return _union_within(rule.q_full_range(kv_lo, kv_hi) for rule in self.rules)
-
-
-@rule_class
-class FunctionMask(MaskRule):
-    """A ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` of scalars, evaluated entry by entry.
-
-    ``fn`` takes the four indices and then ``consts``, the arrays ``mask_mod`` closed over
-    (hoisted as ``jax.closure_convert`` does), which are leaves of the rule; ``uses_head`` is
-    False where it ignores its head argument (then one head's tiles stand for all), and
-    ``uses_batch`` where it ignores its batch argument. Its ranges
-    claim nothing (``opaque``): the chunked path evaluates it on each tile to skip the tiles
-    it excludes.
-    """
-
-    fn: Callable = static_field()
-    consts: tuple = ()  # shared by the batch, as every field that says nothing (with_batch)
-    uses_head: bool = static_field(True)
-    uses_batch: bool = static_field(True)
-
-    @property
-    def opaque(self) -> bool:
-        return True
-
-    @property
-    def per_head(self) -> bool:
-        return self.uses_head
-
-    def __call__(self, q_idx, kv_idx):
-        return self.at(q_idx, kv_idx, 0, 0)
-
-    def at(self, q_idx, kv_idx, batch, head):
-        def entry(q, kv):
-            return self.fn(batch, head, q, kv, *self.consts)
-
-        if jnp.ndim(q_idx) == jnp.ndim(kv_idx) == 2 and q_idx.shape[1] == kv_idx.shape[0] == 1:
-            # A grid: what depends on the query alone (a document id) is computed once a row.
-            return jax.vmap(jax.vmap(entry, (None, 0)), (0, None))(q_idx[:, 0], kv_idx[0])
-        q_idx, kv_idx = jnp.broadcast_arrays(q_idx, kv_idx)
-        return jax.vmap(entry)(q_idx.ravel(), kv_idx.ravel()).reshape(q_idx.shape)
 
 
 def _intersect(ranges) -> tuple[Index, Index]:

@@ -35,9 +35,9 @@ from jax_sdpa._decode import split_keys
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import over_batch
 from jax_sdpa._implementations import Inputs, without_positions
-from jax_sdpa._masks import INDEX, FunctionMask, indices
+from jax_sdpa._indices import INDEX, indices
 from jax_sdpa._tiles import DEFAULT_BLOCK_KV
-from jax_sdpa._user_functions import function_mask
+from jax_sdpa._user_functions import FunctionMask, function_mask
 
 __all__ = ["paged_attention", "update_cache", "update_paged_cache"]
 

@@ -32,7 +32,8 @@ from jax import lax
 from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import over_heads
-from jax_sdpa._masks import INDEX, LengthMask, MaskRule, indices, positions
+from jax_sdpa._indices import INDEX, indices, positions
+from jax_sdpa._masks import LengthMask, MaskRule
 from jax_sdpa._online_softmax import State
 from jax_sdpa._steps import weighted_sum
 
@@ -186,7 +187,7 @@ def add_at(total: jax.Array, part: jax.Array, start: tuple) -> jax.Array:
 
 
 def loop(lower, upper, body, carry):
-    """``lax.fori_loop`` whose index is an :data:`~jax_sdpa._masks.INDEX`, whatever x64 says.
+    """``lax.fori_loop`` whose index is an :data:`~jax_sdpa._indices.INDEX`, whatever x64 says.
 
     Python-int bounds stay Python ints: the loop then has a known trip count, a ``scan`` that
     reverse mode can differentiate (a gradient of a gradient goes through the backward pass's

@@ -12,17 +12,19 @@ a literal or a table in the trace does not. There the replay casts every operand
 inputs vary over (``lax.pcast(..., to="varying")``, a no-op at run time), as ``jax.numpy`` does
 when it meets such operands while the user's function runs.
 
-All indices are :data:`~jax_sdpa._masks.INDEX` (int32), also where ``jax_enable_x64`` is on.
+All indices are :data:`~jax_sdpa._indices.INDEX` (int32), also where ``jax_enable_x64`` is on.
 """
 
 import inspect
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
-from jax_sdpa._masks import INDEX, FunctionMask
+from jax_sdpa._indices import INDEX
+from jax_sdpa._masks import MaskRule, rule_class, static_field
 
 INDEX_ARGUMENT = jax.ShapeDtypeStruct((), INDEX)
 
@@ -185,6 +187,45 @@ def convert(name: str, fn, signature: str, example: tuple, kind: str) -> tuple:
         got = f"{out.dtype}{list(out.shape)}" if is_array else type(out).__name__
         raise TypeError(f"`{name}` must return one {kind} scalar; got {got}.")
     return _hoisted(fn, args)
+
+
+@rule_class
+class FunctionMask(MaskRule):
+    """A ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` of scalars, evaluated entry by entry.
+
+    ``fn`` takes the four indices and then ``consts``, the arrays ``mask_mod`` closed over
+    (hoisted as ``jax.closure_convert`` does), which are leaves of the rule; ``uses_head`` is
+    False where it ignores its head argument (then one head's tiles stand for all), and
+    ``uses_batch`` where it ignores its batch argument. Its ranges
+    claim nothing (``opaque``): the chunked path evaluates it on each tile to skip the tiles
+    it excludes.
+    """
+
+    fn: Callable = static_field()
+    consts: tuple = ()  # shared by the batch, as every field that says nothing (with_batch)
+    uses_head: bool = static_field(True)
+    uses_batch: bool = static_field(True)
+
+    @property
+    def opaque(self) -> bool:
+        return True
+
+    @property
+    def per_head(self) -> bool:
+        return self.uses_head
+
+    def __call__(self, q_idx, kv_idx):
+        return self.at(q_idx, kv_idx, 0, 0)
+
+    def at(self, q_idx, kv_idx, batch, head):
+        def entry(q, kv):
+            return self.fn(batch, head, q, kv, *self.consts)
+
+        if jnp.ndim(q_idx) == jnp.ndim(kv_idx) == 2 and q_idx.shape[1] == kv_idx.shape[0] == 1:
+            # A grid: what depends on the query alone (a document id) is computed once a row.
+            return jax.vmap(jax.vmap(entry, (None, 0)), (0, None))(q_idx[:, 0], kv_idx[0])
+        q_idx, kv_idx = jnp.broadcast_arrays(q_idx, kv_idx)
+        return jax.vmap(entry)(q_idx.ravel(), kv_idx.ravel()).reshape(q_idx.shape)
 
 
 def function_mask(mask_mod) -> FunctionMask:

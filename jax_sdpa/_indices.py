@@ -1,0 +1,26 @@
+"""Positions and indices: every position, block number and batch or head index is one dtype.
+
+They are int32 also where ``jax_enable_x64`` is on, so that the indices computed anywhere agree
+with each other and with those the user's functions were traced with.
+"""
+
+import jax.numpy as jnp
+from jaxtyping import Array, Integer
+
+Index = int | Integer[Array, ""]
+#: The dtype of every position, block number and batch or head index.
+INDEX = jnp.int32
+
+
+def indices(*starts: Index) -> tuple[Integer[Array, ""], ...]:
+    """The start indices of a ``lax.dynamic_slice``, as :data:`INDEX`.
+
+    (Python ints beside traced int32 indices would become int64 under x64, and a dynamic slice
+    refuses mixed types.)
+    """
+    return tuple(jnp.asarray(start, INDEX) for start in starts)
+
+
+def positions(start: Index, count: int) -> Integer[Array, " count"]:
+    """``start, start + 1, …, start + count − 1``: a run of positions, as :data:`INDEX`."""
+    return jnp.asarray(start, INDEX) + jnp.arange(count, dtype=INDEX)
