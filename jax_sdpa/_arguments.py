@@ -20,7 +20,7 @@ from jax_sdpa import _checks
 from jax_sdpa._block_mask import BlockMask
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._implementations import Config, Inputs, Output, choose
-from jax_sdpa._indices import Index, positions
+from jax_sdpa._indices import INDEX, Index, positions
 from jax_sdpa._masks import (
     AndMask,
     CausalMask,
@@ -62,22 +62,40 @@ class _Shapes(NamedTuple):
 
 
 def bind(
-    query, key, value, bias=None, mask=None, *, output: Output, implementation=None, **keywords
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    output: Output,
+    implementation=None,
+    page_table=None,
+    **keywords,
 ) -> tuple[Inputs, Config]:
     """Checks every argument of a public call (raising on the first problem) and bundles them.
 
-    ``keywords`` are the public function's other arguments, by name.
+    ``keywords`` are the public function's other arguments, by name. With a ``page_table``,
+    ``key`` and ``value`` are pools of pages (:func:`~jax_sdpa.paged_attention`).
     """
     _flax_only(**keywords)
     ring = _ring_spec(query, key, **keywords)
-    query, key, value, shapes = _query_key_value(query, key, value, ring, **keywords)
+    if page_table is None:
+        query, key, value, shapes = _query_key_value(query, key, value, ring, **keywords)
+        diagonal = (_causal_offset(shapes, **keywords), None)
+    else:
+        query, key, value, page_table, lengths, shapes = _pages(
+            query, key, value, page_table, **keywords
+        )
+        keywords = dict(keywords, key_value_seq_lengths=lengths)
+        diagonal = (0, lengths - shapes.seq_q)  # each sequence's queries are its last positions
     score_mod, score_consts = _score_mod(shapes, query.dtype, **keywords)
     formula = dataclasses.replace(_formula(query.shape[-1], **keywords), score_mod=score_mod)
     first_sequence = _first(ring, "batch_axis", math.prod(shapes.batch))
     arrays = CallArrays(
         bias=_per_logit("bias", bias, shapes),
         mask=_per_logit("mask", mask, shapes),
-        rule=_mask_rule(shapes, first_sequence, **keywords),
+        rule=_mask_rule(shapes, diagonal, first_sequence, **keywords),
         dropout_rng=_dropout_rng(shapes, formula.dropout_rate, **keywords),
         batch=_index(shapes.batch, first_sequence),
         head=_index(
@@ -86,7 +104,7 @@ def bind(
         score_consts=score_consts,
         sinks=_sinks(shapes, **keywords),
     )
-    inputs = _varying_together(Inputs(query, key, value, arrays), ring)
+    inputs = _varying_together(Inputs(query, key, value, arrays, page_table), ring)
     config = Config(formula, output, tiling=_tiling(**keywords), ring=ring)
     return inputs, dataclasses.replace(
         config, implementation=choose(inputs, config, implementation)
@@ -191,13 +209,62 @@ def _query_key_value(query, key, value, ring: Ring | None, dtype=None, **_):
     _checks.check_equal("feature size d_k", ("query", "key"), (d_k, key.shape[-1]))
     _checks.check_equal("length kv_seq", ("key", "value"), (seq_kv, value.shape[-3]))
     _checks.check_equal("number of heads kv_heads", ("key", "value"), (kv_heads, value.shape[-2]))
-    if heads % kv_heads:
-        raise ValueError(
-            f"The number of query heads must be a multiple of the key/value heads; got "
-            f"{heads} query heads and {kv_heads} key/value heads."
-        )
+    _checks.check_heads(heads, kv_heads)
     shards = (1, 1, 1) if ring is None else (ring.shards, ring.batch_shards, ring.head_shards)
     return query, key, value, _Shapes(batch_shape, seq_q, heads, seq_kv, kv_heads, *shards)
+
+
+def _pages(query, key_pages, value_pages, page_table, key_value_seq_lengths=None, **_):
+    """A paged call's arrays, checked against each other, and its sizes.
+
+    Returns ``(query, key_pages, value_pages, page_table, lengths, shapes)``: the pools with a
+    leading 1 (shared by the batch), the lengths clamped to the pages (as they are under
+    ``jit``, where they are not checked).
+    """
+    arrays = [jnp.asarray(x) for x in (query, key_pages, value_pages, page_table)]
+    query, key_pages, value_pages, page_table = arrays
+    lengths = jnp.asarray(key_value_seq_lengths)
+    layouts = {
+        "query": "(batch, q_seq, heads, d_k)",
+        "key_pages": "(num_pages, page_size, kv_heads, d_k)",
+        "value_pages": "(num_pages, page_size, kv_heads, d_v)",
+    }
+    for (name, layout), x in zip(layouts.items(), arrays, strict=False):
+        _checks.check_ndim(name, x, (4,), layout)
+        _checks.check_float(name, x)
+    _checks.check_same_dtype(tuple(layouts), arrays[:3])
+    batch, seq_q, heads, d_k = query.shape
+    num_pages, page_size, kv_heads, _ = key_pages.shape
+    _checks.check_equal("feature size d_k", ("query", "key_pages"), (d_k, key_pages.shape[-1]))
+    _checks.check_equal(
+        "pages (num_pages, page_size, kv_heads)",
+        ("key_pages", "value_pages"),
+        (key_pages.shape[:3], value_pages.shape[:3]),
+    )
+    _checks.check_heads(heads, kv_heads)
+    _checks.check_ndim("page_table", page_table, (2,), "(batch, pages_per_sequence)")
+    _checks.check_integer("page_table", page_table)
+    _checks.check_shape("page_table", page_table, (batch, page_table.shape[1]), "(batch, pages)")
+    _checks.check_shape("lengths", lengths, (batch,), "(batch,)")
+    _checks.check_integer("lengths", lengths)
+    capacity = page_table.shape[1] * page_size
+    try:
+        longest = int(jnp.max(lengths, initial=0))
+        pages = (int(jnp.min(page_table, initial=0)), int(jnp.max(page_table, initial=0)))
+    except jax.errors.ConcretizationTypeError:  # under jit: clamped here and where read
+        longest, pages = 0, (0, 0)
+    if longest > capacity:
+        raise ValueError(
+            f"`lengths` must be at most pages_per_sequence · page_size = {capacity}; got {longest}."
+        )
+    if pages[0] < 0 or pages[1] >= num_pages:
+        raise ValueError(
+            f"`page_table` must hold page numbers in [0, {num_pages}); "
+            f"got {pages[0]} to {pages[1]}."
+        )
+    lengths = jnp.minimum(lengths, capacity).astype(INDEX)
+    shapes = _Shapes((batch,), seq_q, heads, capacity, kv_heads)
+    return query, key_pages[None], value_pages[None], page_table, lengths, shapes
 
 
 def _squeeze_leading_ones(x: jax.Array, ndim: int) -> jax.Array:
@@ -232,12 +299,18 @@ def _per_batch(name: str, x, shapes: _Shapes, seq: int | None = None) -> jax.Arr
     return x
 
 
+def _causal_offset(shapes: _Shapes, causal_alignment="top_left", **_) -> int:
+    """The causal diagonal's (and the window's) offset: 0 top left, ``S − T`` bottom right."""
+    _checks.check_choice("causal_alignment", causal_alignment, ("top_left", "bottom_right"))
+    return 0 if causal_alignment == "top_left" else (shapes.seq_kv - shapes.seq_q) * shapes.shards
+
+
 def _mask_rule(
     shapes: _Shapes,
+    diagonal: tuple[int, jax.Array | None],
     first_sequence: Index = 0,
     is_causal=False,
     local_window_size=None,
-    causal_alignment="top_left",
     query_seq_lengths=None,
     key_value_seq_lengths=None,
     query_segment_ids=None,
@@ -247,13 +320,14 @@ def _mask_rule(
 ) -> MaskRule | None:
     """The mask rules a call asks for, as one :class:`~jax_sdpa.AndMask` (``None``: none).
 
-    ``first_sequence``: this device's first sequence, on a ring that splits the batch.
+    ``diagonal``: the causal diagonal's (and the window's) offset, and one per sequence or None
+    (a paged call's); ``first_sequence``: this device's first sequence, on a ring that splits
+    the batch.
     """
-    _checks.check_choice("causal_alignment", causal_alignment, ("top_left", "bottom_right"))
-    offset = 0 if causal_alignment == "top_left" else (shapes.seq_kv - shapes.seq_q) * shapes.shards
-    rules: list[MaskRule] = [CausalMask(offset)] if is_causal else []
+    offset, offsets = diagonal
+    rules: list[MaskRule] = [CausalMask(offset, offsets)] if is_causal else []
     if local_window_size is not None:
-        rules.append(LocalWindowMask(*_window(local_window_size), offset=offset))
+        rules.append(LocalWindowMask(*_window(local_window_size), offset, offsets))
     if query_seq_lengths is not None or key_value_seq_lengths is not None:
         lengths = {
             "query_seq_lengths": query_seq_lengths,

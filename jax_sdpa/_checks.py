@@ -102,3 +102,12 @@ def check_equal_parts(name: str, length: int, parts: int, what: str, where: str)
         raise ValueError(
             f"`{name}` must split its {what} into {parts} equal parts {where}; got {what} {length}."
         )
+
+
+def check_heads(heads: int, kv_heads: int) -> None:
+    """GQA: the query heads must be a whole number of groups, one per key/value head."""
+    if heads % kv_heads:
+        raise ValueError(
+            f"The number of query heads must be a multiple of the key/value heads; got "
+            f"{heads} query heads and {kv_heads} key/value heads."
+        )

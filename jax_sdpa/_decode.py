@@ -161,3 +161,30 @@ def decode_sequence(
     tiles = Tiles(formula, seq_q, min(tiling.block_kv, seq_kv), (kv_heads, heads // kv_heads))
     key, value, arrays = pad_keys(key, value, arrays, tiles.block_kv)
     return Result(*_decode(tiles, query, key, value, arrays), None)
+
+
+def paged_sequence(
+    formula: Formula, tiling: Tiling, query, key_pages, value_pages, table, arrays: CallArrays
+) -> Result:
+    """Split-key attention of one sequence whose keys are pages of a pool, in chunks of pages.
+
+    ``table`` ``(pages,)`` names the sequence's pages of ``key_pages`` ``(P, page_size, K, H)``
+    and ``value_pages``, in order; chunks hold ``tiling.block_kv // page_size`` pages (at least
+    one). Only this sequence's pages are copied, never the whole pool: a copy of them is what
+    the matrix products read. Its gradient is JAX's, through the same functions.
+    """
+    pages, page_size = table.shape[0], key_pages.shape[1]
+    per_chunk = min(max(1, tiling.block_kv // page_size), pages)
+    count = -(-pages // per_chunk)
+    # Whole chunks: repeat the sequence's last page (past its length, so masked), so that it
+    # never reads a page that is not its own; a page number outside the pool (−1 included:
+    # take would count it from the end) reads zeros, never another sequence's page.
+    chunks = jnp.pad(table, (0, count * per_chunk - pages), mode="edge").reshape(count, per_chunk)
+    chunks = jnp.where(chunks >= 0, chunks, key_pages.shape[0])
+    keys, values = (
+        jnp.take(x, chunks, axis=0, mode="fill", fill_value=0).reshape(
+            count, per_chunk * page_size, *x.shape[2:]
+        )
+        for x in (key_pages, value_pages)
+    )
+    return split_keys(formula, query, keys, values, arrays)

@@ -31,7 +31,7 @@ from jaxtyping import Array
 
 from jax_sdpa._attention import dense_sequence
 from jax_sdpa._chunked import chunked_sequence
-from jax_sdpa._decode import BLOCK_DIAGONAL_COLUMNS, decode_sequence
+from jax_sdpa._decode import BLOCK_DIAGONAL_COLUMNS, decode_sequence, paged_sequence
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
@@ -57,13 +57,22 @@ class Inputs:
     """The checked arrays of one call, in canonical form (a pytree, so it can enter ``jax.jit``).
 
     ``query`` ``(*batch, T, N, H)``, ``key`` ``(*batch, S, K, H)``, ``value`` ``(*batch, S, K, V)``;
-    the leaves of ``arrays`` lead with the batch axes (each full or 1).
+    the leaves of ``arrays`` lead with the batch axes (each full or 1). A paged call's ``key`` and
+    ``value`` are the pools of pages ``(1, P, page_size, K, ·)``, shared by the batch, and
+    ``page_table`` ``(B, pages)`` says which pages each sequence's keys are.
     """
 
     query: Array
     key: Array
     value: Array
     arrays: CallArrays
+    page_table: Array | None = None
+
+    @property
+    def seq_kv(self) -> int:
+        """``S``, the keys of each sequence (a paged sequence's pages end to end)."""
+        pages = 1 if self.page_table is None else self.page_table.shape[-1]
+        return pages * self.key.shape[-3]
 
     def over_batch(self, sequence: Callable, *, sequential: bool = False) -> Result:
         """``sequence(query, key, value, arrays)`` for one sequence, mapped over the batch."""
@@ -119,13 +128,18 @@ def _chunked(inputs: Inputs, config: Config) -> Result:
     return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
 
 
-def _chunked_unsupported(inputs: Inputs, config: Config) -> str | None:
+def _no_weights(name: str, config: Config) -> str | None:
+    """The message of an implementation that never forms the weights, if the call needs them."""
     if config.output != "attention":
         return (
-            "`implementation='chunked'` never forms the attention weights, which `module` (sown "
+            f"`implementation={name!r}` never forms the attention weights, which `module` (sown "
             "weights) needs; use implementation=None or 'xla'."
         )
     return None
+
+
+def _chunked_unsupported(inputs: Inputs, config: Config) -> str | None:
+    return _no_weights("chunked", config)
 
 
 def _decode(inputs: Inputs, config: Config) -> Result:
@@ -134,13 +148,23 @@ def _decode(inputs: Inputs, config: Config) -> Result:
 
 def _decode_unsupported(inputs: Inputs, config: Config) -> str | None:
     if config.output != "attention":
-        return (
-            "`implementation='decode'` never forms the attention weights, which `module` (sown "
-            "weights) needs; use implementation=None or 'xla'."
-        )
+        return _no_weights("decode", config)
     if inputs.arrays.dropout_rng is not None:
         return "`implementation='decode'` has no dropout (decoding is inference); use 'chunked'."
     return None
+
+
+def _paged(inputs: Inputs, config: Config) -> Result:
+    sequence = functools.partial(paged_sequence, config.formula, config.tiling)
+    args = (inputs.query, inputs.key, inputs.value, inputs.page_table, inputs.arrays)
+    # One sequence after the other: each gathers its own pages, never the whole batch's.
+    return over_batch(sequence, inputs.query.shape[:-3], *args, sequential=True)
+
+
+def _paged_unsupported(inputs: Inputs, config: Config) -> str | None:
+    if inputs.page_table is None:
+        return "`implementation='paged'` reads a paged cache: call `paged_attention`."
+    return _no_weights("paged", config)
 
 
 def _ring(inputs: Inputs, config: Config) -> Result:
@@ -154,12 +178,17 @@ def _rule_parts(rule: MaskRule | None) -> tuple[MaskRule, ...]:
     return rule.rules if isinstance(rule, AndMask) else (rule,)
 
 
+def _offset(rule: MaskRule) -> bool:
+    """Whether ``rule`` moves its diagonal: an offset, or one per sequence."""
+    return getattr(rule, "offset", 0) != 0 or getattr(rule, "offsets", None) is not None
+
+
 def _beyond_jax_nn(inputs: Inputs, config: Config) -> list[str]:
     """The arguments of the call that ``jax.nn.dot_product_attention`` does not take."""
     parts = _rule_parts(inputs.arrays.rule)
     used = {
         "more than one batch axis": inputs.query.ndim > 4,
-        "causal_alignment='bottom_right'": any(getattr(r, "offset", 0) for r in parts),
+        "causal_alignment='bottom_right'": any(_offset(r) for r in parts),
         "logits_soft_cap": config.formula.soft_cap is not None,
         "segment ids or mask_mod": any(
             not isinstance(r, (CausalMask, LocalWindowMask, LengthMask)) for r in parts
@@ -222,6 +251,7 @@ IMPLEMENTATIONS: dict[str, Entry] = {
     "xla": Entry(_dense, jvp=True),
     "chunked": Entry(_chunked, _chunked_unsupported),
     "decode": Entry(_decode, _decode_unsupported),
+    "paged": Entry(_paged, _paged_unsupported, jvp=True, asked_as="`paged_attention`"),
     "cudnn": Entry(_cudnn, _cudnn_unsupported),
     "ring": Entry(_ring, asked_as="`ring_attention`"),
 }
@@ -298,7 +328,7 @@ def without_positions(inputs: Inputs) -> Result:
     """
     *batch, seq_q, heads, _ = inputs.query.shape
     dtype = accumulation_dtype(inputs.query.dtype)
-    weights = jnp.zeros((*batch, heads, seq_q, inputs.key.shape[-3]), dtype)
+    weights = jnp.zeros((*batch, heads, seq_q, inputs.seq_kv), dtype)
     out = jnp.zeros((*batch, seq_q, heads, inputs.value.shape[-1]), inputs.value.dtype)
     sinks = inputs.arrays.sinks
     per_head = jnp.full((heads,), -jnp.inf, dtype) if sinks is None else sinks.astype(dtype)
@@ -309,7 +339,7 @@ def without_positions(inputs: Inputs) -> Result:
 @functools.partial(jax.jit, static_argnames=("config",))
 def run(inputs: Inputs, *, config: Config) -> Result:
     """The jitted batched computation of a bound call; the weights only where asked for."""
-    if 0 in (inputs.query.shape[-3], inputs.key.shape[-3]):
+    if 0 in (inputs.query.shape[-3], inputs.seq_kv):
         result = without_positions(inputs)
     else:
         result = IMPLEMENTATIONS[config.implementation].run(inputs, config)

@@ -13,7 +13,7 @@ Rules combine with ``&`` (:class:`AndMask`) and ``|`` (:class:`OrMask`), whose r
 from their parts'; ``bool(rule)`` raises, so that ``a and b`` cannot silently mean ``b``. Array
 fields (sequence lengths, segment ids) are pytree leaves, so rules can be ``jax.vmap``-ed over the
 batch; integer fields (offsets, window sizes) are static (``metadata={"static": True}``, JAX's
-dataclass convention).
+dataclass convention), and an offset per sequence is an array field (``offsets``).
 
 Every rule answers ``rule(q_idx, kv_idx)`` for broadcasting integer arrays of positions::
 
@@ -77,7 +77,7 @@ def _per_sequence(*axes: str, index: bool = False) -> Any:
 
     With exactly ``len(axes)`` axes it is shared by every sequence of a call; with the call's batch
     axes before those, each sequence has its own (:func:`with_batch`). ``index`` fields hold
-    positions (lengths), kept as :data:`INDEX`.
+    positions (lengths, offsets), kept as :data:`INDEX`.
     """
     return dataclasses.field(default=None, metadata={"axes": axes, "index": index})
 
@@ -156,31 +156,39 @@ class MaskRule:
         )
 
 
+def _shift(rule) -> Index:
+    """Where query ``i`` sits: ``i + offset``, plus the sequence's own offset if given."""
+    return rule.offset if rule.offsets is None else rule.offset + rule.offsets
+
+
 @rule_class
 class CausalMask(MaskRule):
     r"""Query ``i`` sees keys ``j <= i + offset``.
 
     ``offset = 0`` is the top-left alignment of ``jax.nn`` and PyTorch; ``offset = S - T`` aligns
     the diagonal to the bottom-right corner, as when ``T`` new queries follow ``S - T`` cached keys
-    (KV-cache decoding, FlashAttention's convention).
+    (KV-cache decoding, FlashAttention's convention). ``offsets``, an integer array ``(batch,)``,
+    adds one offset per sequence (a paged cache, whose sequences have ``lengths − T`` cached keys
+    each).
     """
 
     offset: int = static_field(0)
+    offsets: Integer[Array, "*batch"] | None = _per_sequence(index=True)
 
     def __call__(self, q_idx, kv_idx):
-        return kv_idx <= q_idx + self.offset
+        return kv_idx <= q_idx + _shift(self)
 
     def kv_range(self, q_lo, q_hi):
-        return 0, q_hi + self.offset
+        return 0, q_hi + _shift(self)
 
     def q_range(self, kv_lo, kv_hi):
-        return kv_lo - self.offset, _NO_LIMIT
+        return kv_lo - _shift(self), _NO_LIMIT
 
     def kv_full_range(self, q_lo, q_hi):
-        return 0, q_lo + self.offset + 1
+        return 0, q_lo + _shift(self) + 1
 
     def q_full_range(self, kv_lo, kv_hi):
-        return kv_hi - 1 - self.offset, _NO_LIMIT
+        return kv_hi - 1 - _shift(self), _NO_LIMIT
 
 
 @rule_class
@@ -188,28 +196,34 @@ class LocalWindowMask(MaskRule):
     r"""Query ``i`` sees keys ``i + offset - left <= j <= i + offset + right`` (both inclusive).
 
     ``jax.nn``'s ``local_window_size=(left, right)``: with ``(3, 2)`` the query at position 6 sees
-    keys 3 to 8.
+    keys 3 to 8. ``offset`` and ``offsets`` move the centre as :class:`CausalMask`'s move its
+    diagonal.
     """
 
     left: int = static_field()
     right: int = static_field()
     offset: int = static_field(0)
+    offsets: Integer[Array, "*batch"] | None = _per_sequence(index=True)
 
     def __call__(self, q_idx, kv_idx):
-        centre = q_idx + self.offset
+        centre = q_idx + _shift(self)
         return (kv_idx >= centre - self.left) & (kv_idx <= centre + self.right)
 
     def kv_range(self, q_lo, q_hi):
-        return q_lo + self.offset - self.left, q_hi + self.offset + self.right
+        shift = _shift(self)
+        return q_lo + shift - self.left, q_hi + shift + self.right
 
     def q_range(self, kv_lo, kv_hi):
-        return kv_lo - self.offset - self.right, kv_hi - self.offset + self.left
+        shift = _shift(self)
+        return kv_lo - shift - self.right, kv_hi - shift + self.left
 
     def kv_full_range(self, q_lo, q_hi):
-        return q_hi - 1 + self.offset - self.left, q_lo + self.offset + self.right + 1
+        shift = _shift(self)
+        return q_hi - 1 + shift - self.left, q_lo + shift + self.right + 1
 
     def q_full_range(self, kv_lo, kv_hi):
-        return kv_hi - 1 - self.offset - self.right, kv_lo - self.offset + self.left + 1
+        shift = _shift(self)
+        return kv_hi - 1 - shift - self.right, kv_lo - shift + self.left + 1
 
 
 @rule_class

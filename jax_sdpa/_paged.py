@@ -12,102 +12,18 @@ contiguous or a paged cache: pure functions of the cache, to ``jax.jit`` with th
 (``donate_argnums``), so that XLA writes in place.
 """
 
-import dataclasses
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Integer
 
-from jax_sdpa import _checks
-from jax_sdpa._arguments import (
-    _formula,
-    _index,
-    _mask_mod,
-    _mask_rule,
-    _score_mod,
-    _Shapes,
-    _sinks,
-    _window,
-)
-from jax_sdpa._decode import split_keys
-from jax_sdpa._formula import CallArrays, Formula
-from jax_sdpa._heads import over_batch
-from jax_sdpa._implementations import Inputs, without_positions
-from jax_sdpa._indices import INDEX, indices
+from jax_sdpa._arguments import bind
+from jax_sdpa._implementations import run
+from jax_sdpa._indices import indices
 from jax_sdpa._tiles import DEFAULT_BLOCK_KV
-from jax_sdpa._user_functions import FunctionMask, function_mask
 
 __all__ = ["paged_attention", "update_cache", "update_paged_cache"]
-
-
-def _last_queries(lengths: Array, seq_q: int, is_causal: bool, local_window_size) -> FunctionMask:
-    """The mask of queries that are the last ``T`` positions of each sequence's keys.
-
-    Query ``i`` of sequence ``b`` sits at position ``lengths[b] − T + i``: it sees the keys
-    before ``lengths[b]``, up to its own position if causal, within the window if one is given.
-    """
-    window = None if local_window_size is None else _window(local_window_size)
-
-    def mask_mod(batch, head, q_idx, kv_idx):
-        length = lengths[batch]
-        position = q_idx + length - seq_q
-        allowed = kv_idx < length
-        if is_causal:
-            allowed = allowed & (kv_idx <= position)
-        if window is not None:
-            allowed = allowed & (kv_idx >= position - window[0]) & (kv_idx <= position + window[1])
-        return allowed
-
-    return function_mask(mask_mod)
-
-
-def _check_pages(query, key_pages, value_pages, page_table, lengths) -> _Shapes:
-    """The sizes of a paged call, with every array checked against the others."""
-    layouts = {
-        "query": "(batch, q_seq, heads, d_k)",
-        "key_pages": "(num_pages, page_size, kv_heads, d_k)",
-        "value_pages": "(num_pages, page_size, kv_heads, d_v)",
-    }
-    for (name, layout), x in zip(layouts.items(), (query, key_pages, value_pages), strict=True):
-        _checks.check_ndim(name, x, (4,), layout)
-        _checks.check_float(name, x)
-    _checks.check_same_dtype(("query", "key_pages", "value_pages"), (query, key_pages, value_pages))
-    batch, seq_q, heads, d_k = query.shape
-    num_pages, page_size, kv_heads, _ = key_pages.shape
-    _checks.check_equal("feature size d_k", ("query", "key_pages"), (d_k, key_pages.shape[-1]))
-    _checks.check_equal(
-        "pages (num_pages, page_size, kv_heads)",
-        ("key_pages", "value_pages"),
-        (key_pages.shape[:3], value_pages.shape[:3]),
-    )
-    if heads % kv_heads:
-        raise ValueError(
-            f"The number of query heads must be a multiple of the key/value heads; got {heads} "
-            f"query heads and {kv_heads} key/value heads."
-        )
-    _checks.check_ndim("page_table", page_table, (2,), "(batch, pages_per_sequence)")
-    _checks.check_integer("page_table", page_table)
-    _checks.check_shape("page_table", page_table, (batch, page_table.shape[1]), "(batch, pages)")
-    _checks.check_shape("lengths", lengths, (batch,), "(batch,)")
-    _checks.check_integer("lengths", lengths)
-    capacity = page_table.shape[1] * page_size
-    try:
-        longest = int(jnp.max(lengths, initial=0))
-        pages = (int(jnp.min(page_table, initial=0)), int(jnp.max(page_table, initial=0)))
-    except jax.errors.ConcretizationTypeError:  # under jit: clamped, see paged_attention
-        longest, pages = 0, (0, 0)
-    if longest > capacity:
-        raise ValueError(
-            f"`lengths` must be at most pages_per_sequence · page_size = {capacity}; got {longest}."
-        )
-    if pages[0] < 0 or pages[1] >= num_pages:
-        raise ValueError(
-            f"`page_table` must hold page numbers in [0, {num_pages}); "
-            f"got {pages[0]} to {pages[1]}."
-        )
-    return _Shapes((batch,), seq_q, heads, capacity, kv_heads, 1)
 
 
 def paged_attention(
@@ -176,60 +92,25 @@ def paged_attention(
         >>> bool(jnp.abs(out - dense).max() < 1e-6)
         True
     """
-    query, key_pages, value_pages = map(jnp.asarray, (query, key_pages, value_pages))
-    page_table, lengths = jnp.asarray(page_table), jnp.asarray(lengths)
-    shapes = _check_pages(query, key_pages, value_pages, page_table, lengths)
-    _checks.check_positive_int("block_kv", block_kv)
-    score_mod, score_consts = _score_mod(shapes, query.dtype, score_mod=score_mod)
-    formula = dataclasses.replace(
-        _formula(query.shape[-1], scale=scale, logits_soft_cap=logits_soft_cap),
+    inputs, config = bind(
+        query,
+        key_pages,
+        value_pages,
+        output="attention",
+        implementation="paged",
+        page_table=page_table,
+        key_value_seq_lengths=lengths,
+        scale=scale,
+        is_causal=is_causal,
+        local_window_size=local_window_size,
+        logits_soft_cap=logits_soft_cap,
         score_mod=score_mod,
+        mask_mod=mask_mod,
+        sinks=sinks,
+        block_kv=block_kv,
     )
-    lengths = jnp.minimum(lengths, shapes.seq_kv).astype(INDEX)
-    positions = _last_queries(lengths, shapes.seq_q, is_causal, local_window_size)
-    mask_mod = positions if mask_mod is None else _mask_mod(shapes, mask_mod) & positions
-    rule = _mask_rule(shapes, mask_mod=mask_mod)
-    arrays = CallArrays(
-        rule=rule,
-        batch=_index(shapes.batch),
-        head=_index((1, shapes.heads)),
-        score_consts=score_consts,
-        sinks=_sinks(shapes, sinks=sinks),
-    )
-    if 0 in (shapes.seq_q, shapes.seq_kv):  # no query, or no key
-        empty = (*shapes.batch, 0, shapes.kv_heads)
-        keys, values = (jnp.zeros((*empty, x.shape[-1]), x.dtype) for x in (key_pages, value_pages))
-        out, lse, _ = without_positions(Inputs(query, keys, values, arrays))
-        return (out, lse) if return_residual else out
-    pages_per_chunk = max(1, block_kv // key_pages.shape[1])
-    out, lse = _paged(formula, pages_per_chunk, query, key_pages, value_pages, page_table, arrays)
+    out, lse, _ = run(inputs, config=config)
     return (out, lse) if return_residual else out
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _paged(formula: Formula, pages_per_chunk: int, query, key_pages, value_pages, table, arrays):
-    pages = table.shape[1]
-    pages_per_chunk = min(pages_per_chunk, pages)
-    count = -(-pages // pages_per_chunk)
-    # Whole chunks: repeat each sequence's last page (past its length, so masked), so that it
-    # never reads a page that is not its own.
-    table = jnp.pad(table, ((0, 0), (0, count * pages_per_chunk - pages)), mode="edge")
-    size = pages_per_chunk * key_pages.shape[1]
-
-    def sequence(query, table, arrays):
-        # One sequence's pages at a time (the batch is mapped sequentially): a copy of them,
-        # never of the whole cache, is what the matrix products read.
-        chunks = table.reshape(count, pages_per_chunk)
-        # A page number outside the pool (−1 included: take would count it from the end)
-        # reads zeros, never another sequence's page.
-        chunks = jnp.where(chunks >= 0, chunks, key_pages.shape[0])
-        keys, values = (
-            jnp.take(x, chunks, axis=0, mode="fill", fill_value=0) for x in (key_pages, value_pages)
-        )
-        keys, values = (x.reshape(count, size, *x.shape[3:]) for x in (keys, values))
-        return split_keys(formula, query, keys, values, arrays)[:2]
-
-    return over_batch(sequence, query.shape[:1], query, table, arrays, sequential=True)
 
 
 def update_cache(

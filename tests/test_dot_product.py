@@ -143,6 +143,19 @@ def test_soft_cap_against_reference(rng, impl):
 
 
 @each_implementation
+def test_a_causal_offset_per_sequence_moves_each_sequence_s_diagonal(rng, impl):
+    # CausalMask/LocalWindowMask with offsets: sequence b's queries sit at 1 + offsets[b] + i.
+    q, k, v = qkv(rng, 3, 3, 8, 2, 2, 4)
+    offsets = jnp.array([-1, 4, 1])
+    rule = js.CausalMask(1, offsets) & js.LocalWindowMask(2, 0, 1, offsets)
+    out = js.dot_product_attention(q, k, v, mask_mod=rule, **impl)
+    for b, offset in enumerate(offsets.tolist()):
+        one = (x[b : b + 1] for x in (q, k, v))
+        want = ref.attention(*one, is_causal=True, window=(2, 0), offset=1 + offset)
+        np.testing.assert_allclose(out[b : b + 1], want["out"], atol=2e-6)
+
+
+@each_implementation
 def test_bottom_right_causal_for_kv_cache_decoding(rng, impl):
     q, k, v = qkv(rng, 2, 3, 8, 2, 2, 4)
     out = js.dot_product_attention(q, k, v, is_causal=True, causal_alignment="bottom_right", **impl)

@@ -54,6 +54,11 @@ def test_rules_are_pytrees_that_vmap_over_batch():
     np.testing.assert_array_equal(masks[1], [[1, 0, 0], [1, 0, 0], [1, 0, 0]])
     leaves = jax.tree.leaves(js.CausalMask(3) & js.LocalWindowMask(1, 2))
     assert leaves == []  # offsets and window sizes are static
+    # Offsets per sequence are leaves: sequence b's queries sit at positions offsets[b] + i.
+    rule = js.CausalMask(offsets=jnp.array([0, 2]))
+    masks = jax.vmap(lambda r: js.materialize_mask(r, 2, 4))(rule)
+    np.testing.assert_array_equal(masks[0], [[1, 0, 0, 0], [1, 1, 0, 0]])
+    np.testing.assert_array_equal(masks[1], [[1, 1, 1, 0], [1, 1, 1, 1]])
 
 
 @settings(max_examples=examples("ranges"), deadline=None)
@@ -79,6 +84,9 @@ def test_property_block_ranges_are_sound(t, s, offset, left, right, q_len, kv_le
         js.LengthMask(jnp.array(q_len), None)
         | (js.CausalMask(offset) & js.LocalWindowMask(left, right)),
         js.OrMask(()),
+        # Offsets per sequence (a leaf: one sequence's, once mapped over the batch).
+        js.CausalMask(1, jnp.array(offset - 1))
+        & js.LocalWindowMask(left, right, 0, jnp.array(offset)),
     ]
     for rule in rules:
         allowed = np.asarray(js.materialize_mask(rule, t, s))
