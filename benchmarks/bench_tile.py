@@ -176,10 +176,8 @@ def block_sizes(seq: int, tiles: list[tuple[int, int]], heads: int, reps: int, b
         for is_causal in (False, True):
             sdpa = functools.partial(
                 jax_sdpa.dot_product_attention,
-                implementation="chunked",
+                implementation=jax_sdpa.Chunked(*tile),
                 is_causal=is_causal,
-                block_q=tile[0],
-                block_kv=tile[1],
             )
             step, _ = compiled(sdpa, mode, (x, x, x))
             steps[f"{tile} {is_causal}"] = functools.partial(step, x, x, x)

@@ -12,6 +12,9 @@ from jax_sdpa import mods as mods
 from jax_sdpa._attention import attention as attention
 from jax_sdpa._block_mask import BlockMask as BlockMask
 from jax_sdpa._block_mask import create_block_mask as create_block_mask
+from jax_sdpa._chunked import Chunked as Chunked
+from jax_sdpa._decode import Decode as Decode
+from jax_sdpa._decode import Paged as Paged
 from jax_sdpa._dot_product import dot_product_attention as dot_product_attention
 from jax_sdpa._dot_product import dot_product_attention_weights as dot_product_attention_weights
 from jax_sdpa._dot_product import ring_attention as ring_attention
@@ -27,6 +30,7 @@ from jax_sdpa._online_softmax import merge_attention as merge_attention
 from jax_sdpa._paged import paged_attention as paged_attention
 from jax_sdpa._paged import update_cache as update_cache
 from jax_sdpa._paged import update_paged_cache as update_paged_cache
+from jax_sdpa._ring import Ring as Ring
 from jax_sdpa._sharding import from_striped as from_striped
 from jax_sdpa._sharding import ring_dot_product_attention as ring_dot_product_attention
 from jax_sdpa._sharding import to_striped as to_striped
@@ -44,10 +48,14 @@ __all__ = (
     "AndMask",
     "BlockMask",
     "CausalMask",
+    "Chunked",
+    "Decode",
     "LengthMask",
     "LocalWindowMask",
     "MaskRule",
     "OrMask",
+    "Paged",
+    "Ring",
     "SegmentMask",
     "attention",
     "create_block_mask",

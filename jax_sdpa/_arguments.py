@@ -2,7 +2,7 @@
 
 :func:`bind` takes the keyword arguments of a public function as they were given and hands each
 to the small checker that owns it (query/key/value, per-logit bias and mask, the mask rule, the
-dropout keys, the formula, the tiling, the ring); each keyword and its default is written in one
+dropout keys, the formula, the ring); each keyword and its default is written in one
 checker, which ignores the others (``**_``); the dropout keys take the rate from the formula.
 The result is one :class:`~jax_sdpa._implementations.Inputs` pytree and one static
 :class:`~jax_sdpa._implementations.Config`, with the implementation chosen from the table.
@@ -19,7 +19,7 @@ from jax import lax
 from jax_sdpa import _checks
 from jax_sdpa._block_mask import BlockMask
 from jax_sdpa._formula import CallArrays, Formula
-from jax_sdpa._implementations import Config, Inputs, Output, choose
+from jax_sdpa._implementations import Config, Inputs, Output, choose, options, requested
 from jax_sdpa._indices import INDEX, Index, positions
 from jax_sdpa._masks import (
     AndMask,
@@ -31,9 +31,8 @@ from jax_sdpa._masks import (
     shared,
     with_batch,
 )
-from jax_sdpa._ring import Ring
+from jax_sdpa._ring import RingSpec
 from jax_sdpa._steps import accumulation_dtype, default_scale
-from jax_sdpa._tiles import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, Tiling
 from jax_sdpa._user_functions import (
     INDEX_ARGUMENT,
     convert,
@@ -105,13 +104,14 @@ def bind(
         sinks=_sinks(shapes, **keywords),
     )
     inputs = _varying_together(Inputs(query, key, value, arrays, page_table), ring)
-    config = Config(formula, output, tiling=_tiling(**keywords), ring=ring)
+    config = Config(formula, output, ring=ring)
+    name = choose(inputs, config, requested(implementation))
     return inputs, dataclasses.replace(
-        config, implementation=choose(inputs, config, implementation)
+        config, implementation=name, options=options(name, implementation)
     )
 
 
-def _varying_together(inputs: Inputs, ring: Ring | None) -> Inputs:
+def _varying_together(inputs: Inputs, ring: RingSpec | None) -> Inputs:
     """Every array of the call varying over the mesh axes any of them varies over, and the ring's.
 
     Inside ``jax.shard_map`` (with its default ``check_vma=True``) values are typed by the axes
@@ -129,7 +129,7 @@ def _index(shape: tuple[int, ...], first: Index = 0) -> jax.Array:
     return positions(first, math.prod(shape)).reshape(shape)
 
 
-def _first(ring: Ring | None, axis: str, count: int) -> Index:
+def _first(ring: RingSpec | None, axis: str, count: int) -> Index:
     """The global index of this device's first sequence (or head), ``count`` on each device.
 
     On a ring whose batch (heads) are split over the mesh axis ``ring.batch_axis``
@@ -153,7 +153,7 @@ def _flax_only(qk_attn_weights_einsum=None, attn_weights_value_einsum=None, **_)
 
 def _ring_spec(
     query, key, axis_name=None, layout="contiguous", batch_axis=None, head_axis=None, **_
-) -> Ring | None:
+) -> RingSpec | None:
     """The ring of a ``ring_attention`` call (``None`` off a ring)."""
     if axis_name is None:
         return None
@@ -164,7 +164,7 @@ def _ring_spec(
     split = {name: axis for name, axis in (("batch", batch_axis), ("head", head_axis)) if axis}
     sizes = {f"{name}_shards": _axis_size(f"{name}_axis", axis) for name, axis in split.items()}
     shards = _axis_size("axis_name", axis_name)
-    return Ring(axis_name, shards, layout, batch_axis, head_axis, **sizes)
+    return RingSpec(axis_name, shards, layout, batch_axis, head_axis, **sizes)
 
 
 def _axis_size(name: str, axis) -> int:
@@ -183,7 +183,7 @@ def _axis_size(name: str, axis) -> int:
         ) from None
 
 
-def _query_key_value(query, key, value, ring: Ring | None, dtype=None, **_):
+def _query_key_value(query, key, value, ring: RingSpec | None, dtype=None, **_):
     """The three arrays (cast to ``dtype`` if given), checked against each other, and the sizes."""
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     if dtype is not None:
@@ -476,10 +476,3 @@ def _static_float(name: str, value) -> float:
         raise TypeError(
             f"`{name}` must be a Python float (a static value); got {type(value).__name__}."
         ) from None
-
-
-def _tiling(block_q=DEFAULT_BLOCK_Q, block_kv=DEFAULT_BLOCK_KV, **_) -> Tiling:
-    """The chunked and ring paths' tile, checked."""
-    for name, block in (("block_q", block_q), ("block_kv", block_kv)):
-        _checks.check_positive_int(name, block)
-    return Tiling(block_q, block_kv)

@@ -27,8 +27,39 @@ from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
 from jax_sdpa._online_softmax import zeros_from
 from jax_sdpa._steps import accumulation_dtype
-from jax_sdpa._tiles import Tiles, Tiling, flat, loop, pad_keys, pad_to, rows_first, sweep_keys
+from jax_sdpa._tiles import (
+    DEFAULT_BLOCK_KV,
+    DEFAULT_BLOCK_Q,
+    Tiles,
+    check_sizes,
+    flat,
+    loop,
+    pad_keys,
+    pad_to,
+    rows_first,
+    sweep_keys,
+)
 from jax_sdpa._tiles_backward import backward
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunked:
+    """The chunked implementation and its tile: ``implementation=Chunked(block_q=256)``.
+
+    Attributes:
+        block_q: Queries per tile (at most the sequence's; a last partial tile is padded).
+        block_kv: Keys per tile.
+
+    Examples:
+        >>> Chunked(block_kv=256)
+        Chunked(block_q=512, block_kv=256)
+    """
+
+    block_q: int = DEFAULT_BLOCK_Q
+    block_kv: int = DEFAULT_BLOCK_KV
+
+    def __post_init__(self):
+        check_sizes(self)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -88,7 +119,7 @@ def _blocked(tiles: Tiles, arrays: CallArrays, seq_q: int, seq_kv: int) -> Block
 
 
 def chunked_sequence(
-    formula: Formula, tiling: Tiling, query, key, value, arrays: CallArrays
+    formula: Formula, options: Chunked, query, key, value, arrays: CallArrays
 ) -> Result:
     """Blocked attention of one sequence, all heads: ``(out, lse, None)`` in jax.nn's layout.
 
@@ -98,7 +129,7 @@ def chunked_sequence(
     dropped.
     """
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
-    block_q, block_kv = min(tiling.block_q, seq_q), min(tiling.block_kv, seq_kv)
+    block_q, block_kv = min(options.block_q, seq_q), min(options.block_kv, seq_kv)
     tiles = Tiles(formula, block_q, block_kv, (kv_heads, heads // kv_heads))
     key, value, arrays = pad_keys(key, value, arrays, block_kv)
     arrays = dataclasses.replace(

@@ -24,6 +24,7 @@ soft cap, bias, ``score_mod``, mask rules at global positions) and the online so
 all the queries against each chunk of keys.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -34,7 +35,7 @@ from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_heads
 from jax_sdpa._indices import positions
 from jax_sdpa._steps import accumulation_dtype, raw_scores, weighted_sum
-from jax_sdpa._tiles import Tiles, Tiling, pad_keys
+from jax_sdpa._tiles import DEFAULT_BLOCK_KV, Tiles, check_sizes, pad_keys
 from jax_sdpa._tiles_backward import backward
 
 # Up to this many columns (K·G·T: every query row of every head), the scores are one matrix
@@ -42,6 +43,34 @@ from jax_sdpa._tiles_backward import backward
 # K times the useful flops, but a product that streams the keys at memory speed. Past it the
 # wasted flops cost more than the reading (BENCHMARKS.md).
 BLOCK_DIAGONAL_COLUMNS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+    """The split-key decoding implementation and its chunk: ``implementation=Decode(block_kv=…)``.
+
+    Attributes:
+        block_kv: Keys per chunk; the chunks are attended independently and merged.
+    """
+
+    block_kv: int = DEFAULT_BLOCK_KV
+
+    def __post_init__(self):
+        check_sizes(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Paged:
+    """:func:`~jax_sdpa.paged_attention`'s chunk: ``implementation=Paged(block_kv=…)``.
+
+    Attributes:
+        block_kv: Keys per chunk, rounded down to whole pages (at least one page).
+    """
+
+    block_kv: int = DEFAULT_BLOCK_KV
+
+    def __post_init__(self):
+        check_sizes(self)
 
 
 def _scores(query, key, precision=None):
@@ -150,31 +179,31 @@ _decode.defvjp(_decode_fwd, backward)
 
 
 def decode_sequence(
-    formula: Formula, tiling: Tiling, query, key, value, arrays: CallArrays
+    formula: Formula, options: Decode, query, key, value, arrays: CallArrays
 ) -> Result:
     """Split-key attention of one sequence, all heads: ``(out, lse, None)`` in jax.nn's layout.
 
-    Chunks of ``tiling.block_kv`` keys (the last padded, its padding masked); every query in
+    Chunks of ``options.block_kv`` keys (the last padded, its padding masked); every query in
     one tile. The same results as :func:`jax_sdpa._chunked.chunked_sequence`.
     """
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
-    tiles = Tiles(formula, seq_q, min(tiling.block_kv, seq_kv), (kv_heads, heads // kv_heads))
+    tiles = Tiles(formula, seq_q, min(options.block_kv, seq_kv), (kv_heads, heads // kv_heads))
     key, value, arrays = pad_keys(key, value, arrays, tiles.block_kv)
     return Result(*_decode(tiles, query, key, value, arrays), None)
 
 
 def paged_sequence(
-    formula: Formula, tiling: Tiling, query, key_pages, value_pages, table, arrays: CallArrays
+    formula: Formula, options: Paged, query, key_pages, value_pages, table, arrays: CallArrays
 ) -> Result:
     """Split-key attention of one sequence whose keys are pages of a pool, in chunks of pages.
 
     ``table`` ``(pages,)`` names the sequence's pages of ``key_pages`` ``(P, page_size, K, H)``
-    and ``value_pages``, in order; chunks hold ``tiling.block_kv // page_size`` pages (at least
+    and ``value_pages``, in order; chunks hold ``options.block_kv // page_size`` pages (at least
     one). Only this sequence's pages are copied, never the whole pool: a copy of them is what
     the matrix products read. Its gradient is JAX's, through the same functions.
     """
     pages, page_size = table.shape[0], key_pages.shape[1]
-    per_chunk = min(max(1, tiling.block_kv // page_size), pages)
+    per_chunk = min(max(1, options.block_kv // page_size), pages)
     count = -(-pages // per_chunk)
     # Whole chunks: repeat the sequence's last page (past its length, so masked), so that it
     # never reads a page that is not its own; a page number outside the pool (−1 included:

@@ -6,8 +6,9 @@ sequence over the devices of a mesh axis) check their arguments with
 :func:`jax_sdpa._arguments.bind` and run the implementation it chooses from the table in
 :mod:`jax_sdpa._implementations`: ``"xla"`` maps the dense single-head composition over heads
 and batch (``jax.vmap``); ``"chunked"`` runs the online softmax over tiles that cover all heads,
-with its own backward; the ring passes those tiles' keys from device to device; ``"cudnn"``
-hands the call to ``jax.nn``'s fused kernel.
+with its own backward; ``"decode"`` reads a long key/value cache in chunks for a few queries;
+the ring passes those tiles' keys from device to device; ``"cudnn"`` hands the call to
+``jax.nn``'s fused kernel.
 
 Shape letters (as ``jax.nn.dot_product_attention``)::
 
@@ -20,26 +21,99 @@ Query head ``n`` uses key/value head ``n // G`` (GQA; MQA when ``K = 1``): keys 
 never copied ``G`` times.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import typing
 from collections.abc import Callable
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike, Float
 
-from jax_sdpa import _checks
 from jax_sdpa._arguments import bind
-from jax_sdpa._implementations import run
+from jax_sdpa._chunked import Chunked
+from jax_sdpa._decode import Decode
+from jax_sdpa._implementations import Implementation, check_implementation, run
 from jax_sdpa._masks import MaskRule
-from jax_sdpa._ring import Layout
-from jax_sdpa._tiles import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q
+from jax_sdpa._ring import Layout, Ring
+
+if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no dependency
+    from typing_extensions import Unpack
 
 __all__ = ["dot_product_attention", "dot_product_attention_weights", "ring_attention"]
 
-Implementation = Literal["xla", "chunked", "decode", "cudnn"]
 CausalAlignment = Literal["top_left", "bottom_right"]
+
+
+# The keyword vocabulary, in groups, written once for the overloads and **options. The functions
+# themselves still spell their keywords out: flax linen passes an `attention_fn` only the
+# keywords `inspect.signature` shows, and tests/test_signatures.py keeps both in step.
+class _Formula(TypedDict, total=False):
+    """What each score becomes before the softmax, and the precision of the two products."""
+
+    scale: float | None
+    logits_soft_cap: float | None
+    score_mod: Callable | None
+    mask_mod: Callable | MaskRule | None
+    sinks: ArrayLike | None
+    precision: lax.PrecisionLike
+
+
+class _Masks(TypedDict, total=False):
+    """The built-in masks that need no array."""
+
+    is_causal: bool
+    causal_alignment: CausalAlignment
+    local_window_size: int | tuple[int, int] | None
+
+
+class _Lengths(TypedDict, total=False):
+    """Each sequence's lengths (the ring's are global, and its sharded call places them)."""
+
+    query_seq_lengths: ArrayLike | None
+    key_value_seq_lengths: ArrayLike | None
+
+
+class _Segments(TypedDict, total=False):
+    """Packed sequences (not on the ring)."""
+
+    query_segment_ids: ArrayLike | None
+    key_value_segment_ids: ArrayLike | None
+
+
+class _Flax(TypedDict, total=False):
+    """Flax's ``attention_fn`` keywords: dropout, the inputs' dtype, the module to sow into."""
+
+    broadcast_dropout: bool
+    dropout_rng: ArrayLike | None
+    dropout_rate: float
+    deterministic: bool
+    dtype: Any
+    module: Any
+
+
+class _FlaxAccepted(TypedDict, total=False):
+    """Flax keywords that only :func:`dot_product_attention` takes, so that linen passes them."""
+
+    force_fp32_for_softmax: bool
+    qk_attn_weights_einsum: Callable | None
+    attn_weights_value_einsum: Callable | None
+
+
+class WeightsOptions(_Formula, _Masks, _Lengths, _Segments, _Flax):
+    """The keywords of :func:`dot_product_attention_weights`."""
+
+
+class Options(WeightsOptions, _FlaxAccepted):
+    """:func:`dot_product_attention`'s keywords but ``return_residual`` and ``implementation``."""
+
+
+class RingOptions(_Formula, _Masks, total=False):
+    """What :func:`jax_sdpa.ring_dot_product_attention` passes on to :func:`ring_attention`."""
+
+    implementation: Ring | None
 
 
 @overload
@@ -51,31 +125,8 @@ def dot_product_attention(
     mask: ArrayLike | None = None,
     *,
     return_residual: Literal[False] = False,
-    scale: float | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: ArrayLike | None = None,
-    key_value_seq_lengths: ArrayLike | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
-    implementation: Implementation | None = None,
-    causal_alignment: CausalAlignment = "top_left",
-    logits_soft_cap: float | None = None,
-    score_mod: Callable | None = None,
-    mask_mod: Callable | MaskRule | None = None,
-    sinks: ArrayLike | None = None,
-    query_segment_ids: ArrayLike | None = None,
-    key_value_segment_ids: ArrayLike | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_kv: int = DEFAULT_BLOCK_KV,
-    broadcast_dropout: bool = True,
-    dropout_rng: ArrayLike | None = None,
-    dropout_rate: float = 0.0,
-    deterministic: bool = False,
-    dtype: Any = None,
-    precision: lax.PrecisionLike = None,
-    module: Any = None,
-    force_fp32_for_softmax: bool = False,
-    qk_attn_weights_einsum: Callable | None = None,
-    attn_weights_value_einsum: Callable | None = None,
+    implementation: Implementation | Chunked | Decode | None = None,
+    **options: Unpack[Options],
 ) -> Array: ...
 
 
@@ -88,31 +139,8 @@ def dot_product_attention(
     mask: ArrayLike | None = None,
     *,
     return_residual: Literal[True],
-    scale: float | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: ArrayLike | None = None,
-    key_value_seq_lengths: ArrayLike | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
-    implementation: Implementation | None = None,
-    causal_alignment: CausalAlignment = "top_left",
-    logits_soft_cap: float | None = None,
-    score_mod: Callable | None = None,
-    mask_mod: Callable | MaskRule | None = None,
-    sinks: ArrayLike | None = None,
-    query_segment_ids: ArrayLike | None = None,
-    key_value_segment_ids: ArrayLike | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_kv: int = DEFAULT_BLOCK_KV,
-    broadcast_dropout: bool = True,
-    dropout_rng: ArrayLike | None = None,
-    dropout_rate: float = 0.0,
-    deterministic: bool = False,
-    dtype: Any = None,
-    precision: lax.PrecisionLike = None,
-    module: Any = None,
-    force_fp32_for_softmax: bool = False,
-    qk_attn_weights_einsum: Callable | None = None,
-    attn_weights_value_einsum: Callable | None = None,
+    implementation: Implementation | Chunked | Decode | None = None,
+    **options: Unpack[Options],
 ) -> tuple[Array, Array]: ...
 
 
@@ -128,7 +156,7 @@ def dot_product_attention(
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
-    implementation: Implementation | None = None,
+    implementation: Implementation | Chunked | Decode | None = None,
     return_residual: bool = False,
     causal_alignment: CausalAlignment = "top_left",
     logits_soft_cap: float | None = None,
@@ -137,8 +165,6 @@ def dot_product_attention(
     sinks: ArrayLike | None = None,
     query_segment_ids: ArrayLike | None = None,
     key_value_segment_ids: ArrayLike | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_kv: int = DEFAULT_BLOCK_KV,
     broadcast_dropout: bool = True,
     dropout_rng: ArrayLike | None = None,
     dropout_rate: float = 0.0,
@@ -155,12 +181,14 @@ def dot_product_attention(
     .. math:: \mathrm{Attention}(Q, K, V) = \mathrm{softmax}\Big(
         \text{scale} \cdot Q K^\top + \text{bias}\Big)_{\text{mask}} V
 
-    computed for each head by :func:`jax_sdpa.attention`'s steps, ``jax.vmap``-ed over heads and
-    batch. Every call that ``jax.nn.dot_product_attention`` accepts means the same here, with one
-    documented difference: a query with no allowed key (fully masked, padded, or a bias row of
-    −∞) outputs **zeros** with zero gradients, as PyTorch, FlashAttention and FlexAttention do,
-    where ``jax.nn`` outputs the mean of the values (zeros only past ``query_seq_lengths``, NaN
-    for the −∞ bias row).
+    computed for each head as :func:`jax_sdpa.attention` does. ``"xla"`` maps those steps over
+    heads and batch with ``jax.vmap``; the tiled paths (``"chunked"``, ``"decode"``) map the heads
+    inside each tile, and the batch with ``jax.vmap`` (``"chunked"``: with ``lax.map``, one
+    sequence at a time, when a mask rule's tiles are classified from data). Every call that
+    ``jax.nn.dot_product_attention`` accepts means the same here, with one documented difference:
+    a query with no allowed key (fully masked, padded, or a bias row of −∞) outputs **zeros** with
+    zero gradients, as PyTorch, FlashAttention and FlexAttention do, where ``jax.nn`` outputs the
+    mean of the values (zeros only past ``query_seq_lengths``, NaN for the −∞ bias row).
 
     Args:
         query: ``(B, T, N, H)``, or ``(T, N, H)``, or any number of leading batch axes.
@@ -177,7 +205,9 @@ def dot_product_attention(
         key_value_seq_lengths: ``(B,)`` integers; keys at or past the length are masked.
         local_window_size: ``(left, right)`` inclusive window around the diagonal, or an int for
             both.
-        implementation: ``"xla"``: the dense computation, which forms the ``(T, S)`` scores;
+        implementation: A name or an implementation's options (its tunables:
+            :class:`~jax_sdpa.Chunked`, :class:`~jax_sdpa.Decode`). ``"xla"``: the dense
+            computation, which forms the ``(T, S)`` scores;
             ``"chunked"``: exact attention in memory linear in ``T`` (online softmax over key
             blocks, its own backward, wholly masked blocks skipped); ``"decode"``: a few queries
             against a long cache, keys split into chunks and read once as they lie (forward only:
@@ -208,8 +238,6 @@ def dot_product_attention(
         query_segment_ids: ``(B, T)`` integers for packed sequences: a query sees only keys with
             the same id.
         key_value_segment_ids: ``(B, S)``; defaults to ``query_segment_ids`` when ``S == T``.
-        block_q: Queries per tile of the chunked implementation.
-        block_kv: Keys per tile of the chunked implementation.
         broadcast_dropout: Use one dropout mask for every batch element and head (flax).
         dropout_rng: PRNG key for dropout.
         dropout_rate: Probability of dropping an attention weight, in ``[0, 1)``.
@@ -236,7 +264,7 @@ def dot_product_attention(
         >>> dot_product_attention(q, k, v, is_causal=True).shape
         (2, 5, 4, 8)
     """
-    _checks.check_choice("implementation", implementation, (None, *typing.get_args(Implementation)))
+    check_implementation(implementation, typing.get_args(Implementation))
     inputs, config = bind(
         **locals(), output="attention" if module is None else "attention_and_weights"
     )
@@ -316,22 +344,12 @@ def ring_attention(
     *,
     return_residual: Literal[False] = False,
     axis_name: Any,
-    scale: float | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: ArrayLike | None = None,
-    key_value_seq_lengths: ArrayLike | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
-    causal_alignment: CausalAlignment = "top_left",
-    logits_soft_cap: float | None = None,
-    score_mod: Callable | None = None,
-    mask_mod: Callable | MaskRule | None = None,
-    sinks: ArrayLike | None = None,
     layout: Layout = "contiguous",
     batch_axis: Any = None,
     head_axis: Any = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_kv: int = DEFAULT_BLOCK_KV,
-    precision: lax.PrecisionLike = None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    **options: Unpack[RingOptions],
 ) -> Array: ...
 
 
@@ -345,22 +363,12 @@ def ring_attention(
     *,
     return_residual: Literal[True],
     axis_name: Any,
-    scale: float | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: ArrayLike | None = None,
-    key_value_seq_lengths: ArrayLike | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
-    causal_alignment: CausalAlignment = "top_left",
-    logits_soft_cap: float | None = None,
-    score_mod: Callable | None = None,
-    mask_mod: Callable | MaskRule | None = None,
-    sinks: ArrayLike | None = None,
     layout: Layout = "contiguous",
     batch_axis: Any = None,
     head_axis: Any = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_kv: int = DEFAULT_BLOCK_KV,
-    precision: lax.PrecisionLike = None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    **options: Unpack[RingOptions],
 ) -> tuple[Array, Array]: ...
 
 
@@ -386,8 +394,7 @@ def ring_attention(
     batch_axis: Any = None,
     head_axis: Any = None,
     return_residual: bool = False,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_kv: int = DEFAULT_BLOCK_KV,
+    implementation: Ring | None = None,
     precision: lax.PrecisionLike = None,
 ) -> Array | tuple[Array, Array]:
     r"""Attention over one sequence sharded along the mesh axis ``axis_name``: ring attention.
@@ -417,18 +424,11 @@ def ring_attention(
         local_window_size: As in :func:`dot_product_attention`, in global positions.
         causal_alignment: As in :func:`dot_product_attention`, for the global lengths.
         logits_soft_cap: As in :func:`dot_product_attention`.
-        score_mod: ``score_mod(score, batch, head, q_idx, kv_idx) -> score`` on scalars (the
-            library maps it over every entry): a new logit from the one the softmax would see
-            (after scale, soft cap and bias), the sequence's index in the batch, the query head
-            and the global positions. Gradients reach the arrays it closes over.
-        mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` on scalars (``True`` = may
-            attend), a :class:`~jax_sdpa.MaskRule`, or a :class:`~jax_sdpa.BlockMask` from
-            :func:`~jax_sdpa.create_block_mask` (its tiles classified ahead); ANDed with every
-            other mask argument.
-        sinks: ``(N,)``, one logit per query head for a virtual key without a value that joins
-            every row's softmax (attention sinks); the log-sum-exp includes it.
-        block_q: Queries per tile; the largest divisor of the local run length not above it.
-        block_kv: Keys per tile; likewise.
+        score_mod: As in :func:`dot_product_attention`, with global positions (and, given
+            ``batch_axis`` and ``head_axis``, global batch and head indices).
+        mask_mod: Likewise.
+        sinks: As in :func:`dot_product_attention`, for this device's query heads.
+        implementation: :class:`~jax_sdpa.Ring`, its tiles, or None for its defaults.
         precision: As in :func:`dot_product_attention`.
         layout: ``"contiguous"``: device ``p`` holds positions ``[p·L, (p+1)·L)``;
             ``"striped"``: the sequence in ``2P`` chunks, device ``p`` holding chunks ``p`` and
@@ -446,6 +446,8 @@ def ring_attention(
         Liu, Zaharia & Abbeel, Ring Attention with Blockwise Transformers for Near-Infinite
         Context, 2023. Brandon et al., Striped Attention, 2023.
     """
-    inputs, config = bind(**locals(), output="attention", implementation="ring")
+    check_implementation(implementation, ("ring",), by_name=False)
+    implementation = implementation or "ring"
+    inputs, config = bind(**locals(), output="attention")
     out, lse, _ = run(inputs, config=config)
     return (out, lse) if return_residual else out

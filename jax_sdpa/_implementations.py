@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +30,18 @@ from jax.interpreters import ad
 from jaxtyping import Array
 
 from jax_sdpa._attention import dense_sequence
-from jax_sdpa._chunked import chunked_sequence
-from jax_sdpa._decode import BLOCK_DIAGONAL_COLUMNS, decode_sequence, paged_sequence
+from jax_sdpa._chunked import Chunked, chunked_sequence
+from jax_sdpa._decode import BLOCK_DIAGONAL_COLUMNS, Decode, Paged, decode_sequence, paged_sequence
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
-from jax_sdpa._ring import Ring, ring_sequence
+from jax_sdpa._ring import Ring, RingSpec, ring_sequence
 from jax_sdpa._steps import accumulation_dtype
-from jax_sdpa._tiles import Tiling
 
 Output = Literal["attention", "attention_and_weights", "weights"]
+#: The implementations :func:`~jax_sdpa.dot_product_attention` takes by name: the table's entries
+#: but those of the ring and paged functions (tests/test_signatures.py holds the two together).
+Implementation = Literal["xla", "chunked", "decode", "cudnn"]
 # implementation=None: on CPU the chunked path was measured at least as fast as the dense one at
 # every benchmark size, forward and backward (BENCHMARKS.md), so it is the default there. On
 # accelerators (not measured here) fused dense kernels are fast while the scores of the call,
@@ -96,8 +98,8 @@ class Config:
     formula: Formula
     output: Output = "attention"
     implementation: str = "xla"
-    tiling: Tiling = Tiling()
-    ring: Ring | None = None
+    options: Any = None  # the implementation's tunables (Chunked(...), ...), if it has any
+    ring: RingSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +110,15 @@ class Entry:
     still has forward over reverse (``jax.hessian``, ``jax.jvp`` of a ``jax.grad``): forward mode
     of its own backward pass.
     ``asked_as``: how a user asks for it, for messages (``implementation=...`` by default).
+    ``options``: the class of its tunables (``Chunked``), whose instance the call's ``run``
+    finds in ``config.options``; ``None`` where it has none.
     """
 
     run: Callable[[Inputs, Config], Result]
     unsupported: Callable[[Inputs, Config], str | None] = lambda inputs, config: None
     jvp: bool = False
     asked_as: str | None = None
+    options: type | None = None
 
 
 def _dense(inputs: Inputs, config: Config) -> Result:
@@ -124,7 +129,7 @@ def _dense(inputs: Inputs, config: Config) -> Result:
 
 
 def _chunked(inputs: Inputs, config: Config) -> Result:
-    sequence = functools.partial(chunked_sequence, config.formula, config.tiling)
+    sequence = functools.partial(chunked_sequence, config.formula, config.options)
     return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
 
 
@@ -143,7 +148,7 @@ def _chunked_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 
 def _decode(inputs: Inputs, config: Config) -> Result:
-    return inputs.over_batch(functools.partial(decode_sequence, config.formula, config.tiling))
+    return inputs.over_batch(functools.partial(decode_sequence, config.formula, config.options))
 
 
 def _decode_unsupported(inputs: Inputs, config: Config) -> str | None:
@@ -155,7 +160,7 @@ def _decode_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 
 def _paged(inputs: Inputs, config: Config) -> Result:
-    sequence = functools.partial(paged_sequence, config.formula, config.tiling)
+    sequence = functools.partial(paged_sequence, config.formula, config.options)
     args = (inputs.query, inputs.key, inputs.value, inputs.page_table, inputs.arrays)
     # One sequence after the other: each gathers its own pages, never the whole batch's.
     return over_batch(sequence, inputs.query.shape[:-3], *args, sequential=True)
@@ -168,7 +173,7 @@ def _paged_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 
 def _ring(inputs: Inputs, config: Config) -> Result:
-    sequence = functools.partial(ring_sequence, config.formula, config.tiling, config.ring)
+    sequence = functools.partial(ring_sequence, config.formula, config.options, config.ring)
     return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
 
 
@@ -249,11 +254,13 @@ def _cudnn(inputs: Inputs, config: Config) -> Result:
 
 IMPLEMENTATIONS: dict[str, Entry] = {
     "xla": Entry(_dense, jvp=True),
-    "chunked": Entry(_chunked, _chunked_unsupported),
-    "decode": Entry(_decode, _decode_unsupported),
-    "paged": Entry(_paged, _paged_unsupported, jvp=True, asked_as="`paged_attention`"),
+    "chunked": Entry(_chunked, _chunked_unsupported, options=Chunked),
+    "decode": Entry(_decode, _decode_unsupported, options=Decode),
+    "paged": Entry(
+        _paged, _paged_unsupported, jvp=True, asked_as="`paged_attention`", options=Paged
+    ),
     "cudnn": Entry(_cudnn, _cudnn_unsupported),
-    "ring": Entry(_ring, asked_as="`ring_attention`"),
+    "ring": Entry(_ring, asked_as="`ring_attention`", options=Ring),
 }
 
 
@@ -292,6 +299,42 @@ def _carries(inputs: Inputs, trace) -> bool:
         if x is not None and isinstance(x, jax_core.Tracer):
             return True
     return False
+
+
+def check_implementation(implementation, names: tuple[str, ...], *, by_name: bool = True) -> None:
+    """``implementation`` must be None, one of ``names`` (if ``by_name``) or their options.
+
+    Raises:
+        ValueError: On another name. TypeError: On another kind of value.
+    """
+    classes = tuple(IMPLEMENTATIONS[name].options for name in names)
+    classes = tuple(cls for cls in classes if cls is not None)
+    choices = [repr(name) for name in names if by_name] + [f"{c.__name__}(...)" for c in classes]
+    if implementation is None or isinstance(implementation, classes):
+        return
+    if by_name and implementation in names:
+        return
+    error = ValueError if isinstance(implementation, str) else TypeError
+    raise error(
+        f"`implementation` must be one of None, {', '.join(choices)}; got {implementation!r}."
+    )
+
+
+def options(name: str, implementation) -> Any:
+    """The tunables ``name`` runs with: ``implementation`` if those are its, else its defaults."""
+    cls = IMPLEMENTATIONS[name].options
+    if cls is None or isinstance(implementation, cls):
+        return None if cls is None else implementation
+    return cls()
+
+
+def requested(implementation) -> str | None:
+    """The entry a call asks for: by name, by its options (``Chunked(...)``), or None."""
+    if implementation is None or isinstance(implementation, str):
+        return implementation
+    return next(
+        n for n, e in IMPLEMENTATIONS.items() if isinstance(implementation, e.options or ())
+    )
 
 
 def choose(inputs: Inputs, config: Config, requested: str | None) -> str:

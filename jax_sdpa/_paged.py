@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Integer
 
 from jax_sdpa._arguments import bind
-from jax_sdpa._implementations import run
+from jax_sdpa._decode import Paged
+from jax_sdpa._implementations import check_implementation, run
 from jax_sdpa._indices import indices
-from jax_sdpa._tiles import DEFAULT_BLOCK_KV
 
 __all__ = ["paged_attention", "update_cache", "update_paged_cache"]
 
@@ -41,7 +41,7 @@ def paged_attention(
     mask_mod=None,
     sinks: ArrayLike | None = None,
     return_residual: bool = False,
-    block_kv: int = DEFAULT_BLOCK_KV,
+    implementation: Paged | None = None,
 ):
     r"""Attention of new queries to the keys and values of a paged cache.
 
@@ -71,7 +71,7 @@ def paged_attention(
         mask_mod: As in :func:`dot_product_attention`, ANDed with the rest.
         sinks: ``(N,)``: one logit per query head for a key without a value.
         return_residual: Also return the log-sum-exp ``(B, T, N)``.
-        block_kv: Keys per chunk (a whole number of pages, at least one).
+        implementation: :class:`~jax_sdpa.Paged` (its chunk of keys), or None for its defaults.
 
     Returns:
         ``(B, T, N, V)`` in the pages' dtype; with ``return_residual``, ``(out, lse)``.
@@ -92,12 +92,13 @@ def paged_attention(
         >>> bool(jnp.abs(out - dense).max() < 1e-6)
         True
     """
+    check_implementation(implementation, ("paged",), by_name=False)
     inputs, config = bind(
         query,
         key_pages,
         value_pages,
         output="attention",
-        implementation="paged",
+        implementation=implementation or "paged",
         page_table=page_table,
         key_value_seq_lengths=lengths,
         scale=scale,
@@ -107,7 +108,6 @@ def paged_attention(
         score_mod=score_mod,
         mask_mod=mask_mod,
         sinks=sinks,
-        block_kv=block_kv,
     )
     out, lse, _ = run(inputs, config=config)
     return (out, lse) if return_residual else out

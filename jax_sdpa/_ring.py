@@ -28,7 +28,15 @@ from jax import lax
 from jax_sdpa._formula import CallArrays, Formula, block_of
 from jax_sdpa._heads import Result
 from jax_sdpa._online_softmax import finish, init
-from jax_sdpa._tiles import Tiles, Tiling, flat, forward_sweep, loop
+from jax_sdpa._tiles import (
+    DEFAULT_BLOCK_KV,
+    DEFAULT_BLOCK_Q,
+    Tiles,
+    check_sizes,
+    flat,
+    forward_sweep,
+    loop,
+)
 from jax_sdpa._tiles_backward import (
     backward_rows,
     backward_sweep,
@@ -42,6 +50,23 @@ Layout = Literal["contiguous", "striped"]
 
 @dataclasses.dataclass(frozen=True)
 class Ring:
+    """Ring attention's tile: ``ring_attention(..., implementation=Ring(block_q=256))``.
+
+    Attributes:
+        block_q: Queries per tile, at most: each run of a shard is cut into the largest tiles
+            that divide it (shards are never padded).
+        block_kv: Keys per tile, likewise.
+    """
+
+    block_q: int = DEFAULT_BLOCK_Q
+    block_kv: int = DEFAULT_BLOCK_KV
+
+    def __post_init__(self):
+        check_sizes(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingSpec:
     """The ring a call runs on (static): the mesh axis, its size and the sequence layout."""
 
     axis_name: str
@@ -98,11 +123,11 @@ def _slice(x, run, axis: int = 0):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(tiles: Tiles, ring: Ring, query, key, value, arrays: CallArrays):
+def _ring(tiles: Tiles, ring: RingSpec, query, key, value, arrays: CallArrays):
     return _ring_fwd(tiles, ring, query, key, value, arrays)[0]
 
 
-def _ring_fwd(tiles: Tiles, ring: Ring, query, key, value, arrays: CallArrays):
+def _ring_fwd(tiles: Tiles, ring: RingSpec, query, key, value, arrays: CallArrays):
     me = lax.axis_index(ring.axis_name)
     seq_q, seq_kv = query.shape[0], key.shape[0]
     queries = flat(query)
@@ -142,7 +167,7 @@ def _ring_fwd(tiles: Tiles, ring: Ring, query, key, value, arrays: CallArrays):
     return (out, lse), (query, key, value, arrays, out, lse)
 
 
-def _ring_bwd(tiles: Tiles, ring: Ring, residuals, cotangents):
+def _ring_bwd(tiles: Tiles, ring: RingSpec, residuals, cotangents):
     query, key, value, arrays, out, lse = residuals
     row_terms = backward_rows(out, lse, cotangents)
     me = lax.axis_index(ring.axis_name)
@@ -197,20 +222,20 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_sequence(
-    formula: Formula, tiling: Tiling, ring: Ring, query, key, value, arrays: CallArrays
+    formula: Formula, options: Ring, ring: RingSpec, query, key, value, arrays: CallArrays
 ) -> Result:
     """Ring attention for this device's queries ``(T/P, N, H)``, all heads.
 
     :func:`jax_sdpa._chunked.chunked_sequence` on a ring: ``(out, lse, None)`` for this device's
     queries, in jax.nn's layout. Shards are never padded: each tile is the largest divisor of a
-    run's length not above the tiling's.
+    run's length not above the options'.
     """
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
     runs = 2 if ring.layout == "striped" else 1
     tiles = Tiles(
         formula,
-        _largest_divisor(seq_q // runs, tiling.block_q),
-        _largest_divisor(seq_kv // runs, tiling.block_kv),
+        _largest_divisor(seq_q // runs, options.block_q),
+        _largest_divisor(seq_kv // runs, options.block_kv),
         (kv_heads, heads // kv_heads),
     )
     out, lse = _ring(tiles, ring, query, key, value, arrays)

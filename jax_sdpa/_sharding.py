@@ -7,9 +7,11 @@ way. The same code runs on one host with several devices or on many hosts after
 ``jax.distributed.initialize()``: the mesh is what spans them.
 """
 
+from __future__ import annotations
+
 import functools
 import itertools
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +21,11 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike
 
 from jax_sdpa import _checks
-from jax_sdpa._dot_product import ring_attention
+from jax_sdpa._dot_product import RingOptions, ring_attention
 from jax_sdpa._ring import Layout
+
+if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no dependency
+    from typing_extensions import Unpack
 
 __all__ = ["from_striped", "ring_dot_product_attention", "to_striped"]
 
@@ -85,6 +90,91 @@ def _restripe(x: Array, axis: int, *, axis_name: str, shards: int, inverse: bool
     return jnp.concatenate(filled, axis=axis)
 
 
+def _check_split(
+    query: Array, key: Array, value: Array, *, mesh: jax.sharding.Mesh, axes: dict, layout: Layout
+) -> None:
+    """Raises unless the mesh has ``axes`` and they split the batch, sequence and heads evenly."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _checks.check_ndim(name, x, (4,), "(batch, seq, heads, dim)")
+    for name, axis in axes.items():
+        if axis is not None and axis not in mesh.shape:
+            raise ValueError(f"`{name}` must be an axis of `mesh` {mesh.axis_names}; got {axis!r}.")
+    seq_axis, batch_axis, head_axis = axes["seq_axis"], axes["batch_axis"], axes["head_axis"]
+    shards = mesh.shape[seq_axis]
+    # Each axis: (its dimension, the mesh axis, how many parts); striped, a device holds two chunks.
+    splits = {"sequence": (1, seq_axis, shards * (2 if layout == "striped" else 1))}
+    splits["batch"] = (0, batch_axis, 1 if batch_axis is None else mesh.shape[batch_axis])
+    splits["heads"] = (2, head_axis, 1 if head_axis is None else mesh.shape[head_axis])
+    for name, x in (("query", query), ("key", key)):
+        for what, (dim, axis, parts) in splits.items():
+            striped = what == "sequence" and layout == "striped"
+            where = f"over mesh axis {axis!r}" + f" {_checks.STRIPED}" * striped
+            _checks.check_equal_parts(name, x.shape[dim], parts, what, where)
+
+
+def _call_arrays(query: Array, **arrays: ArrayLike | None) -> dict[str, Array]:
+    """The per-call arrays that are given, in order; ``bias`` and ``mask`` made rank 4."""
+    named = {name: jnp.asarray(x) for name, x in arrays.items() if x is not None}
+    for name in ("bias", "mask"):
+        if name in named:
+            x = named[name]
+            named[name] = jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape)
+    if "sinks" in named:  # the whole call's heads (each device checks its own)
+        _checks.check_shape("sinks", named["sinks"], query.shape[2:3], "(heads,)")
+    return named
+
+
+def _ring_specs(
+    named: dict[str, Array],
+    *,
+    seq_axis: str,
+    batch_axis: str | None,
+    head_axis: str | None,
+    return_residual: bool,
+) -> tuple[tuple[P, ...], P | tuple[P, P]]:
+    """``shard_map``'s ``in_specs`` for query, key, value and ``named``, and its ``out_specs``."""
+
+    def spec(name: str, x: Array) -> P:
+        if name in ("bias", "mask"):  # (batch, heads, rows, columns); columns stay whole
+            sharded = zip((batch_axis, head_axis, seq_axis), x.shape[:3], strict=True)
+            return P(*(axis if size > 1 else None for axis, size in sharded), None)
+        return P(head_axis) if name == "sinks" else P(batch_axis)  # sinks, or lengths
+
+    seq_spec = P(batch_axis, seq_axis, head_axis, None)
+    in_specs = (seq_spec,) * 3 + tuple(spec(name, x) for name, x in named.items())
+    out_specs = (seq_spec, P(batch_axis, seq_axis, head_axis)) if return_residual else seq_spec
+    return in_specs, out_specs
+
+
+def _on_each_device(
+    query: Array,
+    key: Array,
+    value: Array,
+    *arrays: Array,
+    names: tuple[str, ...],
+    shards: int,
+    **keywords: Any,
+) -> Array | tuple[Array, Array]:
+    """Inside ``shard_map``: :func:`ring_attention` on this device's shards (``arrays`` by name).
+
+    Striped, the shards are first restriped (and the result back): bias and mask rows follow the
+    queries (sharded), their columns the keys (whole, put in striped order).
+    """
+    named = dict(zip(names, arrays, strict=True))
+    striped = keywords["layout"] == "striped"
+    restripe = functools.partial(_restripe, axis_name=keywords["axis_name"], shards=shards)
+    if striped:
+        query, key, value = (restripe(x, 1) for x in (query, key, value))
+        for name in ("bias", "mask"):
+            if name in named:
+                x = restripe(named[name], 2) if named[name].shape[2] > 1 else named[name]
+                named[name] = to_striped(x, shards, axis=3) if x.shape[3] > 1 else x
+    result = ring_attention(query, key, value, **named, **keywords)
+    if striped:
+        result = jax.tree.map(lambda x: restripe(x, 1, inverse=True), result)
+    return result
+
+
 @overload
 def ring_dot_product_attention(
     query: ArrayLike,
@@ -101,7 +191,7 @@ def ring_dot_product_attention(
     layout: Layout = "contiguous",
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
-    **options: Any,
+    **options: Unpack[RingOptions],
 ) -> Array: ...
 
 
@@ -121,7 +211,7 @@ def ring_dot_product_attention(
     layout: Layout = "contiguous",
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
-    **options: Any,
+    **options: Unpack[RingOptions],
 ) -> tuple[Array, Array]: ...
 
 
@@ -140,7 +230,7 @@ def ring_dot_product_attention(
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
     return_residual: bool = False,
-    **options: Any,
+    **options: Unpack[RingOptions],
 ) -> Array | tuple[Array, Array]:
     """:func:`jax_sdpa.dot_product_attention` on a mesh, the sequence split over ``seq_axis``.
 
@@ -165,80 +255,28 @@ def ring_dot_product_attention(
         True
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        _checks.check_ndim(name, x, (4,), "(batch, seq, heads, dim)")
     axes = {"seq_axis": seq_axis, "batch_axis": batch_axis, "head_axis": head_axis}
-    for name, axis in axes.items():
-        if axis is not None and axis not in mesh.shape:
-            raise ValueError(f"`{name}` must be an axis of `mesh` {mesh.axis_names}; got {axis!r}.")
-    shards = mesh.shape[seq_axis]
-    # Each axis: (its dimension, the mesh axis, how many parts); striped, a device holds two chunks.
-    splits = {"sequence": (1, seq_axis, shards * (2 if layout == "striped" else 1))}
-    splits["batch"] = (0, batch_axis, 1 if batch_axis is None else mesh.shape[batch_axis])
-    splits["heads"] = (2, head_axis, 1 if head_axis is None else mesh.shape[head_axis])
-    for name, x in (("query", query), ("key", key)):
-        for what, (dim, axis, parts) in splits.items():
-            striped = what == "sequence" and layout == "striped"
-            where = f"over mesh axis {axis!r}" + f" {_checks.STRIPED}" * striped
-            _checks.check_equal_parts(name, x.shape[dim], parts, what, where)
-    extras = {"bias": bias, "mask": mask}
-    extras = {
-        k: jnp.reshape(jnp.asarray(x), (1,) * (4 - jnp.ndim(x)) + jnp.shape(x))
-        for k, x in extras.items()
-        if x is not None
-    }
-
-    def spec_4d(x):  # bias / mask: (batch, heads, rows, columns); columns stay whole
-        return P(
-            batch_axis if x.shape[0] > 1 else None,
-            head_axis if x.shape[1] > 1 else None,
-            seq_axis if x.shape[2] > 1 else None,
-            None,
-        )
-
-    seq_spec = P(batch_axis, seq_axis, head_axis, None)
-    lengths = {
-        "query_seq_lengths": query_seq_lengths,
-        "key_value_seq_lengths": key_value_seq_lengths,
-    }
-    lengths = {k: jnp.asarray(x) for k, x in lengths.items() if x is not None}
-    sinks = options.pop("sinks", None)  # one per head: each device gets its heads'
-    per_head = {} if sinks is None else {"sinks": jnp.asarray(sinks)}
-    if sinks is not None:  # the whole call's heads (each device checks its own)
-        _checks.check_shape("sinks", per_head["sinks"], query.shape[2:3], "(heads,)")
-    in_specs = (
-        (seq_spec,) * 3
-        + tuple(spec_4d(x) for x in extras.values())
-        + (P(batch_axis),) * len(lengths)
-        + (P(head_axis),) * len(per_head)
+    _check_split(query, key, value, mesh=mesh, axes=axes, layout=layout)
+    named = _call_arrays(
+        query,
+        bias=bias,
+        mask=mask,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        sinks=options.pop("sinks", None),  # one per head: each device gets its heads'
     )
-    out_specs = (seq_spec, P(batch_axis, seq_axis, head_axis)) if return_residual else seq_spec
-
-    restripe = functools.partial(_restripe, axis_name=seq_axis, shards=shards)
-
-    def local(query, key, value, *rest):
-        named = dict(zip([*extras, *lengths, *per_head], rest, strict=True))
-        if layout == "striped":
-            query, key, value = (restripe(x, 1) for x in (query, key, value))
-            for name in extras:  # rows follow the queries (sharded), columns the keys (whole)
-                x = restripe(named[name], 2) if named[name].shape[2] > 1 else named[name]
-                named[name] = to_striped(x, shards, axis=3) if x.shape[3] > 1 else x
-        result = ring_attention(
-            query,
-            key,
-            value,
-            axis_name=seq_axis,
-            layout=layout,
-            batch_axis=batch_axis,
-            head_axis=head_axis,
-            return_residual=return_residual,
-            **named,
-            **options,
-        )
-        if layout == "striped":
-            result = jax.tree.map(lambda x: restripe(x, 1, inverse=True), result)
-        return result
-
-    args = (query, key, value, *extras.values(), *lengths.values(), *per_head.values())
+    in_specs, out_specs = _ring_specs(named, **axes, return_residual=return_residual)
+    local = functools.partial(
+        _on_each_device,
+        names=tuple(named),
+        shards=mesh.shape[seq_axis],
+        axis_name=seq_axis,
+        layout=layout,
+        batch_axis=batch_axis,
+        head_axis=head_axis,
+        return_residual=return_residual,
+        **options,
+    )
+    args = (query, key, value, *named.values())
     args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs, strict=True)]
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)

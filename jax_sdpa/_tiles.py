@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_sdpa import _checks
 from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import over_heads
@@ -43,12 +44,12 @@ DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_KV = 512
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiling:
-    """The tile a tiled implementation asks for: queries × keys (static)."""
-
-    block_q: int = DEFAULT_BLOCK_Q
-    block_kv: int = DEFAULT_BLOCK_KV
+def check_sizes(options) -> None:
+    """Every field of an implementation's options is a size: a positive int (a tile's side)."""
+    for field in dataclasses.fields(options):
+        _checks.check_positive_int(
+            f"{type(options).__name__}.{field.name}", getattr(options, field.name)
+        )
 
 
 class BackwardRows(NamedTuple):

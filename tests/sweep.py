@@ -314,7 +314,7 @@ def _ours(s: Structure, arrays: dict):
             *cache,
             is_causal=s.is_causal,
             local_window_size=s.window,
-            block_kv=s.block_kv,
+            implementation=js.Paged(s.block_kv),
             **mods,
         )
     rules = dict(
@@ -323,8 +323,6 @@ def _ours(s: Structure, arrays: dict):
         local_window_size=s.window,
         query_seq_lengths=arrays.get("query_seq_lengths"),
         key_value_seq_lengths=arrays.get("key_value_seq_lengths"),
-        block_q=s.block_q,
-        block_kv=s.block_kv,
     )
     args = (arrays["query"], arrays["key"], arrays["value"], arrays.get("bias"), arrays.get("mask"))
     if s.implementation == "ring":
@@ -337,12 +335,18 @@ def _ours(s: Structure, arrays: dict):
             batch_axis="batch" if "batch" in names else None,
             head_axis="heads" if "heads" in names else None,
             layout=s.layout,
+            implementation=js.Ring(s.block_q, s.block_kv),
             **rules,
             **mods,
         )
+    implementation = {
+        "xla": "xla",
+        "chunked": js.Chunked(s.block_q, s.block_kv),
+        "decode": js.Decode(s.block_kv),
+    }[s.implementation]
     return js.dot_product_attention(
         *args,
-        implementation=s.implementation,
+        implementation=implementation,
         query_segment_ids=arrays.get("query_segment_ids"),
         key_value_segment_ids=arrays.get("key_value_segment_ids"),
         **rules,

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jax_sdpa as js
-from tests.util import each_implementation, qkv
+from tests.implementations import each_implementation
+from tests.util import qkv
 
 
 def documents(doc):
@@ -68,7 +69,7 @@ def test_classes_share_the_axes_the_mask_does_not_read():
     )
 
 
-@each_implementation
+@each_implementation()
 def test_a_block_mask_is_its_mask_mod_forward_and_backward(rng, impl):
     q, k, v = qkv(rng, 2, 11, 13, 4, 2, 6)
     doc = jnp.asarray(np.sort(rng.integers(0, 3, size=(2, 13)), axis=1))
@@ -76,9 +77,7 @@ def test_a_block_mask_is_its_mask_mod_forward_and_backward(rng, impl):
     block_mask = js.create_block_mask(mask_mod, 2, 4, 11, 13, block_q=4, block_kv=2)
 
     def loss(mask_mod, q, k, v):
-        out, lse = js.dot_product_attention(
-            q, k, v, mask_mod=mask_mod, is_causal=True, return_residual=True, **impl
-        )
+        out, lse = impl(q, k, v, mask_mod=mask_mod, is_causal=True, return_residual=True)
         return jnp.sum(out * jnp.sin(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
     for given, want in zip(
@@ -136,7 +135,7 @@ def test_a_batch_still_skips_the_tiles_its_sequences_exclude(rng):
     v = v.at[0, 4:].set(jnp.nan)  # sequence 0: its second key block is excluded
     v = v.at[1, :4].set(jnp.nan)  # sequence 1: its first
     excluded = lambda b, h, i, j: jnp.where(b == 0, j < 4, j >= 4)  # noqa: E731
-    chunked = {"implementation": "chunked", "block_q": 4, "block_kv": 4}
+    chunked = {"implementation": js.Chunked(4, 4)}
     for mask_mod in (
         excluded,
         js.create_block_mask(excluded, 2, None, 8, 8, block_q=4, block_kv=4),

@@ -10,7 +10,8 @@ import pytest
 import jax_sdpa as js
 from jax_sdpa import mods
 from tests import reference as ref
-from tests.util import each_implementation, qkv
+from tests.implementations import each_implementation
+from tests.util import qkv
 
 
 def on_grid(mask_mod, batch, t, s, head=0):
@@ -28,11 +29,11 @@ def test_alibi_slopes_follow_the_paper():
         mods.alibi_slopes(0)
 
 
-@each_implementation
+@each_implementation()
 def test_alibi_against_the_reference(rng, impl):
     q, k, v = qkv(rng, 2, 6, 9, 4, 2, 8)
     slopes = np.asarray(mods.alibi_slopes(4), np.float64)
-    out = js.dot_product_attention(q, k, v, score_mod=mods.alibi(slopes), is_causal=True, **impl)
+    out = impl(q, k, v, score_mod=mods.alibi(slopes), is_causal=True)
     expected = ref.attention(
         q, k, v, is_causal=True, score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i)
     )
@@ -80,14 +81,12 @@ def test_relative_position_bias_table_gets_gradients(rng):
     np.testing.assert_allclose(chunked, dense, atol=1e-5)
 
 
-@each_implementation
+@each_implementation()
 def test_soft_cap_mod_equals_the_keyword(rng, impl):
     q, k, v = qkv(rng, 1, 7, 7, 2, 2, 16)
     q = q * 4
-    by_mod = js.dot_product_attention(q, k, v, score_mod=mods.soft_cap(2.0), **impl)
-    np.testing.assert_allclose(
-        by_mod, js.dot_product_attention(q, k, v, logits_soft_cap=2.0, **impl), atol=1e-6
-    )
+    by_mod = impl(q, k, v, score_mod=mods.soft_cap(2.0))
+    np.testing.assert_allclose(by_mod, impl(q, k, v, logits_soft_cap=2.0), atol=1e-6)
 
 
 def test_mask_mods_match_their_definitions():
@@ -116,13 +115,11 @@ def test_mask_mods_match_their_definitions():
     assert on_grid(mods.and_masks(), 0, 2, 2).all() and not on_grid(mods.or_masks(), 0, 2, 2).any()
 
 
-@each_implementation
+@each_implementation("segment ids")
 def test_document_mask_and_causal_equal_segment_ids_with_is_causal(rng, impl):
     q, k, v = qkv(rng, 2, 9, 9, 2, 1, 4)
     seg = jnp.asarray(np.sort(rng.integers(0, 3, size=(2, 9)), axis=1), jnp.int32)
     causal = lambda b, h, i, j: j <= i  # noqa: E731
-    got = js.dot_product_attention(
-        q, k, v, mask_mod=mods.and_masks(mods.document_mask(seg), causal), **impl
-    )
-    want = js.dot_product_attention(q, k, v, query_segment_ids=seg, is_causal=True, **impl)
+    got = impl(q, k, v, mask_mod=mods.and_masks(mods.document_mask(seg), causal))
+    want = impl(q, k, v, query_segment_ids=seg, is_causal=True)
     np.testing.assert_array_equal(got, want)

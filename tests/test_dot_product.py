@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 import jax_sdpa as js
 from tests import reference as ref
+from tests.implementations import each_implementation
 from tests.profile import examples
-from tests.util import each_implementation, enable_x64, nn_attention, qkv
+from tests.util import enable_x64, nn_attention, qkv
 
 
 def grads(fn, q, k, v, bias, d_out):
@@ -26,9 +27,9 @@ def grads(fn, q, k, v, bias, d_out):
 @pytest.mark.parametrize(
     "impl",
     [
-        {"implementation": "xla"},
-        {"implementation": "chunked"},
-        {"implementation": "chunked", "block_q": 96, "block_kv": 160},
+        functools.partial(js.dot_product_attention, implementation="xla"),
+        functools.partial(js.dot_product_attention, implementation="chunked"),
+        functools.partial(js.dot_product_attention, implementation=js.Chunked(96, 160)),
     ],
     ids=["xla", "chunked-default-blocks", "chunked-96x160"],
 )
@@ -39,7 +40,7 @@ def test_float32_accuracy_against_float64_reference(rng, impl, causal):
     bias = jnp.asarray(rng.normal(size=(1, 2, 512, 512)), jnp.float32)
     d_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     expected = ref.attention(q, k, v, bias, is_causal=causal, d_out=d_out)
-    fn = functools.partial(js.dot_product_attention, is_causal=causal, **impl)
+    fn = functools.partial(impl, is_causal=causal)
     out = fn(q, k, v, bias)
     assert float(np.abs(np.asarray(out) - expected["out"]).max()) <= 2e-6
     dq, dk, dv, dbias = grads(lambda q, k, v, b: fn(q, k, v, b), q, k, v, bias, d_out)
@@ -50,10 +51,10 @@ def test_float32_accuracy_against_float64_reference(rng, impl, causal):
 # --- layouts, heads, shapes ----------------------------------------------------------------
 
 
-@each_implementation
+@each_implementation()
 def test_unbatched_tnh_and_extra_batch_axes(rng, impl):
     q, k, v = qkv(rng, 6, 5, 7, 4, 2, 8)
-    f = functools.partial(js.dot_product_attention, is_causal=True, **impl)
+    f = functools.partial(impl, is_causal=True)
     out = f(q, k, v)
     np.testing.assert_allclose(f(q[2], k[2], v[2]), out[2], atol=1e-6)
 
@@ -66,13 +67,13 @@ def test_unbatched_tnh_and_extra_batch_axes(rng, impl):
     np.testing.assert_allclose(got.reshape(out.shape), f(q, k, v, mask=full_mask), atol=1e-6)
 
 
-@each_implementation
+@each_implementation()
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
 def test_gqa_and_mqa_against_reference(rng, impl, heads, kv_heads):
     q, k, v = qkv(rng, 2, 6, 9, heads, kv_heads, 8, hv=5)  # d_v = 5 ≠ d_k = 8
     d_out = jnp.asarray(rng.normal(size=(2, 6, heads, 5)), jnp.float32)
     expected = ref.attention(q, k, v, d_out=d_out)
-    fn = functools.partial(js.dot_product_attention, **impl)
+    fn = functools.partial(impl)
     out = fn(q, k, v)
     assert out.shape == (2, 6, heads, 5)
     np.testing.assert_allclose(out, expected["out"], atol=2e-6)
@@ -94,24 +95,24 @@ def _intermediate_sizes(jaxpr):
                     yield from _intermediate_sizes(sub)
 
 
-@each_implementation
+@each_implementation("small intermediates")
 def test_gqa_does_not_copy_keys_and_values(impl):
     # T=3 queries, S=16 keys, 8 query heads over 2 key/value heads: a key or value repeated per
     # query head would hold S·N·H = 512 numbers; nothing in the program may be that big.
     q = jnp.ones((1, 3, 8, 4))
     kv = jnp.ones((1, 16, 2, 4))
-    fn = functools.partial(js.dot_product_attention, **impl)
+    fn = functools.partial(impl)
     jaxpr = jax.make_jaxpr(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))(
         q, kv, kv
     )
     assert max(_intermediate_sizes(jaxpr.jaxpr)) < 16 * 8 * 4
 
 
-@each_implementation
+@each_implementation("mask")
 def test_return_residual_logsumexp(rng, impl):
     q, k, v = qkv(rng, 2, 5, 6, 2, 2, 4)
     mask = jnp.ones((2, 1, 5, 6), bool).at[0, :, 3].set(False)
-    out, lse = js.dot_product_attention(q, k, v, mask=mask, return_residual=True, **impl)
+    out, lse = impl(q, k, v, mask=mask, return_residual=True)
     expected = ref.attention(q, k, v, mask=mask)
     assert lse.shape == (2, 5, 2) and lse.dtype == jnp.float32
     np.testing.assert_allclose(lse, expected["lse"], atol=2e-6)
@@ -125,13 +126,13 @@ def test_return_residual_logsumexp(rng, impl):
 # --- features beyond jax.nn -------------------------------------------------------------------
 
 
-@each_implementation
+@each_implementation()
 def test_soft_cap_against_reference(rng, impl):
     q, k, v = qkv(rng, 1, 7, 7, 2, 2, 16)
     q = q * 4  # large scores, so the cap bites
     d_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     expected = ref.attention(q, k, v, soft_cap=2.0, is_causal=True, d_out=d_out)
-    fn = functools.partial(js.dot_product_attention, logits_soft_cap=2.0, is_causal=True, **impl)
+    fn = functools.partial(impl, logits_soft_cap=2.0, is_causal=True)
     np.testing.assert_allclose(fn(q, k, v), expected["out"], atol=2e-6)
     for got, name in zip(
         grads(lambda q, k, v, b: fn(q, k, v), q, k, v, None, d_out), ("dq", "dk", "dv"), strict=True
@@ -142,23 +143,23 @@ def test_soft_cap_against_reference(rng, impl):
     )
 
 
-@each_implementation
+@each_implementation()
 def test_a_causal_offset_per_sequence_moves_each_sequence_s_diagonal(rng, impl):
     # CausalMask/LocalWindowMask with offsets: sequence b's queries sit at 1 + offsets[b] + i.
     q, k, v = qkv(rng, 3, 3, 8, 2, 2, 4)
     offsets = jnp.array([-1, 4, 1])
     rule = js.CausalMask(1, offsets) & js.LocalWindowMask(2, 0, 1, offsets)
-    out = js.dot_product_attention(q, k, v, mask_mod=rule, **impl)
+    out = impl(q, k, v, mask_mod=rule)
     for b, offset in enumerate(offsets.tolist()):
         one = (x[b : b + 1] for x in (q, k, v))
         want = ref.attention(*one, is_causal=True, window=(2, 0), offset=1 + offset)
         np.testing.assert_allclose(out[b : b + 1], want["out"], atol=2e-6)
 
 
-@each_implementation
+@each_implementation()
 def test_bottom_right_causal_for_kv_cache_decoding(rng, impl):
     q, k, v = qkv(rng, 2, 3, 8, 2, 2, 4)
-    out = js.dot_product_attention(q, k, v, is_causal=True, causal_alignment="bottom_right", **impl)
+    out = impl(q, k, v, is_causal=True, causal_alignment="bottom_right")
     np.testing.assert_allclose(
         out, ref.attention(q, k, v, is_causal=True, offset=5)["out"], atol=2e-6
     )
@@ -169,24 +170,23 @@ def test_bottom_right_causal_for_kv_cache_decoding(rng, impl):
     np.testing.assert_allclose(step, js.dot_product_attention(q[:, -1:], k, v), atol=1e-6)
     top_left = js.dot_product_attention(q[:, -1:], k, v, is_causal=True)
     np.testing.assert_allclose(top_left, jnp.broadcast_to(v[:, :1], top_left.shape), atol=1e-6)
-    window = js.dot_product_attention(
+    window = impl(
         q,
         k,
         v,
         local_window_size=(2, 0),
         causal_alignment="bottom_right",
-        **impl,
     )
     np.testing.assert_allclose(
         window, ref.attention(q, k, v, window=(2, 0), offset=5)["out"], atol=2e-6
     )
 
 
-@each_implementation
+@each_implementation("segment ids")
 def test_segment_ids_for_packed_sequences(rng, impl):
     q, k, v = qkv(rng, 2, 8, 8, 2, 1, 4)
     seg = jnp.array([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 3]], jnp.int32)
-    out = js.dot_product_attention(q, k, v, query_segment_ids=seg, is_causal=True, **impl)
+    out = impl(q, k, v, query_segment_ids=seg, is_causal=True)
     expected = ref.attention(q, k, v, q_segments=seg, kv_segments=seg, is_causal=True)
     np.testing.assert_allclose(out, expected["out"], atol=2e-6)
     # Packing is the same as running each sequence on its own.
@@ -257,7 +257,7 @@ def test_weights_function_matches_reference_and_flax(rng):
 # --- fully masked rows ---------------------------------------------------------------------
 
 
-@each_implementation
+@each_implementation("bias", "mask", "query lengths")
 def test_rows_without_keys_are_zero_with_zero_gradients(rng, impl):
     q, k, v = qkv(rng, 2, 4, 5, 2, 2, 4)
     mask = jnp.ones((2, 2, 4, 5), bool).at[0, 1, 2].set(False)  # one fully masked row
@@ -265,7 +265,7 @@ def test_rows_without_keys_are_zero_with_zero_gradients(rng, impl):
     q_len = jnp.array([4, 3], jnp.int32)  # a padded query row
 
     def f(q, k, v, bias):
-        return js.dot_product_attention(q, k, v, bias, mask=mask, query_seq_lengths=q_len, **impl)
+        return impl(q, k, v, bias, mask=mask, query_seq_lengths=q_len)
 
     out = np.asarray(f(q, k, v, bias))
     assert np.isfinite(out).all()
@@ -282,20 +282,22 @@ def test_rows_without_keys_are_zero_with_zero_gradients(rng, impl):
 
 
 @pytest.mark.parametrize("t,s", [(0, 5), (4, 0), (0, 0)])
-@pytest.mark.parametrize("impl", [{"implementation": "xla"}, {}], ids=["xla", "auto"])
+@pytest.mark.parametrize(
+    "impl",
+    [functools.partial(js.dot_product_attention, implementation="xla"), js.dot_product_attention],
+    ids=["xla", "auto"],
+)
 def test_empty_query_or_key_sequences(rng, impl, t, s):
     # No query: an empty output. No key: every row has nothing to attend to, so it is 0 (as for
     # a fully masked row) with log-sum-exp −∞; jax.nn returns the same shapes.
     q, k, v = qkv(rng, 2, t, s, 4, 2, 8)
-    out, lse = js.dot_product_attention(q, k, v, is_causal=True, return_residual=True, **impl)
+    out, lse = impl(q, k, v, is_causal=True, return_residual=True)
     assert out.shape == jax.nn.dot_product_attention(q, k, v).shape == (2, t, 4, 8)
     assert lse.shape == (2, t, 4) and lse.dtype == jnp.float32
     np.testing.assert_array_equal(out, 0)
     np.testing.assert_array_equal(lse, -np.inf)
     assert js.dot_product_attention_weights(q, k).shape == (2, 4, t, s)
-    g = jax.jit(jax.grad(lambda *a: js.dot_product_attention(*a, **impl).sum(), argnums=(0, 1, 2)))(
-        q, k, v
-    )
+    g = jax.jit(jax.grad(lambda *a: impl(*a).sum(), argnums=(0, 1, 2)))(q, k, v)
     assert [x.shape for x in g] == [q.shape, k.shape, v.shape]
     assert all(not np.asarray(x).any() for x in g)
 
@@ -303,10 +305,10 @@ def test_empty_query_or_key_sequences(rng, impl, t, s):
 # --- transformations and dtypes --------------------------------------------------------------
 
 
-@each_implementation
+@each_implementation()
 def test_jit_vmap_jacobian(rng, impl):
     q, k, v = qkv(rng, 3, 4, 5, 2, 1, 3)
-    f = functools.partial(js.dot_product_attention, is_causal=True, **impl)
+    f = functools.partial(impl, is_causal=True)
     np.testing.assert_allclose(jax.jit(f)(q, k, v), f(q, k, v), atol=1e-6)
     np.testing.assert_allclose(
         jax.vmap(f)(q, k, v), f(q, k, v), atol=1e-6
@@ -318,7 +320,7 @@ def test_jit_vmap_jacobian(rng, impl):
     np.testing.assert_allclose(jac, jac_nn, atol=2e-6)
 
 
-@each_implementation
+@each_implementation()
 @settings(max_examples=examples("vmapped"), deadline=None)
 @given(
     t=st.integers(1, 6), s=st.integers(1, 6), n=st.sampled_from([1, 2]), seed=st.integers(0, 1000)
@@ -326,7 +328,7 @@ def test_jit_vmap_jacobian(rng, impl):
 def test_property_vmapped_single_head_equals_batched(impl, t, s, n, seed):
     gen = np.random.default_rng(seed)
     q, k, v = qkv(gen, 2, t, s, n, n, 3)
-    f = functools.partial(js.dot_product_attention, **impl)
+    f = functools.partial(impl)
     batched = f(q, k, v, is_causal=True)
     single = functools.partial(js.attention, is_causal=True)
     per_head = jax.vmap(jax.vmap(single, in_axes=(1, 1, 1), out_axes=1))(q, k, v)
@@ -334,25 +336,23 @@ def test_property_vmapped_single_head_equals_batched(impl, t, s, n, seed):
     np.testing.assert_allclose(jax.jit(f)(q, k, v), f(q, k, v), atol=1e-6)
 
 
-@each_implementation
+@each_implementation()
 @pytest.mark.parametrize("dtype,atol", [(jnp.bfloat16, 3e-2), (jnp.float16, 4e-3)])
 def test_low_precision_inputs_keep_dtype_and_accuracy(rng, impl, dtype, atol):
     q, k, v = qkv(rng, 2, 64, 64, 2, 2, 32, dtype=dtype)
-    out = js.dot_product_attention(q, k, v, is_causal=True, **impl)
+    out = impl(q, k, v, is_causal=True)
     assert out.dtype == dtype
     expected = ref.attention(q, k, v, is_causal=True)["out"]  # the same rounded inputs, in f64
     assert float(np.abs(np.asarray(out, np.float64) - expected).max()) <= atol
-    g = jax.jit(
-        jax.grad(lambda q: js.dot_product_attention(q, k, v, **impl).astype(jnp.float32).sum())
-    )(q)
+    g = jax.jit(jax.grad(lambda q: impl(q, k, v).astype(jnp.float32).sum()))(q)
     assert g.dtype == dtype and np.isfinite(np.asarray(g, np.float32)).all()
 
 
-@each_implementation
+@each_implementation()
 def test_float64_stays_float64(rng, impl):
     with enable_x64():
         q, k, v = qkv(rng, 1, 9, 11, 2, 2, 4, dtype=jnp.float64)
-        out = js.dot_product_attention(q, k, v, is_causal=True, **impl)
+        out = impl(q, k, v, is_causal=True)
         assert out.dtype == jnp.float64
         np.testing.assert_allclose(out, ref.attention(q, k, v, is_causal=True)["out"], atol=1e-12)
 
@@ -385,19 +385,17 @@ def test_chunked_equals_dense_on_tiny_and_prime_lengths(rng, t, s, block_q, bloc
         logits_soft_cap=3.0,
     )
 
-    def f(impl, q, k, v, bias):
-        return js.dot_product_attention(q, k, v, bias, mask, return_residual=True, **kwargs, **impl)
+    def f(implementation, q, k, v, bias):
+        options = dict(return_residual=True, implementation=implementation, **kwargs)
+        return js.dot_product_attention(q, k, v, bias, mask, **options)
 
-    chunked = {"implementation": "chunked", "block_q": block_q, "block_kv": block_kv}
-    (out, lse), (out_d, lse_d) = (
-        f(chunked, q, k, v, bias),
-        f({"implementation": "xla"}, q, k, v, bias),
-    )
+    chunked = js.Chunked(block_q, block_kv)
+    (out, lse), (out_d, lse_d) = f(chunked, q, k, v, bias), f("xla", q, k, v, bias)
     np.testing.assert_allclose(out, out_d, atol=1e-6)
     np.testing.assert_allclose(lse, lse_d, atol=1e-5)
     d_out = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
     g = grads(lambda *a: f(chunked, *a)[0], q, k, v, bias, d_out)
-    g_d = grads(lambda *a: f({"implementation": "xla"}, *a)[0], q, k, v, bias, d_out)
+    g_d = grads(lambda *a: f("xla", *a)[0], q, k, v, bias, d_out)
     for got, want in zip(g, g_d, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
@@ -408,16 +406,14 @@ def test_chunked_dropout_drops_exactly_what_dense_drops(rng):
         dropout_rate=0.4, dropout_rng=jax.random.key(5), broadcast_dropout=False, is_causal=True
     )
 
-    def f(impl, q, k, v):
-        return js.dot_product_attention(q, k, v, **kwargs, **impl)
+    def f(implementation, q, k, v):
+        return js.dot_product_attention(q, k, v, implementation=implementation, **kwargs)
 
-    chunked = {"implementation": "chunked", "block_q": 4, "block_kv": 3}
-    np.testing.assert_allclose(
-        f(chunked, q, k, v), f({"implementation": "xla"}, q, k, v), atol=1e-6
-    )
+    chunked = js.Chunked(4, 3)
+    np.testing.assert_allclose(f(chunked, q, k, v), f("xla", q, k, v), atol=1e-6)
     d_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     g = grads(lambda q, k, v, b: f(chunked, q, k, v), q, k, v, None, d_out)
-    g_d = grads(lambda q, k, v, b: f({"implementation": "xla"}, q, k, v), q, k, v, None, d_out)
+    g_d = grads(lambda q, k, v, b: f("xla", q, k, v), q, k, v, None, d_out)
     for got, want in zip(g, g_d, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
@@ -427,7 +423,7 @@ def test_chunked_skips_blocks_past_the_causal_diagonal_and_the_lengths(rng):
     # but computed block would still multiply its NaN values by zero weights.
     q, k, v = qkv(rng, 1, 8, 8, 1, 1, 4)
     v = v.at[:, 4:].set(jnp.nan)
-    chunked = {"implementation": "chunked", "block_q": 4, "block_kv": 4}
+    chunked = {"implementation": js.Chunked(4, 4)}
     out = js.dot_product_attention(q, k, v, is_causal=True, **chunked)
     assert np.isfinite(np.asarray(out)[:, :4]).all()  # rows 0-3 never visit keys 4-7
     dense = js.dot_product_attention(q, k, v, is_causal=True, implementation="xla")

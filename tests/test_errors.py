@@ -2,9 +2,12 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_sdpa as js
+
+_QKV = (jnp.ones((1, 2, 1, 4)),) * 3
 
 Q = jnp.ones((2, 5, 4, 8), jnp.float32)
 KV = jnp.ones((2, 7, 2, 8), jnp.float32)
@@ -134,7 +137,8 @@ def call(**overrides):
         (
             dict(implementation="flash"),
             ValueError,
-            "`implementation` must be one of None, 'xla', 'chunked', 'decode', 'cudnn'; got 'flash'.",
+            "`implementation` must be one of None, 'xla', 'chunked', 'decode', 'cudnn', Chunked(...), "
+            "Decode(...); got 'flash'.",
         ),
         (
             dict(implementation="cudnn"),
@@ -230,3 +234,54 @@ def test_errors_are_raised_at_trace_time():
 def test_single_head_attention_errors(args, kwargs, error, message):
     with pytest.raises(error, match="^" + re.escape(message)):
         js.attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (
+            lambda: js.Chunked(block_q=0),
+            ValueError,
+            "`Chunked.block_q` must be a positive int; got 0.",
+        ),
+        (
+            lambda: js.Decode(block_kv=2.0),
+            TypeError,
+            "`Decode.block_kv` must be a positive int; got 2.0.",
+        ),
+        (
+            lambda: js.Ring(block_kv=-1),
+            ValueError,
+            "`Ring.block_kv` must be a positive int; got -1.",
+        ),
+        (
+            lambda: js.dot_product_attention(*_QKV, implementation=js.Ring()),
+            TypeError,
+            "`implementation` must be one of None, 'xla', 'chunked', 'decode', 'cudnn', Chunked(...), "
+            "Decode(...); got Ring(block_q=512, block_kv=512).",
+        ),
+        (
+            lambda: js.paged_attention(
+                *_QKV, jnp.zeros((1, 1), jnp.int32), jnp.array([1]), implementation="paged"
+            ),
+            ValueError,
+            "`implementation` must be one of None, Paged(...); got 'paged'.",
+        ),
+    ],
+)
+def test_implementation_options_are_checked_when_made_and_when_passed(make, error, message):
+    with pytest.raises(error, match="^" + re.escape(message) + "$"):
+        make()
+
+
+def test_the_options_run_what_they_configure(rng):
+    # Equal objects are one configuration (hashable, a jit cache key), and the tiles they set
+    # reach the call: a tile of one key block cannot skip what a tile of four can.
+    assert js.Chunked(3, 4) == js.Chunked(block_q=3, block_kv=4)
+    assert hash(js.Chunked(3, 4)) == hash(js.Chunked(3, 4))
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 8, 1, 4)), jnp.float32) for _ in range(3))
+    v = v.at[:, 4:].set(jnp.nan)  # finite where the keys past 4 are never computed
+    small = js.dot_product_attention(q, k, v, is_causal=True, implementation=js.Chunked(4, 4))
+    large = js.dot_product_attention(q, k, v, is_causal=True, implementation=js.Chunked(8, 8))
+    assert np.isfinite(np.asarray(small)[:, :4]).all()
+    assert np.isnan(np.asarray(large)[:, :4]).any()

@@ -15,7 +15,8 @@ from jax.test_util import check_grads
 
 import jax_sdpa as js
 from tests import reference as ref
-from tests.util import each_implementation, enable_x64, qkv
+from tests.implementations import each_implementation
+from tests.util import enable_x64, qkv
 
 
 def alibi(slopes):
@@ -41,7 +42,7 @@ def setup(rng, t=7, s=9):
     return (q, k, v), slopes, table, doc, sinks
 
 
-@each_implementation
+@each_implementation()
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_mods_and_sinks_against_reference(rng, impl, with_sinks):
     (q, k, v), slopes, table, doc, sinks = setup(rng)
@@ -56,7 +57,7 @@ def test_mods_and_sinks_against_reference(rng, impl, with_sinks):
     def head_mask(lib):  # head 3 sees every key
         return lambda b, h, i, j: documents(lib(doc))(b, h, i, j) | (h == 3)
 
-    out, lse = js.dot_product_attention(
+    out, lse = impl(
         q,
         k,
         v,
@@ -64,7 +65,6 @@ def test_mods_and_sinks_against_reference(rng, impl, with_sinks):
         mask_mod=head_mask(jnp.asarray),
         sinks=f32(sinks) if with_sinks else None,
         return_residual=True,
-        **impl,
     )
     expected = ref.attention(
         q,
@@ -78,16 +78,14 @@ def test_mods_and_sinks_against_reference(rng, impl, with_sinks):
     np.testing.assert_allclose(lse, expected["lse"], atol=2e-5)
 
 
-@each_implementation
+@each_implementation()
 def test_rows_without_keys_output_zero_and_the_sink_is_their_log_sum_exp(rng, impl):
     q, k, v = qkv(rng, 1, 4, 5, 2, 2, 4)
     sinks = jnp.array([0.5, -2.0])
     nothing = lambda b, h, i, j: (i != 2) & (j >= 0)  # noqa: E731  row 2 sees no key
 
     def f(sinks, q):
-        return js.dot_product_attention(
-            q, k, v, mask_mod=nothing, sinks=sinks, return_residual=True, **impl
-        )
+        return impl(q, k, v, mask_mod=nothing, sinks=sinks, return_residual=True)
 
     out, lse = f(sinks, q)
     np.testing.assert_array_equal(np.asarray(out)[0, 2], 0)
@@ -130,7 +128,7 @@ def test_chunked_gradients_equal_dense_for_every_captured_array(rng, block_q, bl
 
     def loss(impl, q, k, v, bias, slopes, table, sinks):
         a, r = alibi(slopes), relative_bias(table, 3)
-        out = js.dot_product_attention(
+        out = impl(
             q,
             k,
             v,
@@ -139,15 +137,21 @@ def test_chunked_gradients_equal_dense_for_every_captured_array(rng, block_q, bl
             sinks=sinks,
             is_causal=True,
             score_mod=lambda s, b, h, i, j: r(a(s, b, h, i, j), b, h, i, j),
-            **impl,
         )
         return (out * d_out).sum()
 
     args = (q, k, v, bias, f32(slopes), f32(table), f32(sinks))
-    chunked = {"implementation": "chunked", "block_q": block_q, "block_kv": block_kv}
+    chunked = functools.partial(
+        js.dot_product_attention, implementation=js.Chunked(block_q, block_kv)
+    )
     got = jax.jit(jax.grad(functools.partial(loss, chunked), argnums=tuple(range(7))))(*args)
     want = jax.jit(
-        jax.grad(functools.partial(loss, {"implementation": "xla"}), argnums=tuple(range(7)))
+        jax.grad(
+            functools.partial(
+                loss, functools.partial(js.dot_product_attention, implementation="xla")
+            ),
+            argnums=tuple(range(7)),
+        )
     )(*args)
     for name, a, b in zip(
         ("q", "k", "v", "bias", "slopes", "table", "sinks"), got, want, strict=True
@@ -155,13 +159,13 @@ def test_chunked_gradients_equal_dense_for_every_captured_array(rng, block_q, bl
         assert ref.rel_err(a, b) <= 2e-5, name
 
 
-@each_implementation
+@each_implementation()
 def test_built_in_rules_as_mask_mod_equal_the_keywords(rng, impl):
     q, k, v = qkv(rng, 2, 6, 8, 2, 1, 4)
     lengths = jnp.array([8, 5], jnp.int32)
     rule = js.CausalMask(2) & js.LocalWindowMask(3, 0, 2) & js.LengthMask(None, lengths)
-    got = js.dot_product_attention(q, k, v, mask_mod=rule, **impl)
-    want = js.dot_product_attention(
+    got = impl(q, k, v, mask_mod=rule)
+    want = impl(
         q,
         k,
         v,
@@ -169,30 +173,29 @@ def test_built_in_rules_as_mask_mod_equal_the_keywords(rng, impl):
         causal_alignment="bottom_right",
         local_window_size=(3, 0),
         key_value_seq_lengths=lengths,
-        **impl,
     )
     np.testing.assert_array_equal(got, want)
 
 
-@each_implementation
+@each_implementation()
 def test_a_mod_that_writes_minus_infinity_on_masked_entries_leaks_no_nan(rng, impl):
     # FlexAttention's footgun (pytorch#150321): −∞ from the score_mod masks the entry exactly.
     q, k, v = qkv(rng, 1, 6, 6, 2, 2, 4)
     causal_by_hand = lambda s, b, h, i, j: jnp.where(j <= i, s, -jnp.inf)  # noqa: E731
-    f = lambda q: js.dot_product_attention(q, k, v, score_mod=causal_by_hand, **impl)  # noqa: E731
+    f = lambda q: impl(q, k, v, score_mod=causal_by_hand)  # noqa: E731
     np.testing.assert_allclose(f(q), js.dot_product_attention(q, k, v, is_causal=True), atol=1e-6)
     g = jax.jit(jax.grad(lambda q: f(q).sum()))(q)
     want = jax.jit(jax.grad(lambda q: js.dot_product_attention(q, k, v, is_causal=True).sum()))(q)
     np.testing.assert_allclose(g, want, atol=1e-5)
 
 
-@each_implementation
+@each_implementation()
 def test_mods_under_jit_vmap_and_checkpoint(rng, impl):
     q, k, v = qkv(rng, 2, 5, 5, 2, 2, 4)
     slopes = jnp.asarray(rng.uniform(size=(3, 2)), jnp.float32)  # three models' slopes
 
     def f(slopes, q):
-        return js.dot_product_attention(q, k, v, score_mod=alibi(slopes), is_causal=True, **impl)
+        return impl(q, k, v, score_mod=alibi(slopes), is_causal=True)
 
     batched = jax.jit(jax.vmap(f, in_axes=(0, None)))(slopes, q)
     for n in range(3):
@@ -303,7 +306,7 @@ def test_chunked_skips_the_tiles_a_mask_mod_excludes(rng):
     # computed block would multiply its NaN values by zero weights): as for is_causal.
     q, k, v = qkv(rng, 1, 8, 8, 2, 1, 4)
     v = v.at[:, 4:].set(jnp.nan)
-    chunked = {"implementation": "chunked", "block_q": 4, "block_kv": 4}
+    chunked = {"implementation": js.Chunked(4, 4)}
     causal = lambda b, h, i, j: j <= i  # noqa: E731
     out = js.dot_product_attention(q, k, v, mask_mod=causal, **chunked)
     assert np.isfinite(np.asarray(out)[:, :4]).all()
@@ -326,7 +329,7 @@ def test_chunked_skips_the_tiles_a_mask_mod_excludes(rng):
     )
 
 
-@each_implementation
+@each_implementation("bias")
 def test_a_minus_infinity_bias_still_masks_under_a_score_mod(rng, impl):
     # The mod sees 0 where the bias is −∞ (no NaN in the gradient of what it closes over), and
     # the entry stays masked whatever the mod returns there.
@@ -336,17 +339,15 @@ def test_a_minus_infinity_bias_still_masks_under_a_score_mod(rng, impl):
 
     def f(t):
         mod = lambda s, b, h, i, j: s * t[h]  # noqa: E731
-        return js.dot_product_attention(q, k, v, bias, score_mod=mod, **impl)
+        return impl(q, k, v, bias, score_mod=mod)
 
     expected = ref.attention(
         q, k, v, np.asarray(bias), score_mod=lambda s, b, h, i, j: s * np.asarray(t)[h]
     )
     np.testing.assert_allclose(f(t), expected["out"], atol=2e-6)
     assert np.isfinite(np.asarray(jax.jit(jax.grad(lambda t: f(t).sum()))(t))).all()
-    capped = js.dot_product_attention(q, k, v, bias, score_mod=js.mods.soft_cap(1.0), **impl)
-    np.testing.assert_allclose(
-        capped, js.dot_product_attention(q, k, v, bias, logits_soft_cap=1.0, **impl), atol=1e-6
-    )
+    capped = impl(q, k, v, bias, score_mod=js.mods.soft_cap(1.0))
+    np.testing.assert_allclose(capped, impl(q, k, v, bias, logits_soft_cap=1.0), atol=1e-6)
 
 
 def test_a_mod_reading_a_value_that_changed_is_traced_again(rng):
@@ -363,18 +364,16 @@ def test_a_mod_reading_a_value_that_changed_is_traced_again(rng):
     assert float(np.abs(first - js.dot_product_attention(q, k, v, score_mod=mod)).max()) > 1e-3
 
 
-@each_implementation
+@each_implementation()
 def test_minus_infinity_sinks_are_no_sinks(rng, impl):
     q, k, v = qkv(rng, 1, 4, 5, 2, 2, 4)
     nothing = lambda b, h, i, j: (i != 1) & (j >= 0)  # noqa: E731
     sinks = jnp.full((2,), -jnp.inf)
 
     def f(sinks):
-        return js.dot_product_attention(q, k, v, mask_mod=nothing, sinks=sinks, **impl)
+        return impl(q, k, v, mask_mod=nothing, sinks=sinks)
 
-    np.testing.assert_allclose(
-        f(sinks), js.dot_product_attention(q, k, v, mask_mod=nothing, **impl), atol=1e-6
-    )
+    np.testing.assert_allclose(f(sinks), impl(q, k, v, mask_mod=nothing), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(lambda s: f(s).sum()))(sinks)), 0)
 
 
@@ -393,11 +392,10 @@ def test_a_rule_shared_by_the_batch_is_so_whatever_the_batch_size(rng, batch):
     # with the batch axis first are per sequence. Nothing is guessed from sizes.
     q = jnp.asarray(rng.normal(size=(batch, 4, 2, 8)), jnp.float32)
     ids = jnp.array([0, 0, 1, 1], jnp.int32)
-    for impl in ({"implementation": "xla"}, {"implementation": "chunked", "block_q": 3}):
-        shared = js.dot_product_attention(q, q, q, mask_mod=js.SegmentMask(ids, ids), **impl)
-        keyword = js.dot_product_attention(
-            q, q, q, query_segment_ids=jnp.broadcast_to(ids, (batch, 4)), **impl
-        )
+    for implementation in ("xla", js.Chunked(block_q=3)):
+        impl = functools.partial(js.dot_product_attention, implementation=implementation)
+        shared = impl(q, q, q, mask_mod=js.SegmentMask(ids, ids))
+        keyword = impl(q, q, q, query_segment_ids=jnp.broadcast_to(ids, (batch, 4)))
         np.testing.assert_array_equal(shared, keyword)
     own = jnp.asarray(rng.integers(0, 2, size=(batch, 4)), jnp.int32)
     np.testing.assert_array_equal(

@@ -10,18 +10,19 @@ import pytest
 
 import jax_sdpa as js
 from tests import reference as ref
-from tests.util import each_implementation, qkv
+from tests.implementations import each_implementation
+from tests.util import qkv
 
 
 def halves(q, k, v, mask, split, impl):
     """Attention over keys [0, split) and [split, S) separately, each with its residual."""
-    f = functools.partial(js.dot_product_attention, return_residual=True, **impl)
+    f = functools.partial(impl, return_residual=True)
     left = f(q, k[:, :split], v[:, :split], mask=mask[..., :split])
     right = f(q, k[:, split:], v[:, split:], mask=mask[..., split:])
     return left, right
 
 
-@each_implementation
+@each_implementation("mask")
 @pytest.mark.parametrize("split", [1, 4, 8])
 def test_merge_equals_attention_over_the_concatenated_keys(rng, impl, split):
     # GQA, d_v ≠ d_k; row 0 of batch 0 sees no key at all, row 1 only keys of the right half,
@@ -35,12 +36,12 @@ def test_merge_equals_attention_over_the_concatenated_keys(rng, impl, split):
     np.testing.assert_allclose(lse, expected["lse"], atol=2e-6)
     np.testing.assert_array_equal(np.asarray(out)[0, 0], 0)
     assert np.isneginf(np.asarray(lse)[0, 0]).all()
-    whole, whole_lse = js.dot_product_attention(q, k, v, mask=mask, return_residual=True, **impl)
+    whole, whole_lse = impl(q, k, v, mask=mask, return_residual=True)
     np.testing.assert_allclose(out, whole, atol=2e-6)
     np.testing.assert_allclose(lse, whole_lse, atol=2e-6)
 
 
-@each_implementation
+@each_implementation("mask")
 def test_merge_gradients_equal_the_reference(rng, impl):
     q, k, v = qkv(rng, 1, 6, 7, 2, 1, 4)
     mask = jnp.ones((1, 2, 6, 7), bool).at[0, 1, 3].set(False).at[0, 0, 4, 3:].set(False)
@@ -88,7 +89,7 @@ def test_merge_of_results_without_query_rows():
 def test_merge_under_jit_and_in_low_precision(rng):
     q, k, v = qkv(rng, 2, 4, 6, 2, 2, 8, dtype=jnp.bfloat16)
     mask = jnp.ones((1, 1, 4, 6), bool)
-    left, right = halves(q, k, v, mask, 2, {})
+    left, right = halves(q, k, v, mask, 2, js.dot_product_attention)
     out, lse = jax.jit(js.merge_attention)(left, right)
     assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     expected = ref.attention(q, k, v)

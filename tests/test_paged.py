@@ -57,7 +57,7 @@ def test_paged_attention_matches_the_reference(rng, t, page_size, n, k):
     lengths = jnp.array([capacity, 0, 17])  # full, empty, part of a page
     q = jnp.asarray(rng.normal(size=(3, t, n, 8)), jnp.float32)
     out, lse = js.paged_attention(
-        q, key_pages, value_pages, table, lengths, return_residual=True, block_kv=8
+        q, key_pages, value_pages, table, lengths, return_residual=True, implementation=js.Paged(8)
     )
     want = expected(q, key_pages, value_pages, table, lengths)
     assert ref.rel_err(out, want["out"]) < 2e-6

@@ -40,12 +40,14 @@ def _everything(q, k, v, slopes, implementation):
         table = jnp.arange(20, dtype=jnp.int32).reshape(2, 10)
         del options["key_value_seq_lengths"], options["is_causal"]
         lengths = jnp.array([40, 31], jnp.int32)
-        return js.paged_attention(q[:, -3:], *pages, table, lengths, block_kv=8, **options)
-    tiles = {"block_q": 16, "block_kv": 8} if implementation != "xla" else {}
+        return js.paged_attention(
+            q[:, -3:], *pages, table, lengths, implementation=js.Paged(8), **options
+        )
+    tiles = {"xla": "xla", "chunked": js.Chunked(16, 8), "decode": js.Decode(8)}
     if implementation == "decode":
         q = q[:, -3:]
         options["causal_alignment"] = "bottom_right"
-    return js.dot_product_attention(q, k, v, implementation=implementation, **tiles, **options)
+    return js.dot_product_attention(q, k, v, implementation=tiles[implementation], **options)
 
 
 @pytest.mark.x64_off
@@ -80,9 +82,7 @@ def test_the_issues_x64_repro_runs():
             q,
             k,
             k,
-            implementation="chunked",
-            block_q=16,
-            block_kv=8,
+            implementation=js.Chunked(block_q=16, block_kv=8),
             mask_mod=lambda b, h, i, j: i >= j,
         )
     expected = ref.attention(q, k, k, is_causal=True)["out"]
@@ -154,9 +154,8 @@ def test_forward_over_reverse_and_reverse_over_reverse_work_on_the_custom_vjp_pa
         if implementation == "ring":
             out = js.ring_dot_product_attention(q, k, v, mesh=mesh, seq_axis="seq")
         else:
-            out = js.dot_product_attention(
-                q, k, v, implementation=implementation, block_q=2, block_kv=2
-            )
+            tiles = {"chunked": js.Chunked(2, 2), "decode": js.Decode(2), "xla": "xla"}
+            out = js.dot_product_attention(q, k, v, implementation=tiles[implementation])
         return jnp.sum(out * jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
 
     def second_orders(impl):

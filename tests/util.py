@@ -8,17 +8,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import pytest
-
-# The chunked path runs with tiles that divide neither T nor S, so every test crosses blocks,
-# pads, and (with masks) skips blocks.
-IMPLEMENTATIONS = {
-    "xla": {"implementation": "xla"},
-    "chunked": {"implementation": "chunked", "block_q": 3, "block_kv": 4},
-}
-each_implementation = pytest.mark.parametrize(
-    "impl", IMPLEMENTATIONS.values(), ids=IMPLEMENTATIONS.keys()
-)
 
 
 def qkv(rng, b, t, s, n, k, h, hv=None, dtype=jnp.float32):

@@ -87,8 +87,7 @@ def test_ring_matches_single_device_forward_and_gradients(mesh_name, is_causal, 
         seq_axis="seq",
         is_causal=is_causal,
         layout=layout,
-        block_q=4,
-        block_kv=4,
+        implementation=js.Ring(block_q=4, block_kv=4),
         **axes,
     )
     dense = functools.partial(js.dot_product_attention, is_causal=is_causal)
@@ -239,8 +238,7 @@ def test_ring_log_sum_exp_and_its_gradients(layout):
         seq_axis="seq",
         is_causal=True,
         layout=layout,
-        block_q=4,
-        block_kv=4,
+        implementation=js.Ring(block_q=4, block_kv=4),
         return_residual=True,
     )
     dense = functools.partial(js.dot_product_attention, is_causal=True, return_residual=True)
@@ -301,8 +299,7 @@ def test_mods_and_sinks_see_the_whole_batch_and_all_heads_when_both_are_split(
             mesh=mesh(shape, names),
             seq_axis="seq",
             layout=layout,
-            block_q=4,
-            block_kv=4,
+            implementation=js.Ring(block_q=4, block_kv=4),
             **axes,
             **options(*arrays),
         )

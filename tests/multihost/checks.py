@@ -116,8 +116,7 @@ def ring_dpa(mesh_name, layout, is_causal, lengths):
         mesh=mesh,
         seq_axis="seq",
         layout=layout,
-        block_q=4,
-        block_kv=4,
+        implementation=js.Ring(block_q=4, block_kv=4),
         **batch,
         **options,
     )
