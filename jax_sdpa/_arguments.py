@@ -89,7 +89,7 @@ def bind(
         keywords = dict(keywords, key_value_seq_lengths=lengths)
         diagonal = (0, lengths - shapes.seq_q)  # each sequence's queries are its last positions
     score_mod, score_consts = _score_mod(shapes, query.dtype, **keywords)
-    formula = dataclasses.replace(_formula(query.shape[-1], **keywords), score_mod=score_mod)
+    formula = dataclasses.replace(_check_formula(query.shape[-1], **keywords), score_mod=score_mod)
     first_sequence = _first(ring, "batch_axis", math.prod(shapes.batch))
     arrays = CallArrays(
         bias=_per_logit("bias", bias, shapes),
@@ -451,7 +451,9 @@ def _dropout_rng(
     return split.reshape(*shapes.batch, shapes.heads, *split.shape[1:])
 
 
-def _formula(d_k: int, scale=None, logits_soft_cap=None, dropout_rate=0.0, precision=None, **_):
+def _check_formula(
+    d_k: int, scale=None, logits_soft_cap=None, dropout_rate=0.0, precision=None, **_
+):
     """The static formula: the scale (``1/√d_k`` by default), soft cap, dropout rate, precision."""
     _checks.check_range("dropout_rate", dropout_rate, 0.0, 1.0)
     if logits_soft_cap is not None:

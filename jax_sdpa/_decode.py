@@ -164,18 +164,18 @@ def split_keys(formula: Formula, query, keys, values, arrays: CallArrays) -> Res
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _decode(tiles: Tiles, query, key, value, arrays: CallArrays):
-    return _decode_fwd(tiles, query, key, value, arrays)[0]
+def _split_attention(tiles: Tiles, query, key, value, arrays: CallArrays):
+    return _split_attention_fwd(tiles, query, key, value, arrays)[0]
 
 
-def _decode_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
+def _split_attention_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
     """The keys and values, whole chunks of ``tiles.block_kv``, split and their states merged."""
     keys, values = (x.reshape(-1, tiles.block_kv, *x.shape[1:]) for x in (key, value))
     out, lse, _ = split_keys(tiles.formula, query, keys, values, arrays)
     return (out, lse), (query, key, value, arrays, out, lse)
 
 
-_decode.defvjp(_decode_fwd, backward)
+_split_attention.defvjp(_split_attention_fwd, backward)
 
 
 def decode_sequence(
@@ -189,7 +189,7 @@ def decode_sequence(
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
     tiles = Tiles(formula, seq_q, min(options.block_kv, seq_kv), (kv_heads, heads // kv_heads))
     key, value, arrays = pad_keys(key, value, arrays, tiles.block_kv)
-    return Result(*_decode(tiles, query, key, value, arrays), None)
+    return Result(*_split_attention(tiles, query, key, value, arrays), None)
 
 
 def paged_sequence(

@@ -121,14 +121,14 @@ class Entry:
     options: type | None = None
 
 
-def _dense(inputs: Inputs, config: Config) -> Result:
+def _run_dense(inputs: Inputs, config: Config) -> Result:
     dropped_weights = config.output == "weights"  # flax: the weights returned after dropout
     return inputs.over_batch(
         functools.partial(dense_sequence, config.formula, dropped_weights=dropped_weights)
     )
 
 
-def _chunked(inputs: Inputs, config: Config) -> Result:
+def _run_chunked(inputs: Inputs, config: Config) -> Result:
     sequence = functools.partial(chunked_sequence, config.formula, config.options)
     return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
 
@@ -147,7 +147,7 @@ def _chunked_unsupported(inputs: Inputs, config: Config) -> str | None:
     return _no_weights("chunked", config)
 
 
-def _decode(inputs: Inputs, config: Config) -> Result:
+def _run_decode(inputs: Inputs, config: Config) -> Result:
     return inputs.over_batch(functools.partial(decode_sequence, config.formula, config.options))
 
 
@@ -159,7 +159,7 @@ def _decode_unsupported(inputs: Inputs, config: Config) -> str | None:
     return None
 
 
-def _paged(inputs: Inputs, config: Config) -> Result:
+def _run_paged(inputs: Inputs, config: Config) -> Result:
     sequence = functools.partial(paged_sequence, config.formula, config.options)
     args = (inputs.query, inputs.key, inputs.value, inputs.page_table, inputs.arrays)
     # One sequence after the other: each gathers its own pages, never the whole batch's.
@@ -172,7 +172,7 @@ def _paged_unsupported(inputs: Inputs, config: Config) -> str | None:
     return _no_weights("paged", config)
 
 
-def _ring(inputs: Inputs, config: Config) -> Result:
+def _run_ring(inputs: Inputs, config: Config) -> Result:
     sequence = functools.partial(ring_sequence, config.formula, config.options, config.ring)
     return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
 
@@ -243,7 +243,7 @@ def _jax_nn_arguments(inputs: Inputs, config: Config) -> dict:
     return kwargs
 
 
-def _cudnn(inputs: Inputs, config: Config) -> Result:
+def _run_cudnn(inputs: Inputs, config: Config) -> Result:
     out, lse = jax.nn.dot_product_attention(
         **_jax_nn_arguments(inputs, config), implementation="cudnn", return_residual=True
     )
@@ -253,14 +253,14 @@ def _cudnn(inputs: Inputs, config: Config) -> Result:
 
 
 IMPLEMENTATIONS: dict[str, Entry] = {
-    "xla": Entry(_dense, jvp=True),
-    "chunked": Entry(_chunked, _chunked_unsupported, options=Chunked),
-    "decode": Entry(_decode, _decode_unsupported, options=Decode),
+    "xla": Entry(_run_dense, jvp=True),
+    "chunked": Entry(_run_chunked, _chunked_unsupported, options=Chunked),
+    "decode": Entry(_run_decode, _decode_unsupported, options=Decode),
     "paged": Entry(
-        _paged, _paged_unsupported, jvp=True, asked_as="`paged_attention`", options=Paged
+        _run_paged, _paged_unsupported, jvp=True, asked_as="`paged_attention`", options=Paged
     ),
-    "cudnn": Entry(_cudnn, _cudnn_unsupported),
-    "ring": Entry(_ring, asked_as="`ring_attention`", options=Ring),
+    "cudnn": Entry(_run_cudnn, _cudnn_unsupported),
+    "ring": Entry(_run_ring, asked_as="`ring_attention`", options=Ring),
 }
 
 

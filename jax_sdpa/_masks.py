@@ -157,8 +157,8 @@ class MaskRule:
 
 
 def _shift(rule) -> Index:
-    """Where query ``i`` sits: ``i + offset``, plus the sequence's own offset if given."""
-    return rule.offset if rule.offsets is None else rule.offset + rule.offsets
+    """Where query ``i`` sits: ``i + offset``, plus its sequence's own offset if given."""
+    return rule.offset if rule.offsets is None else rule.offset + jnp.asarray(rule.offsets, INDEX)
 
 
 @rule_class

@@ -123,11 +123,11 @@ def _slice(x, run, axis: int = 0):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(tiles: Tiles, ring: RingSpec, query, key, value, arrays: CallArrays):
-    return _ring_fwd(tiles, ring, query, key, value, arrays)[0]
+def _around_ring(tiles: Tiles, ring: RingSpec, query, key, value, arrays: CallArrays):
+    return _around_ring_fwd(tiles, ring, query, key, value, arrays)[0]
 
 
-def _ring_fwd(tiles: Tiles, ring: RingSpec, query, key, value, arrays: CallArrays):
+def _around_ring_fwd(tiles: Tiles, ring: RingSpec, query, key, value, arrays: CallArrays):
     me = lax.axis_index(ring.axis_name)
     seq_q, seq_kv = query.shape[0], key.shape[0]
     queries = flat(query)
@@ -167,7 +167,7 @@ def _ring_fwd(tiles: Tiles, ring: RingSpec, query, key, value, arrays: CallArray
     return (out, lse), (query, key, value, arrays, out, lse)
 
 
-def _ring_bwd(tiles: Tiles, ring: RingSpec, residuals, cotangents):
+def _around_ring_bwd(tiles: Tiles, ring: RingSpec, residuals, cotangents):
     query, key, value, arrays, out, lse = residuals
     row_terms = backward_rows(out, lse, cotangents)
     me = lax.axis_index(ring.axis_name)
@@ -218,7 +218,7 @@ def _ring_bwd(tiles: Tiles, ring: RingSpec, residuals, cotangents):
     return d_query, d_key, d_value, dataclasses.replace(d_arrays, sinks=d_sinks)
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+_around_ring.defvjp(_around_ring_fwd, _around_ring_bwd)
 
 
 def ring_sequence(
@@ -238,7 +238,7 @@ def ring_sequence(
         _largest_divisor(seq_kv // runs, options.block_kv),
         (kv_heads, heads // kv_heads),
     )
-    out, lse = _ring(tiles, ring, query, key, value, arrays)
+    out, lse = _around_ring(tiles, ring, query, key, value, arrays)
     return Result(out, lse, None)
 
 
