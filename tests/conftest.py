@@ -1,4 +1,5 @@
 import os
+import sys
 
 # XLA's LLVM backend at -O0 for the tests (and the processes they start): every HLO pass still
 # runs, so the programs checked are the ones XLA builds, and compiling them, most of the suite's
@@ -7,6 +8,11 @@ import os
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+
+# The inner loop, `-m "not slow"`, draws the quick profile's random examples unless a profile is
+# named (tests/profile.py); the workers pytest-xdist starts inherit the choice.
+if "not slow" in " ".join(sys.argv):
+    os.environ.setdefault("JAX_SDPA_PROFILE", "quick")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402

@@ -68,7 +68,7 @@ def test_unbatched_tnh_and_extra_batch_axes(rng, impl):
 
 
 @each_implementation()
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 1)])  # GQA and MQA (MHA: every test)
 def test_gqa_and_mqa_against_reference(rng, impl, heads, kv_heads):
     q, k, v = qkv(rng, 2, 6, 9, heads, kv_heads, 8, hv=5)  # d_v = 5 ≠ d_k = 8
     d_out = jnp.asarray(rng.normal(size=(2, 6, heads, 5)), jnp.float32)
@@ -370,6 +370,7 @@ def test_numpy_inputs_and_precision(rng):
     "t,s,block_q,block_kv",
     [(1, 1, 4, 4), (7, 13, 3, 5), (13, 7, 5, 3), (31, 29, 8, 8), (17, 17, 17, 1)],
 )
+@pytest.mark.slow  # compile-bound; the sweep draws such lengths in every run
 def test_chunked_equals_dense_on_tiny_and_prime_lengths(rng, t, s, block_q, block_kv):
     q, k, v = qkv(rng, 2, t, s, 4, 2, 6, hv=3)
     bias = jnp.asarray(rng.normal(size=(2, 4, t, s)), jnp.float32)

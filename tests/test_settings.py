@@ -50,6 +50,7 @@ def _everything(q, k, v, slopes, implementation):
     return js.dot_product_attention(q, k, v, implementation=tiles[implementation], **options)
 
 
+@pytest.mark.slow  # compiles every implementation twice; CI runs it
 @pytest.mark.x64_off
 @pytest.mark.skipif(X64, reason="in a run with x64 on, off is on")
 @pytest.mark.parametrize("implementation", ["xla", "chunked", "decode", "paged"])
@@ -139,6 +140,7 @@ def test_an_implementation_without_forward_mode_says_so(rng, implementation):
         jax.jvp(lambda q: f(q, k, v), (q,), (q,))
 
 
+@pytest.mark.slow  # compile-bound (second derivatives of three paths); CI runs it
 @pytest.mark.parametrize("implementation", ["chunked", "decode", "ring"])
 def test_forward_over_reverse_and_reverse_over_reverse_work_on_the_custom_vjp_paths(
     rng, implementation
