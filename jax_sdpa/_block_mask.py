@@ -75,12 +75,11 @@ class BlockMask(MaskRule):
         """
         classes = self.classes[batch if self.classes.shape[0] > 1 else 0]
         classes = classes if classes.shape[0] == 1 else classes[heads]
-        rows, row_seen = _touched(q_idx, self.block_q, classes.shape[1])
-        cols, col_seen = _touched(kv_idx, self.block_kv, classes.shape[2])
-        touched = lax.dynamic_slice(
-            classes, indices(0, rows, cols), (classes.shape[0], row_seen.size, col_seen.size)
-        )
-        seen = (row_seen[:, None] & col_seen[None, :])[None]
+        first_q, q_seen = _touched(q_idx, self.block_q, classes.shape[1])
+        first_kv, kv_seen = _touched(kv_idx, self.block_kv, classes.shape[2])
+        size = (classes.shape[0], q_seen.size, kv_seen.size)
+        touched = lax.dynamic_slice(classes, indices(0, first_q, first_kv), size)
+        seen = (q_seen[:, None] & kv_seen[None, :])[None]
         return jnp.all((touched == EMPTY) | ~seen), jnp.all((touched == FULL) | ~seen)
 
 

@@ -77,20 +77,20 @@ def _scores(query, key, precision=None):
     """``q · k`` for every head, query and key: ``(K, G, T, H) × (L, K, H) → (K, G, T, L)``."""
     dtype = accumulation_dtype(query.dtype)
     kv_heads, _, _, features = query.shape
-    rows = query[0].size // features  # G·T rows per key/value head
-    if kv_heads * rows <= BLOCK_DIAGONAL_COLUMNS:
+    query_rows = query[0].size // features  # G·T rows per key/value head
+    if kv_heads * query_rows <= BLOCK_DIAGONAL_COLUMNS:
         # Column block k holds head k's queries in rows k·H … (k+1)·H − 1, zeros elsewhere.
         blocks = jnp.eye(kv_heads, dtype=query.dtype)
-        diagonal = jnp.einsum("kxh,kj->khjx", query.reshape(kv_heads, rows, features), blocks)
+        diagonal = jnp.einsum("kxh,kj->khjx", query.reshape(kv_heads, query_rows, features), blocks)
         raw = jnp.matmul(
             key.reshape(key.shape[0], -1),
-            diagonal.reshape(kv_heads * features, kv_heads * rows),
+            diagonal.reshape(kv_heads * features, kv_heads * query_rows),
             precision=precision,
             preferred_element_type=dtype,
         )
         return jnp.moveaxis(raw.reshape(key.shape[0], *query.shape[:3]), 0, -1)
     # Enough rows per key to pay for copying the chunk heads-first: the step, head by head.
-    per_head = query.reshape(kv_heads, rows, features)
+    per_head = query.reshape(kv_heads, query_rows, features)
     heads_first = jnp.moveaxis(key, 1, 0)  # (K, L, H)
     raw = jax.vmap(functools.partial(raw_scores, precision=precision))(per_head, heads_first)
     return raw.reshape(*query.shape[:3], key.shape[0])
@@ -127,8 +127,8 @@ def _chunk_state(formula: Formula, query, keys, values, arrays: CallArrays, star
 
     raw = _scores(query, keys, formula.precision)
     scores, allowed = over_heads(head, raw.shape[:2], (raw, arrays))
-    rows = raw.shape[:-1]
-    state = online_softmax.init(query, rows, (*rows, values.shape[-1]))
+    shape = raw.shape[:-1]
+    state = online_softmax.init(query, shape, (*shape, values.shape[-1]))
     return online_softmax.update(
         state, scores, allowed, values, precision=formula.precision, product=_blend
     )

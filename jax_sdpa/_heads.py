@@ -76,7 +76,7 @@ def over_batch(
     pairs = list(zip(leaves, shared, strict=True))
 
     def one(sequence):
-        rows = iter(sequence)
-        return inner(*treedef.unflatten([x[0] if s else next(rows) for x, s in pairs]))
+        mapped = iter(sequence)
+        return inner(*treedef.unflatten([x[0] if s else next(mapped) for x, s in pairs]))
 
     return lax.map(one, [x for x, s in pairs if not s])

@@ -269,8 +269,8 @@ def _preference(inputs: Inputs) -> tuple[str, ...]:
     batch_heads = math.prod(inputs.query.shape[:-3]) * inputs.query.shape[-2]
     seq_q, seq_kv = inputs.query.shape[-3], inputs.key.shape[-3]
     scores = batch_heads * seq_q * seq_kv
-    rows = seq_q * inputs.query.shape[-2]
-    if rows <= BLOCK_DIAGONAL_COLUMNS and seq_kv >= _DECODE_MIN_KEYS:
+    query_rows = seq_q * inputs.query.shape[-2]
+    if query_rows <= BLOCK_DIAGONAL_COLUMNS and seq_kv >= _DECODE_MIN_KEYS:
         return ("decode", "chunked", "xla")
     if jax.default_backend() == "cpu" or scores > _DENSE_MAX_SCORES:
         return ("chunked", "xla")

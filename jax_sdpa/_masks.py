@@ -138,8 +138,8 @@ class MaskRule:
             grid = q_idx[:, None], kv_idx[None, :]
             allowed = jax.vmap(lambda head: self.at(*grid, batch, head))(heads)
             return ~allowed.any(), allowed.all()
-        rows = q_idx[0], q_idx[-1] + 1
-        (lo, hi), (full_lo, full_hi) = self.kv_range(*rows), self.kv_full_range(*rows)
+        span = q_idx[0], q_idx[-1] + 1
+        (lo, hi), (full_lo, full_hi) = self.kv_range(*span), self.kv_full_range(*span)
         start, stop = kv_idx[0], kv_idx[-1] + 1
         return (hi <= start) | (lo >= stop), (full_lo <= start) & (full_hi >= stop)
 

@@ -62,19 +62,19 @@ def zeros_from(x: Array, dtype, shape: tuple | None = None) -> Array:
     return jnp.broadcast_to(first, x.shape if shape is None else shape)
 
 
-def init(query: Array, rows: tuple, output: tuple, sink: Array | None = None) -> State:
+def init(query: Array, shape: tuple, output: tuple, sink: Array | None = None) -> State:
     """The state before any key: ``(row max = fill, denominator = 0, output = 0)``.
 
-    Of shapes ``rows``, ``rows`` and ``output``, computed from the queries (:func:`zeros_from`).
-    With a ``sink`` logit (broadcast to ``rows``), the state has already met the sink, a key
+    Of shapes ``shape``, ``shape`` and ``output``, computed from the queries (:func:`zeros_from`).
+    With a ``sink`` logit (broadcast to ``shape``), the state has already met the sink, a key
     without a value: ``(sink, 1, 0)``.
     """
     dtype = accumulation_dtype(query.dtype)
-    zeros = zeros_from(query, dtype, rows)
+    zeros = zeros_from(query, dtype, shape)
     output = zeros_from(query, dtype, output)
     if sink is None:
         return State(zeros + large_negative(dtype), zeros, output)
-    return State(zeros + jnp.broadcast_to(sink.astype(dtype), rows), zeros + 1, output)
+    return State(zeros + jnp.broadcast_to(sink.astype(dtype), shape), zeros + 1, output)
 
 
 def update(
@@ -127,9 +127,8 @@ def finish(state: State, dtype) -> tuple[Array, Array]:
 
     A row that met no key gives 0 and −∞.
     """
-    features = state.acc.shape[-1]
-    rows = (-1, features)
-    out = normalize(state.acc.reshape(rows), state.denom.reshape(-1), state.row_max.reshape(-1))
+    flat = state.acc.reshape(-1, state.acc.shape[-1])
+    out = normalize(flat, state.denom.reshape(-1), state.row_max.reshape(-1))
     lse = logsumexp(state.row_max, state.denom)
     return out.reshape(state.acc.shape).astype(dtype), lse
 

@@ -180,10 +180,10 @@ def update_paged_cache(
     # A position past the sequence's pages, or on a page number outside the pool (say −1 for
     # "none"), is not written: it would land on another position or another sequence's page.
     pages = jnp.where((pages >= 0) & (seq >= 0), pages, key_pages.shape[0])
-    rows = math.prod(seq.shape)
+    count = math.prod(seq.shape)
     return tuple(
-        cache.at[pages.reshape(rows), (seq % page_size).reshape(rows)].set(
-            new.reshape(rows, *new.shape[2:]).astype(cache.dtype), mode="drop"
+        cache.at[pages.reshape(count), (seq % page_size).reshape(count)].set(
+            new.reshape(count, *new.shape[2:]).astype(cache.dtype), mode="drop"
         )
         for cache, new in ((key_pages, key), (value_pages, value))
     )
