@@ -152,8 +152,9 @@ def _run_decode(inputs: Inputs, config: Config) -> Result:
 
 
 def _decode_unsupported(inputs: Inputs, config: Config) -> str | None:
-    if config.output != "attention":
-        return _no_weights("decode", config)
+    no_weights = _no_weights("decode", config)
+    if no_weights is not None:
+        return no_weights
     if inputs.arrays.dropout_rng is not None:
         return "`implementation='decode'` has no dropout (decoding is inference); use 'chunked'."
     return None
