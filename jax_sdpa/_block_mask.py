@@ -14,9 +14,10 @@ from jax import lax
 from jaxtyping import Array, Integer
 
 from jax_sdpa import _checks
+from jax_sdpa._formula import CallArrays
 from jax_sdpa._indices import Index, indices, positions
 from jax_sdpa._masks import MaskRule, rule_class, static_field
-from jax_sdpa._tiles import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q
+from jax_sdpa._tiles import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, Tiles
 from jax_sdpa._user_functions import function_mask
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # a tile's class in a BlockMask
@@ -194,3 +195,18 @@ def create_block_mask(
 
     classes = lax.map(sequence, jnp.arange(batch, dtype=jnp.int32))
     return BlockMask(rule, classes, block_q, block_kv, q_len, kv_len)
+
+
+def blocked(tiles: Tiles, arrays: CallArrays, seq_q: int, seq_kv: int) -> BlockMask:
+    """The call's opaque rule with the class of each of its tiles, for both passes to read.
+
+    Classifying once costs one evaluation of the rule per entry; the backward pass then reads
+    the classes instead of evaluating it again. The padded keys count (the rule masks them),
+    the padded queries do not (they are dropped).
+    """
+    batch, heads = arrays.indices()
+    classes = classify_blocks(
+        arrays.rule, seq_q, seq_kv, tiles.block_q, tiles.block_kv, batch, jnp.atleast_1d(heads)
+    )
+    # One sequence's classes, which its batch index need not pick: a batch axis of 1.
+    return BlockMask(arrays.rule, classes[None], tiles.block_q, tiles.block_kv, seq_q, seq_kv)

@@ -18,11 +18,10 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from jax_sdpa import _online_softmax as online_softmax
-from jax_sdpa._block_mask import BlockMask, classify_blocks
+from jax_sdpa._block_mask import blocked
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
 from jax_sdpa._online_softmax import zeros_from
@@ -103,21 +102,6 @@ def _flash_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
 _flash.defvjp(_flash_fwd, backward)
 
 
-def _blocked(tiles: Tiles, arrays: CallArrays, seq_q: int, seq_kv: int) -> BlockMask:
-    """The call's opaque rule with the class of each of its tiles, for both passes to read.
-
-    Classifying once costs one evaluation of the rule per entry; the backward pass then reads
-    the classes instead of evaluating it again. The padded keys count (the rule masks them),
-    the padded queries do not (they are dropped).
-    """
-    batch, heads = arrays.indices()
-    classes = classify_blocks(
-        arrays.rule, seq_q, seq_kv, tiles.block_q, tiles.block_kv, batch, jnp.atleast_1d(heads)
-    )
-    # One sequence's classes, which its batch index need not pick: a batch axis of 1.
-    return BlockMask(arrays.rule, classes[None], tiles.block_q, tiles.block_kv, seq_q, seq_kv)
-
-
 def chunked_sequence(
     formula: Formula, options: Chunked, query, key, value, arrays: CallArrays
 ) -> Result:
@@ -137,6 +121,6 @@ def chunked_sequence(
     )
     query = pad_to(query, 0, block_q)
     if arrays.rule is not None and arrays.rule.opaque:
-        arrays = dataclasses.replace(arrays, rule=_blocked(tiles, arrays, seq_q, key.shape[0]))
+        arrays = dataclasses.replace(arrays, rule=blocked(tiles, arrays, seq_q, key.shape[0]))
     out, lse = _flash(tiles, query, key, value, arrays)
     return Result(out[:seq_q], lse[:seq_q], None)

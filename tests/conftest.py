@@ -35,7 +35,8 @@ def rng():
     return np.random.default_rng(0)
 
 
-# With one worker per core, each given a file at a time in this order: the longest first.
+# One worker per core, handed tests in this order (a file whose fixtures are shared goes whole to
+# one worker, its xdist_group): the longest first.
 LONGEST = ("test_x64.py", "test_ring.py", "test_docs.py", "test_multihost.py")
 
 

@@ -14,7 +14,7 @@ import os
 # Hypothesis examples per property test; the sweep's structures per implementation and the
 # data drawn for each (a structure is compiled once: its draws reuse the program).
 PROFILES = {
-    "quick": dict(vmapped=3, ranges=15, rows=10, structures=2, draws=2),
+    "quick": dict(vmapped=2, ranges=8, rows=5, structures=1, draws=2),
     "ci": dict(vmapped=8, ranges=40, rows=25, structures=6, draws=4),
     "thorough": dict(vmapped=100, ranges=1000, rows=500, structures=200, draws=10),
 }

@@ -21,7 +21,8 @@ from PIL import Image
 from jax_sdpa import demo
 from jax_sdpa.demo import _training
 
-pytestmark = pytest.mark.slow  # end to end: -m "not slow" leaves it out
+# End to end (-m "not slow" leaves it out); one worker runs the whole file, sharing its fixtures.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("demo")]
 ROOT = Path(__file__).resolve().parent.parent
 
 

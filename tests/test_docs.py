@@ -22,7 +22,8 @@ import jax_sdpa
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.slow  # end to end: -m "not slow" leaves it out
+# End to end (-m "not slow" leaves it out); one worker runs the whole file, sharing its fixtures.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("docs")]
 NOTEBOOKS = sorted(path.stem for path in (ROOT / "notebooks").glob("*.ipynb"))
 
 

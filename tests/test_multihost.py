@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # end to end: -m "not slow" leaves it out
+# End to end (-m "not slow" leaves it out); one worker runs the whole file, sharing its fixtures.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multihost")]
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "multihost"
