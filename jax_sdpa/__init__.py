@@ -30,6 +30,7 @@ from jax_sdpa._online_softmax import merge_attention as merge_attention
 from jax_sdpa._paged import paged_attention as paged_attention
 from jax_sdpa._paged import update_cache as update_cache
 from jax_sdpa._paged import update_paged_cache as update_paged_cache
+from jax_sdpa._pallas import Pallas as Pallas
 from jax_sdpa._ring import Ring as Ring
 from jax_sdpa._sharding import from_striped as from_striped
 from jax_sdpa._sharding import ring_dot_product_attention as ring_dot_product_attention
@@ -55,6 +56,7 @@ __all__ = (
     "MaskRule",
     "OrMask",
     "Paged",
+    "Pallas",
     "Ring",
     "SegmentMask",
     "attention",

@@ -37,6 +37,7 @@ from jax_sdpa._chunked import Chunked
 from jax_sdpa._decode import Decode
 from jax_sdpa._implementations import Implementation, check_implementation, run
 from jax_sdpa._masks import MaskRule
+from jax_sdpa._pallas import Pallas
 from jax_sdpa._ring import Layout, Ring
 
 if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no dependency
@@ -125,7 +126,7 @@ def dot_product_attention(
     mask: ArrayLike | None = None,
     *,
     return_residual: Literal[False] = False,
-    implementation: Implementation | Chunked | Decode | None = None,
+    implementation: Implementation | Chunked | Decode | Pallas | None = None,
     **options: Unpack[Options],
 ) -> Array: ...
 
@@ -139,7 +140,7 @@ def dot_product_attention(
     mask: ArrayLike | None = None,
     *,
     return_residual: Literal[True],
-    implementation: Implementation | Chunked | Decode | None = None,
+    implementation: Implementation | Chunked | Decode | Pallas | None = None,
     **options: Unpack[Options],
 ) -> tuple[Array, Array]: ...
 
@@ -156,7 +157,7 @@ def dot_product_attention(
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
-    implementation: Implementation | Chunked | Decode | None = None,
+    implementation: Implementation | Chunked | Decode | Pallas | None = None,
     return_residual: bool = False,
     causal_alignment: CausalAlignment = "top_left",
     logits_soft_cap: float | None = None,

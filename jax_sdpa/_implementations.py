@@ -6,6 +6,7 @@
 ``decode`` few queries against many keys: split keys, one pass over the cache in its layout
 ``ring``   the chunked tiles with the keys passed round a ring of devices (``ring_attention``)
 ``cudnn``  ``jax.nn``'s fused cuDNN kernel on a GPU, for the calls that ``jax.nn`` accepts
+``pallas`` the chunked tiles as one fused Pallas kernel: Triton on GPUs, Mosaic on TPUs
 =========  ==================================================================================
 
 Every implementation takes the same :class:`Inputs` (a pytree of arrays: the batched query, key,
@@ -35,13 +36,14 @@ from jax_sdpa._decode import BLOCK_DIAGONAL_COLUMNS, Decode, Paged, decode_seque
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
+from jax_sdpa._pallas import Pallas, pallas_sequence
 from jax_sdpa._ring import Ring, RingSpec, ring_sequence
 from jax_sdpa._steps import accumulation_dtype
 
 Output = Literal["attention", "attention_and_weights", "weights"]
 #: The implementations :func:`~jax_sdpa.dot_product_attention` takes by name: the table's entries
 #: but those of the ring and paged functions (tests/test_signatures.py holds the two together).
-Implementation = Literal["xla", "chunked", "decode", "cudnn"]
+Implementation = Literal["xla", "chunked", "decode", "cudnn", "pallas"]
 # implementation=None: on CPU the chunked path was measured at least as fast as the dense one at
 # every benchmark size, forward and backward (BENCHMARKS.md), so it is the default there. On
 # accelerators (not measured here) fused dense kernels are fast while the scores of the call,
@@ -178,6 +180,27 @@ def _run_ring(inputs: Inputs, config: Config) -> Result:
     return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
 
 
+def _run_pallas(inputs: Inputs, config: Config) -> Result:
+    sequence = functools.partial(pallas_sequence, config.formula, config.options)
+    return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
+
+
+def _pallas_unsupported(inputs: Inputs, config: Config) -> str | None:
+    arrays = inputs.arrays
+    lacks = {
+        "bias": arrays.bias is not None,
+        "mask": arrays.mask is not None,
+        "dropout_rate": arrays.dropout_rng is not None,
+    }
+    used = [name for name, on in lacks.items() if on]
+    if used:
+        return (
+            f"`implementation='pallas'` takes no {', '.join(used)} (a dense array per call, or "
+            "random bits per tile): use a mask rule or mask_mod, a score_mod, or 'chunked'."
+        )
+    return _no_weights("pallas", config)
+
+
 def _rule_parts(rule: MaskRule | None) -> tuple[MaskRule, ...]:
     if rule is None:
         return ()
@@ -262,6 +285,7 @@ IMPLEMENTATIONS: dict[str, Entry] = {
     ),
     "cudnn": Entry(_run_cudnn, _cudnn_unsupported),
     "ring": Entry(_run_ring, asked_as="`ring_attention`", options=Ring),
+    "pallas": Entry(_run_pallas, _pallas_unsupported, options=Pallas),
 }
 
 

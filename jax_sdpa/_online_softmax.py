@@ -56,9 +56,10 @@ def zeros_from(x: Array, dtype, shape: tuple | None = None) -> Array:
 
     Under ``jax.shard_map`` a loop carry must vary over devices as its updates do
     (``check_vma``); zeros computed from a varying array vary too, on every JAX version. One
-    element of ``x`` is enough for that, and its broadcast costs no pass over ``x``.
+    element of ``x`` is enough for that, and its broadcast costs no pass over ``x`` (a kernel,
+    which cannot slice, gives a scalar).
     """
-    first = jnp.isnan(x.reshape(-1)[0]).astype(dtype) * 0
+    first = jnp.isnan(x if x.ndim == 0 else x.reshape(-1)[0]).astype(dtype) * 0
     return jnp.broadcast_to(first, x.shape if shape is None else shape)
 
 

@@ -13,7 +13,9 @@ refusal it raises when asked). A new implementation (the Pallas kernel) is one m
   (a pool of every sequence's pages, in order), in chunks of 8 keys. Its queries are each
   sequence's last positions, so a mask rule that places them (causal, a window) means the same
   as ``dot_product_attention``'s only where the two agree on where the queries are: the call
-  is skipped otherwise.
+  is skipped otherwise;
+- ``pallas``: the fused kernel in the Pallas interpreter, tiles of 16 × 16 (Triton's least),
+  which the tests' sequences do not fill: every call pads, rows and heads.
 """
 
 import dataclasses
@@ -27,6 +29,7 @@ import pytest
 import jax_sdpa as js
 
 _PAGE = 4
+_PALLAS = js.Pallas(block_q=16, block_kv=16, interpret=True)
 
 
 def _refusal(call) -> str:
@@ -90,6 +93,11 @@ def _dropped(implementation):
     return functools.partial(js.dot_product_attention, *_tiny(), **options)
 
 
+def _pallas_with(**keywords):
+    options = dict(implementation=_PALLAS, **keywords)
+    return functools.partial(js.dot_product_attention, *_tiny(), **options)
+
+
 def _paged_with(query=None, **keywords):
     pages, table, lengths = jnp.ones((1, 2, 1, 4)), jnp.zeros((1, 1), jnp.int32), jnp.array([2])
     query = _tiny()[0] if query is None else query
@@ -98,6 +106,12 @@ def _paged_with(query=None, **keywords):
 
 # Not a refusal: what the split-key products are (decode.py), which XLA fuses into one pass.
 _BLEND = "the split-key blend is a product (S, K, G, T, V) that XLA fuses into its sum"
+
+# Not a refusal either: the kernel's padding of heads to 16 and its key gradients per query head.
+_PER_QUERY_HEAD = (
+    "the kernel pads heads to 16 features and writes the key/value gradients of each query "
+    "head, summed over the heads that share them after it"
+)
 
 ROWS = (
     Row("xla", "xla"),
@@ -120,6 +134,16 @@ ROWS = (
             "small intermediates": _BLEND,
         },
         paged=True,
+    ),
+    Row(
+        "pallas",
+        _PALLAS,
+        {
+            "dropout": _refusal(_dropped(_PALLAS)),
+            "bias": _refusal(_pallas_with(bias=jnp.zeros((1, 1, 2, 2)))),
+            "mask": _refusal(_pallas_with(mask=jnp.ones((1, 1, 2, 2), bool))),
+            "small intermediates": _PER_QUERY_HEAD,
+        },
     ),
 )
 
