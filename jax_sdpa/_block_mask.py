@@ -90,7 +90,7 @@ def _touched(idx, block: int, count: int) -> tuple[Array, Array]:
     ``seen`` has a static size, the most blocks a run of ``idx.size`` positions can touch.
     """
     size = min(-(-idx.size // block) + 1, count)
-    lo, hi = idx[0] // block, idx[-1] // block + 1
+    lo, hi = idx.min() // block, idx.max() // block + 1  # a run: its ends (no slice in a kernel)
     first = jnp.clip(lo, 0, count - size)
     blocks = positions(first, size)
     return first, (blocks >= lo) & (blocks < hi)

@@ -40,6 +40,7 @@ from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._block_mask import blocked
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
+from jax_sdpa._kernel_reads import evaluate
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import (
     BackwardRows,
@@ -113,7 +114,7 @@ class _Kernel:
 
     Besides queries, keys and values, every program reads whole: the query heads' indices, the
     sinks (if any) and the ``shared`` arrays (the rule's, the batch index, the ``score_mod``'s
-    arrays), each at least 1-d.
+    arrays), each with two leading axes of 1.
     """
 
     tiles: Tiles
@@ -133,16 +134,27 @@ class _Kernel:
         """The arrays every program reads, in the order :meth:`arrays` takes their refs."""
         leaves = jax.tree.leaves((arrays.rule, arrays.batch, arrays.score_consts))
         shapes = zip(leaves, self.shapes, strict=True)
-        shared = [jnp.reshape(x, shape or (1,)) for x, shape in shapes]
+        # Two axes of 1 first: under vmap a batch axis joins them, and TPU blocks end in two
+        # whole axes.
+        shared = [jnp.reshape(x, (1, 1, *shape)) for x, shape in shapes]
         return [arrays.head, *([arrays.sinks] if self.sinks else []), *shared]
 
-    def arrays(self, refs: list, n) -> tuple[CallArrays, Any]:
-        """``(arrays, sink)`` of head ``n`` in a program, from the refs of :meth:`inputs`."""
+    def run(self, body, refs: list, n):
+        """``body(arrays, sink)`` with head ``n``'s arrays, from the refs of :meth:`inputs`.
+
+        The shared arrays stay in memory, read where ``body`` reads them
+        (:func:`jax_sdpa._kernel_reads.evaluate`).
+        """
         head, *refs = refs
         sink = refs.pop(0)[n] if self.sinks else None
-        shared = [ref[...].reshape(shape) for ref, shape in zip(refs, self.shapes, strict=True)]
-        rule, batch, consts = jax.tree.unflatten(self.shared, shared)
-        return CallArrays(rule=rule, batch=batch, head=head[n], score_consts=consts), sink
+        head = head[n]
+
+        def with_values(*shared):
+            shared = [x.reshape(shape) for x, shape in zip(shared, self.shapes, strict=True)]
+            rule, batch, consts = jax.tree.unflatten(self.shared, shared)
+            return body(CallArrays(rule=rule, batch=batch, head=head, score_consts=consts), sink)
+
+        return evaluate(with_values, refs)
 
     def call(self, kernel, grid, in_specs, out_specs, out_shape, name: str):
         """``kernel`` as a ``pallas_call``, compiled for the platform the program is lowered for."""
@@ -223,20 +235,25 @@ def _forward_kernel(kernel: _Kernel, q_ref, k_ref, v_ref, *refs):
     *inputs, o_ref, lse_ref = refs
     tiles = kernel.tiles
     n, i = pl.program_id(0), pl.program_id(1)
-    arrays, sink = kernel.arrays(inputs, n)
     q = q_ref[...]
-    like = jnp.zeros((), q.dtype)  # in a kernel the state's zeros need not vary (shard_map)
-    state = online_softmax.init(like, (tiles.block_q,), (tiles.block_q, v_ref.shape[-1]), sink)
 
-    def step(j, state, rule):
-        keys = pl.ds(j * tiles.block_kv, tiles.block_kv)
-        tile = dataclasses.replace(arrays, rule=rule)
-        k_j, v_j = k_ref[keys, :], v_ref[keys, :]
-        return tiles.forward_tile(state, q, k_j, v_j, tile, i * tiles.block_q, j * tiles.block_kv)
+    def body(arrays: CallArrays, sink):
+        like = jnp.zeros((), q.dtype)  # in a kernel the state's zeros need not vary (shard_map)
+        shape = (tiles.block_q,)
+        state = online_softmax.init(like, shape, (tiles.block_q, v_ref.shape[-1]), sink)
 
-    out, lse = online_softmax.finish(
-        kernel.sweep(arrays, step, "kv", i * tiles.block_q, state), o_ref.dtype
-    )
+        def step(j, state, rule):
+            keys = pl.ds(j * tiles.block_kv, tiles.block_kv)
+            tile = dataclasses.replace(arrays, rule=rule)
+            k_j, v_j = k_ref[keys, :], v_ref[keys, :]
+            return tiles.forward_tile(
+                state, q, k_j, v_j, tile, i * tiles.block_q, j * tiles.block_kv
+            )
+
+        state = kernel.sweep(arrays, step, "kv", i * tiles.block_q, state)
+        return online_softmax.finish(state, o_ref.dtype)
+
+    out, lse = kernel.run(body, inputs, n)
     o_ref[...] = out
     lse_ref[...] = lse[None, :]
 
@@ -253,19 +270,20 @@ def _dq_kernel(kernel: _Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift
     *inputs, dq_ref = refs
     tiles = kernel.tiles
     n, i = pl.program_id(0), pl.program_id(1)
-    arrays, _ = kernel.arrays(inputs, n)
     q = _wide(q_ref[...])
     terms = BackwardRows(_wide(d_out_ref[...]), delta_ref[0, :], shift_ref[0, :])
 
-    def step(j, dq, rule):
-        keys = pl.ds(j * tiles.block_kv, tiles.block_kv)
-        tile = dataclasses.replace(arrays, rule=rule)
-        k_j, v_j = _wide(k_ref[keys, :]), _wide(v_ref[keys, :])
-        grads = tiles.backward_tile(q, k_j, v_j, tile, terms, i * tiles.block_q, j * tiles.block_kv)
-        return dq + grads[0]
+    def body(arrays: CallArrays, _):
+        def step(j, dq, rule):
+            keys = pl.ds(j * tiles.block_kv, tiles.block_kv)
+            tile = dataclasses.replace(arrays, rule=rule)
+            k_j, v_j = _wide(k_ref[keys, :]), _wide(v_ref[keys, :])
+            offsets = (i * tiles.block_q, j * tiles.block_kv)
+            return dq + tiles.backward_tile(q, k_j, v_j, tile, terms, *offsets)[0]
 
-    dq = kernel.sweep(arrays, step, "kv", i * tiles.block_q, jnp.zeros_like(q))
-    dq_ref[...] = dq.astype(dq_ref.dtype)
+        return kernel.sweep(arrays, step, "kv", i * tiles.block_q, jnp.zeros_like(q))
+
+    dq_ref[...] = kernel.run(body, inputs, n).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(kernel: _Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_ref, *refs):
@@ -273,26 +291,32 @@ def _dkv_kernel(kernel: _Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shif
     d_const_refs = refs[len(refs) - kernel.gradients :]
     tiles = kernel.tiles
     n, j = pl.program_id(0), pl.program_id(1)
-    arrays, _ = kernel.arrays(inputs, n)
     k, v = _wide(k_ref[...]), _wide(v_ref[...])
 
-    def step(i, grads, rule):
-        rows = pl.ds(i * tiles.block_q, tiles.block_q)
-        terms = BackwardRows(_wide(d_out_ref[rows, :]), delta_ref[0, rows], shift_ref[0, rows])
-        tile = dataclasses.replace(arrays, rule=rule)
-        q_i = _wide(q_ref[rows, :])
-        _, dk, dv, _, d_consts = tiles.backward_tile(
-            q_i, k, v, tile, terms, i * tiles.block_q, j * tiles.block_kv
-        )
-        d_consts = [d for d in d_consts if d is not None]
-        return jax.tree.map(jnp.add, grads, (dk, dv, d_consts))
+    def body(arrays: CallArrays, _):
+        def step(i, grads, rule):
+            rows = pl.ds(i * tiles.block_q, tiles.block_q)
+            terms = BackwardRows(_wide(d_out_ref[rows, :]), delta_ref[0, rows], shift_ref[0, rows])
+            tile = dataclasses.replace(arrays, rule=rule)
+            offsets = (i * tiles.block_q, j * tiles.block_kv)
+            _, dk, dv, _, d_consts = tiles.backward_tile(
+                _wide(q_ref[rows, :]), k, v, tile, terms, *offsets
+            )
+            d_consts = [d for d in d_consts if d is not None]
+            return jax.tree.map(jnp.add, grads, (dk, dv, d_consts))
 
-    zeros = (jnp.zeros_like(k), jnp.zeros_like(v), [jnp.zeros_like(ref) for ref in d_const_refs])
-    dk, dv, d_consts = kernel.sweep(arrays, step, "q", j * tiles.block_kv, zeros)
+        zeros = (
+            jnp.zeros_like(k),
+            jnp.zeros_like(v),
+            [jnp.zeros(r.shape[2:], r.dtype) for r in d_const_refs],
+        )
+        return kernel.sweep(arrays, step, "q", j * tiles.block_kv, zeros)
+
+    dk, dv, d_consts = kernel.run(body, inputs, n)
     dk_ref[...] = dk
     dv_ref[...] = dv
     for ref, d in zip(d_const_refs, d_consts, strict=True):
-        ref[...] = d
+        ref[0, 0] = d
 
 
 def _heads_first(x, rows: int | None = None):
@@ -367,7 +391,9 @@ def _backward(kernel: _Kernel, residuals: tuple, cotangents: tuple) -> tuple:
             _block(tiles.block_kv, width),
             _block(tiles.block_kv, value_width),
             *(
-                pl.BlockSpec((None, None, *c.shape), lambda n, m, c=c: (n, m) + (0,) * c.ndim)
+                pl.BlockSpec(
+                    (None, None, 1, 1, *c.shape), lambda n, m, c=c: (n, m) + (0,) * (2 + c.ndim)
+                )
                 for c in consts
             ),
         ],
@@ -376,8 +402,11 @@ def _backward(kernel: _Kernel, residuals: tuple, cotangents: tuple) -> tuple:
             jax.ShapeDtypeStruct(
                 (heads, kernel.seq_kv, value_width), accumulation_dtype(value.dtype)
             ),
+            # Two axes of 1 before each array's: TPU blocks end in two whole axes.
             *(
-                jax.ShapeDtypeStruct((heads, kv_blocks, *c.shape), accumulation_dtype(c.dtype))
+                jax.ShapeDtypeStruct(
+                    (heads, kv_blocks, 1, 1, *c.shape), accumulation_dtype(c.dtype)
+                )
                 for c in consts
             ),
         ],
@@ -388,7 +417,7 @@ def _backward(kernel: _Kernel, residuals: tuple, cotangents: tuple) -> tuple:
         kv_heads = heads // groups
         return jnp.swapaxes(d.reshape(kv_heads, groups, *d.shape[1:]).sum(1), 0, 1).astype(like)
 
-    sums = iter(d.sum(axis=(0, 1)) for d in d_consts)
+    sums = iter(d.sum(axis=(0, 1, 2, 3)) for d in d_consts)
     d_score_consts = tuple(
         None if c is None else next(sums).astype(c.dtype)
         for c in differentiable(arrays.score_consts)

@@ -139,7 +139,7 @@ def draw_structure(implementation: str, seed: int, x64: bool | None = None) -> S
         extra = dict(mesh=mesh, layout=layout, seq_q=seq, seq_kv=seq)
     elif implementation == "decode":
         extra = dict(seq_q=int(gen.integers(1, 5)), seq_kv=int(gen.integers(1, 160)))
-    elif implementation == "chunked":
+    elif implementation in ("chunked", "pallas"):
         extra = dict(seq_q=int(gen.integers(1, 100)), seq_kv=int(gen.integers(1, 100)))
     else:
         extra = dict(seq_q=int(gen.integers(1, 40)), seq_kv=int(gen.integers(1, 40)))
@@ -150,6 +150,9 @@ def draw_structure(implementation: str, seed: int, x64: bool | None = None) -> S
     )
     mask_mod = base["mask_mod"]
     blocks = (int(gen.integers(8, 65)), int(gen.integers(8, 65)))
+    arrays = implementation != "pallas"  # the kernel takes no mask or bias array
+    if not arrays:
+        blocks = (pick(16, 32), pick(16, 32))  # Triton's tiles: powers of two ≥ 16
     return Structure(
         **base,
         **extra,
@@ -161,8 +164,8 @@ def draw_structure(implementation: str, seed: int, x64: bool | None = None) -> S
         q_lengths=chance(0.3),
         kv_lengths=chance(0.3),
         segments=implementation != "ring" and chance(0.25),
-        mask=_broadcast_shape(gen, full) if chance(0.3) else None,
-        bias=_broadcast_shape(gen, full) if chance(0.4) else None,
+        mask=_broadcast_shape(gen, full) if chance(0.3) and arrays else None,
+        bias=_broadcast_shape(gen, full) if chance(0.4) and arrays else None,
         block_mask=(int(gen.integers(4, 40)), int(gen.integers(4, 40)))
         if mask_mod and chance(0.4)
         else None,
@@ -343,6 +346,7 @@ def _ours(s: Structure, arrays: dict):
         "xla": "xla",
         "chunked": js.Chunked(s.block_q, s.block_kv),
         "decode": js.Decode(s.block_kv),
+        "pallas": js.Pallas(s.block_q, s.block_kv, interpret=True),
     }[s.implementation]
     return js.dot_product_attention(
         *args,

@@ -12,7 +12,7 @@ from tests.profile import DRAWS, STRUCTURES, X64
 
 
 @pytest.mark.parametrize("structure", range(STRUCTURES))
-@pytest.mark.parametrize("implementation", ["xla", "chunked", "decode", "paged"])
+@pytest.mark.parametrize("implementation", ["xla", "chunked", "decode", "paged", "pallas"])
 def test_sweep(implementation, structure):
     for draw in range(DRAWS):
         sweep.check_case(implementation, structure, 1000 * structure + draw, x64=X64 or None)
