@@ -18,6 +18,7 @@ from jax_sdpa._decode import Paged as Paged
 from jax_sdpa._dot_product import dot_product_attention as dot_product_attention
 from jax_sdpa._dot_product import dot_product_attention_weights as dot_product_attention_weights
 from jax_sdpa._dot_product import ring_attention as ring_attention
+from jax_sdpa._kernels import Pallas as Pallas
 from jax_sdpa._masks import AndMask as AndMask
 from jax_sdpa._masks import CausalMask as CausalMask
 from jax_sdpa._masks import LengthMask as LengthMask
@@ -30,7 +31,6 @@ from jax_sdpa._online_softmax import merge_attention as merge_attention
 from jax_sdpa._paged import paged_attention as paged_attention
 from jax_sdpa._paged import update_cache as update_cache
 from jax_sdpa._paged import update_paged_cache as update_paged_cache
-from jax_sdpa._pallas import Pallas as Pallas
 from jax_sdpa._ring import Ring as Ring
 from jax_sdpa._sharding import from_striped as from_striped
 from jax_sdpa._sharding import ring_dot_product_attention as ring_dot_product_attention

@@ -36,8 +36,8 @@ from jax_sdpa._arguments import bind
 from jax_sdpa._chunked import Chunked
 from jax_sdpa._decode import Decode
 from jax_sdpa._implementations import Implementation, check_implementation, run
+from jax_sdpa._kernels import Pallas
 from jax_sdpa._masks import MaskRule
-from jax_sdpa._pallas import Pallas
 from jax_sdpa._ring import Layout, Ring
 
 if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no dependency
@@ -114,7 +114,7 @@ class Options(WeightsOptions, _FlaxAccepted):
 class RingOptions(_Formula, _Masks, total=False):
     """What :func:`jax_sdpa.ring_dot_product_attention` passes on to :func:`ring_attention`."""
 
-    implementation: Ring | None
+    implementation: Ring | Pallas | Literal["pallas"] | None
 
 
 @overload
@@ -395,7 +395,7 @@ def ring_attention(
     batch_axis: Any = None,
     head_axis: Any = None,
     return_residual: bool = False,
-    implementation: Ring | None = None,
+    implementation: Ring | Pallas | Literal["pallas"] | None = None,
     precision: lax.PrecisionLike = None,
 ) -> Array | tuple[Array, Array]:
     r"""Attention over one sequence sharded along the mesh axis ``axis_name``: ring attention.
@@ -429,7 +429,9 @@ def ring_attention(
             ``batch_axis`` and ``head_axis``, global batch and head indices).
         mask_mod: Likewise.
         sinks: As in :func:`dot_product_attention`, for this device's query heads.
-        implementation: :class:`~jax_sdpa.Ring`, its tiles, or None for its defaults.
+        implementation: :class:`~jax_sdpa.Ring`, its tiles, or None for its defaults;
+            ``"pallas"`` or :class:`~jax_sdpa.Pallas` for each step's tiles computed by the
+            fused kernel (``Ring(kernel=Pallas(...))``).
         precision: As in :func:`dot_product_attention`.
         layout: ``"contiguous"``: device ``p`` holds positions ``[p·L, (p+1)·L)``;
             ``"striped"``: the sequence in ``2P`` chunks, device ``p`` holding chunks ``p`` and
@@ -447,6 +449,8 @@ def ring_attention(
         Liu, Zaharia & Abbeel, Ring Attention with Blockwise Transformers for Near-Infinite
         Context, 2023. Brandon et al., Striped Attention, 2023.
     """
+    if implementation == "pallas" or isinstance(implementation, Pallas):
+        implementation = Ring(kernel=Pallas() if implementation == "pallas" else implementation)
     check_implementation(implementation, ("ring",), by_name=False)
     implementation = implementation or "ring"
     inputs, config = bind(**locals(), output="attention")

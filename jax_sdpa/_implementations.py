@@ -35,8 +35,9 @@ from jax_sdpa._chunked import Chunked, chunked_sequence
 from jax_sdpa._decode import BLOCK_DIAGONAL_COLUMNS, Decode, Paged, decode_sequence, paged_sequence
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_batch
+from jax_sdpa._kernels import Pallas
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
-from jax_sdpa._pallas import Pallas, pallas_sequence
+from jax_sdpa._pallas import pallas_sequence
 from jax_sdpa._ring import Ring, RingSpec, ring_sequence
 from jax_sdpa._steps import accumulation_dtype
 

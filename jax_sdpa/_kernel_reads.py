@@ -287,16 +287,30 @@ def _scatter_add(eqn, operand, indices, updates):
 
 
 def _while(params, invals):
+    """A while loop rebuilt around the evaluation of its bodies.
+
+    A loop mapped by ``jax.vmap`` has a predicate per element: it runs while any holds, each
+    element kept where its own does not (as JAX's lowering of such a loop does).
+    """
     cond_jaxpr, body_jaxpr = params["cond_jaxpr"], params["body_jaxpr"]
     cond_consts = invals[: params["cond_nconsts"]]
     body_consts = invals[params["cond_nconsts"] : params["cond_nconsts"] + params["body_nconsts"]]
     carry = [_value(x) for x in invals[params["cond_nconsts"] + params["body_nconsts"] :]]
 
-    def cond(carry):
+    def holds(carry):
         return _eval(cond_jaxpr.jaxpr, cond_jaxpr.consts, [*cond_consts, *carry])[0]
 
+    def cond(carry):
+        pred = holds(carry)
+        return pred if pred.ndim == 0 else pred.astype(jnp.int32).max() > 0
+
     def body(carry):
-        return _eval(body_jaxpr.jaxpr, body_jaxpr.consts, [*body_consts, *carry])
+        new = _eval(body_jaxpr.jaxpr, body_jaxpr.consts, [*body_consts, *carry])
+        if cond_jaxpr.jaxpr.outvars[0].aval.ndim == 0:
+            return new  # (the body must not read the bound: Triton's loops would lose it)
+        pred = holds(carry)
+        expand = lambda x: pred.reshape(pred.shape + (1,) * (x.ndim - pred.ndim))  # noqa: E731
+        return [jnp.where(expand(n), n, c) for n, c in zip(new, carry, strict=True)]
 
     return lax.while_loop(cond, body, carry)
 

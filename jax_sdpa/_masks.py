@@ -134,13 +134,14 @@ class MaskRule:
         them; an ``opaque`` one is evaluated on the tile.
         """
         if self.opaque:
-            heads = heads if self.per_head else heads[:1]
+            heads = heads if self.per_head or heads.shape[0] == 1 else heads[:1]
             grid = q_idx[:, None], kv_idx[None, :]
             allowed = jax.vmap(lambda head: self.at(*grid, batch, head))(heads)
             return ~allowed.any(), allowed.all()
-        span = q_idx[0], q_idx[-1] + 1
+        # A run's ends, as reductions: a kernel (Pallas) does not slice.
+        span = q_idx.min(), q_idx.max() + 1
         (lo, hi), (full_lo, full_hi) = self.kv_range(*span), self.kv_full_range(*span)
-        start, stop = kv_idx[0], kv_idx[-1] + 1
+        start, stop = kv_idx.min(), kv_idx.max() + 1
         return (hi <= start) | (lo >= stop), (full_lo <= start) & (full_hi >= stop)
 
     def __and__(self, other: "MaskRule") -> "AndMask":

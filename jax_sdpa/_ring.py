@@ -19,18 +19,22 @@ mask that leaves device 0 almost idle and the last device with all the work; ``"
 
 import dataclasses
 import functools
+import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_sdpa import _kernels as kernels
 from jax_sdpa._formula import CallArrays, Formula, block_of
 from jax_sdpa._heads import Result
-from jax_sdpa._online_softmax import finish, init
+from jax_sdpa._kernels import Pallas
+from jax_sdpa._online_softmax import finish, from_result, init, merge
 from jax_sdpa._tiles import (
     DEFAULT_BLOCK_KV,
     DEFAULT_BLOCK_Q,
+    BackwardRows,
     Tiles,
     check_sizes,
     flat,
@@ -56,13 +60,18 @@ class Ring:
         block_q: Queries per tile, at most: each run of a shard is cut into the largest tiles
             that divide it (shards are never padded).
         block_kv: Keys per tile, likewise.
+        kernel: If given, each step's tiles are computed by the fused kernel, with its tiles
+            (``ring_attention(..., implementation="pallas")`` or ``Pallas(...)`` gives it).
     """
 
     block_q: int = DEFAULT_BLOCK_Q
     block_kv: int = DEFAULT_BLOCK_KV
+    kernel: Pallas | None = None
 
     def __post_init__(self):
-        check_sizes(self)
+        check_sizes(self, ("block_q", "block_kv"))
+        if not isinstance(self.kernel, (Pallas, type(None))):
+            raise TypeError(f"`Ring.kernel` must be None or a Pallas(...); got {self.kernel!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,12 +131,67 @@ def _slice(x, run, axis: int = 0):
     return lax.dynamic_slice_in_dim(x, run[0], run[1], axis=axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _around_ring(tiles: Tiles, ring: RingSpec, query, key, value, arrays: CallArrays):
-    return _around_ring_fwd(tiles, ring, query, key, value, arrays)[0]
+def _heads(x, heads: int):
+    """``(r, heads·d)`` rows → ``(r, heads, d)``."""
+    return x.reshape(x.shape[0], heads, -1)
 
 
-def _around_ring_fwd(tiles: Tiles, ring: RingSpec, query, key, value, arrays: CallArrays):
+def _kernel_forward(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, state, offsets):
+    """:func:`~jax_sdpa._tiles.forward_sweep`, the tiles computed by the fused kernel.
+
+    The kernel gives ``(out, lse)`` of these queries over these keys, merged into ``state``
+    (which has met the sinks, if any, from the start).
+    """
+    heads, kv_heads = math.prod(tiles.groups), tiles.groups[0]
+    q, k, v = _heads(queries, heads), _heads(key, kv_heads), _heads(value, kv_heads)
+    fitted = kernels.fitted(tiles.formula, kernel, q, k)
+    padded = kernels.padded(fitted, q, k, v, dataclasses.replace(arrays, sinks=None), offsets[1])
+    wide = state.acc.dtype
+    out, lse = kernels.forward(fitted, kernel, *padded, offsets, out_dtype=wide)
+    rows, width = q.shape[0], v.shape[-1]
+    part = from_result(out[:rows, :, :width], lse[:rows])
+    merged = merge(state._replace(acc=_heads(state.acc, heads)), part)
+    return merged._replace(acc=merged.acc.reshape(rows, -1))
+
+
+def _kernel_backward(
+    kernel: Pallas, tiles: Tiles, queries, key, value, arrays, rows, grads, offsets
+):
+    """:func:`~jax_sdpa._tiles_backward.backward_sweep`, the tiles computed by the fused kernel."""
+    heads, kv_heads = math.prod(tiles.groups), tiles.groups[0]
+    q, k, v = _heads(queries, heads), _heads(key, kv_heads), _heads(value, kv_heads)
+    fitted = kernels.fitted(tiles.formula, kernel, q, k)
+    arrays = dataclasses.replace(arrays, sinks=None)
+    q_p, k_p, v_p, arrays = kernels.padded(fitted, q, k, v, arrays, offsets[1])
+    extra = q_p.shape[0] - q.shape[0]
+    d_out = jnp.pad(
+        _heads(rows.d_out, heads), ((0, extra), (0, 0), (0, v_p.shape[-1] - v.shape[-1]))
+    )
+    rows = BackwardRows(
+        d_out.reshape(q_p.shape[0], -1),
+        *(jnp.pad(x, ((0, extra), (0, 0))) for x in (rows.delta, rows.shift)),
+    )
+    dq, dk, dv, d_consts = kernels.backward(fitted, kernel, q_p, k_p, v_p, arrays, rows, offsets)
+    d_query, d_key, d_value, d_bias, consts = grads
+    return (
+        d_query + dq[: q.shape[0], :, : q.shape[-1]].reshape(q.shape[0], -1),
+        d_key + dk[: k.shape[0], :, : k.shape[-1]].reshape(k.shape[0], -1),
+        d_value + dv[: v.shape[0], :, : v.shape[-1]].reshape(v.shape[0], -1),
+        d_bias,
+        jax.tree.map(lambda total, d: total + d.astype(total.dtype), consts, d_consts),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _around_ring(
+    tiles: Tiles, ring: RingSpec, kernel: Pallas | None, query, key, value, arrays: CallArrays
+):
+    return _around_ring_fwd(tiles, ring, kernel, query, key, value, arrays)[0]
+
+
+def _around_ring_fwd(
+    tiles: Tiles, ring: RingSpec, kernel: Pallas | None, query, key, value, arrays: CallArrays
+):
     me = lax.axis_index(ring.axis_name)
     seq_q, seq_kv = query.shape[0], key.shape[0]
     queries = flat(query)
@@ -138,16 +202,17 @@ def _around_ring_fwd(tiles: Tiles, ring: RingSpec, query, key, value, arrays: Ca
         def pair(n, state):
             (q_run, q_offset), (kv_run, kv_offset), kv_columns = ring.run(n, me, src, seq_q, seq_kv)
             q_part = functools.partial(_slice, run=q_run)
-            part = forward_sweep(
-                tiles,
+            args = (
                 q_part(queries),
                 _slice(key, kv_run),
                 _slice(value, kv_run),
                 arrays.block(q_run, kv_columns),
                 jax.tree.map(q_part, state),
-                q_offset,
-                kv_offset,
             )
+            if kernel is None:
+                part = forward_sweep(tiles, *args, q_offset, kv_offset)
+            else:
+                part = _kernel_forward(kernel, tiles, *args, (q_offset, kv_offset))
             put = functools.partial(lax.dynamic_update_slice_in_dim, start_index=q_run[0], axis=0)
             return jax.tree.map(put, state, part)
 
@@ -167,7 +232,7 @@ def _around_ring_fwd(tiles: Tiles, ring: RingSpec, query, key, value, arrays: Ca
     return (out, lse), (query, key, value, arrays, out, lse)
 
 
-def _around_ring_bwd(tiles: Tiles, ring: RingSpec, residuals, cotangents):
+def _around_ring_bwd(tiles: Tiles, ring: RingSpec, kernel: Pallas | None, residuals, cotangents):
     query, key, value, arrays, out, lse = residuals
     row_terms = backward_rows(out, lse, cotangents)
     me = lax.axis_index(ring.axis_name)
@@ -186,17 +251,20 @@ def _around_ring_bwd(tiles: Tiles, ring: RingSpec, residuals, cotangents):
             bias_at = None if d_bias is None else block_of(d_bias.shape, q_run, kv_columns)
             d_bias_run = None if d_bias is None else lax.dynamic_slice(d_bias, *bias_at)
             grads = (q_part(d_query), kv_part(d_key), kv_part(d_value), d_bias_run, d_consts)
-            d_q, d_k, d_v, d_b, d_consts = backward_sweep(
-                tiles,
+            args = (
                 q_part(queries),
                 kv_part(key),
                 kv_part(value),
                 arrays.block(q_run, kv_columns),
                 jax.tree.map(q_part, row_terms),
                 grads,
-                q_offset,
-                kv_offset,
             )
+            if kernel is None:
+                d_q, d_k, d_v, d_b, d_consts = backward_sweep(tiles, *args, q_offset, kv_offset)
+            else:
+                d_q, d_k, d_v, d_b, d_consts = _kernel_backward(
+                    kernel, tiles, *args, (q_offset, kv_offset)
+                )
             d_query = lax.dynamic_update_slice_in_dim(d_query, d_q, q_run[0], 0)
             d_key = lax.dynamic_update_slice_in_dim(d_key, d_k, kv_run[0], 0)
             d_value = lax.dynamic_update_slice_in_dim(d_value, d_v, kv_run[0], 0)
@@ -238,7 +306,7 @@ def ring_sequence(
         _largest_divisor(seq_kv // runs, options.block_kv),
         (kv_heads, heads // kv_heads),
     )
-    out, lse = _around_ring(tiles, ring, query, key, value, arrays)
+    out, lse = _around_ring(tiles, ring, options.kernel, query, key, value, arrays)
     return Result(out, lse, None)
 
 

@@ -44,12 +44,14 @@ DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_KV = 512
 
 
-def check_sizes(options) -> None:
-    """Every field of an implementation's options is a size: a positive int (a tile's side)."""
-    for field in dataclasses.fields(options):
-        _checks.check_positive_int(
-            f"{type(options).__name__}.{field.name}", getattr(options, field.name)
-        )
+def check_sizes(options, names: tuple[str, ...] | None = None) -> None:
+    """The fields ``names`` of an implementation's options (all by default) are positive ints.
+
+    Each is a size: a tile's side, a count of warps.
+    """
+    names = [f.name for f in dataclasses.fields(options)] if names is None else names
+    for name in names:
+        _checks.check_positive_int(f"{type(options).__name__}.{name}", getattr(options, name))
 
 
 class BackwardRows(NamedTuple):

@@ -308,3 +308,75 @@ def test_mods_and_sinks_see_the_whole_batch_and_all_heads_when_both_are_split(
         return js.dot_product_attention(q, k, v, **options(*arrays))
 
     check(ring, dense, (q, k, v, slopes, per_sequence, sinks), argnums=(0, 1, 2, 3, 4, 5))
+
+
+def _kernel_options(slopes, sinks, documents):
+    return dict(
+        score_mod=lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j).astype(s.dtype),
+        mask_mod=lambda b, h, i, j: documents[i] == documents[j],
+        sinks=sinks,
+        is_causal=True,
+    )
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "striped"])
+def test_ring_steps_computed_by_the_kernel_match_single_device(layout):
+    # Each step's tiles by the fused kernel (in the Pallas interpreter): ALiBi over a captured
+    # slope array, a document mask, sinks, GQA, and all their gradients. The interpreter of
+    # JAX 0.10 slices its blocks without shard_map's varying types, so this shard_map turns its
+    # check off; the kernel itself lowers under the default checks (the next test).
+    m = mesh((8,), ("seq",))
+    spec = P(None, "seq", None, None)
+    q, k, v = inputs(7)
+    gen = np.random.default_rng(3)
+    slopes = jnp.asarray(gen.uniform(0.1, 1.0, size=4), jnp.float32)
+    sinks = jnp.asarray(gen.normal(size=4), jnp.float32)
+    documents = jnp.asarray(np.repeat(np.arange(3), 22)[:64], jnp.int32)
+    kernel = js.Pallas(block_q=16, block_kv=16, interpret=True)
+
+    def local(q, k, v, slopes, sinks):
+        options = _kernel_options(slopes, sinks, documents)  # mods see global positions
+        return js.ring_attention(
+            q, k, v, axis_name="seq", layout=layout, implementation=kernel, **options
+        )
+
+    sharded = jax.shard_map(
+        local, mesh=m, in_specs=(spec,) * 3 + (P(), P()), out_specs=spec, check_vma=False
+    )
+    striped = layout == "striped"
+    order = (lambda x: js.to_striped(x, 8)) if striped else (lambda x: x)
+    unorder = (lambda x: js.from_striped(x, 8)) if striped else (lambda x: x)
+
+    def ring(q, k, v, slopes, sinks):
+        return unorder(sharded(order(q), order(k), order(v), slopes, sinks))
+
+    def dense(q, k, v, slopes, sinks):
+        return js.dot_product_attention(q, k, v, **_kernel_options(slopes, sinks, documents))
+
+    check(jax.jit(ring), dense, (q, k, v, slopes, sinks), argnums=(0, 1, 2, 3, 4))
+
+
+def test_ring_steps_by_the_kernel_lower_for_a_gpu_under_shard_maps_default_checks():
+    # Lowered, not run: no GPU here. The kernel's outputs carry shard_map's varying types.
+    m = mesh((4,), ("seq",))
+    spec = P(None, "seq", None, None)
+    slopes = jnp.linspace(0.1, 1.0, 4)
+    documents = jnp.arange(1024, dtype=jnp.int32) // 128
+
+    def local(q, k, v, sinks):
+        options = _kernel_options(slopes, sinks, documents)
+        return js.ring_attention(q, k, v, axis_name="seq", implementation="pallas", **options)
+
+    ring = jax.shard_map(local, mesh=m, in_specs=(spec,) * 3 + (P(),), out_specs=spec)
+    x = jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.bfloat16)
+    sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
+    grads = jax.grad(lambda *a: ring(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
+    triton = "__gpu$xla.gpu.triton"
+    for program, kernels in ((ring, 1), (grads, 3)):
+        exported = jax.export.export(
+            jax.jit(program),
+            platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)],
+        )(x, x, x, sinks)
+        text = exported.mlir_module()
+        assert text.count(triton) == kernels and "collective_permute" in text
