@@ -449,9 +449,10 @@ def ring_attention(
         Liu, Zaharia & Abbeel, Ring Attention with Blockwise Transformers for Near-Infinite
         Context, 2023. Brandon et al., Striped Attention, 2023.
     """
-    if implementation == "pallas" or isinstance(implementation, Pallas):
-        implementation = Ring(kernel=Pallas() if implementation == "pallas" else implementation)
-    check_implementation(implementation, ("ring",), by_name=False)
+    implementation = Pallas() if implementation == "pallas" else implementation
+    check_implementation(implementation, ("ring", "pallas"), by_name=False)
+    if isinstance(implementation, Pallas):
+        implementation = Ring(kernel=implementation)
     implementation = implementation or "ring"
     inputs, config = bind(**locals(), output="attention")
     out, lse, _ = run(inputs, config=config)

@@ -438,14 +438,10 @@ def backward(
         ],
         out_shape=[
             result((heads, kernel.seq_kv, width), accumulation_dtype(key.dtype)),
-            result(
-                (heads, kernel.seq_kv, value_width), accumulation_dtype(value.dtype)
-            ),
+            result((heads, kernel.seq_kv, value_width), accumulation_dtype(value.dtype)),
             # Two axes of 1 before each array's: TPU blocks end in two whole axes.
             *(
-                result(
-                    (heads, kv_blocks, 1, 1, *c.shape), accumulation_dtype(c.dtype)
-                )
+                result((heads, kv_blocks, 1, 1, *c.shape), accumulation_dtype(c.dtype))
                 for c in consts
             ),
         ],

@@ -343,11 +343,11 @@ def _ours(s: Structure, arrays: dict):
             **mods,
         )
     implementation = {
-        "xla": "xla",
-        "chunked": js.Chunked(s.block_q, s.block_kv),
-        "decode": js.Decode(s.block_kv),
-        "pallas": js.Pallas(s.block_q, s.block_kv, interpret=True),
-    }[s.implementation]
+        "xla": lambda: "xla",
+        "chunked": lambda: js.Chunked(s.block_q, s.block_kv),
+        "decode": lambda: js.Decode(s.block_kv),
+        "pallas": lambda: js.Pallas(s.block_q, s.block_kv, interpret=True),
+    }[s.implementation]()
     return js.dot_product_attention(
         *args,
         implementation=implementation,

@@ -1,0 +1,274 @@
+"""The fused kernel on a GPU: bfloat16 correctness, then speed, in one command with a deadline.
+
+    python benchmarks/bench_device.py              # on a GPU machine: at most --deadline seconds
+    python benchmarks/bench_device.py --lower      # anywhere: every timed call lowered for cuda
+    python benchmarks/bench_device.py --interpret  # anywhere: the correctness cases, interpreted
+
+On the device, first the correctness of ``implementation="pallas"`` in bfloat16 at T = 1024,
+forward and gradients against ``implementation="xla"`` on the same inputs in float32: a causal
+call with a soft cap, a block mask of 16 documents, and ALiBi over a captured slope array with a
+document mask over a captured array and sinks (every gradient, the arrays' included). Then the
+time of B2 H16 T4096 d128 bfloat16, forward and forward+backward, medians of ``--reps`` calls:
+our kernel (causal, ALiBi, 16 documents, no mask), ``jax.nn.dot_product_attention`` with
+``implementation="cudnn"`` and ``"xla"``, our chunked XLA path, and upstream
+``jax.experimental.pallas.ops.gpu.attention.mha``, each as TFLOP/s (the products a causal call
+needs: half the scores) and as a ratio to cuDNN, beside the machine's own bfloat16 matrix
+product measured in the same run. Every case runs in its own ``try``: one failure prints its
+error and the rest go on; the deadline stops the run between cases.
+
+``--lower`` and ``--interpret`` are its rehearsal on a machine without a GPU: they prove that
+the calls lower and that the checks pass, not any speed.
+"""
+
+import argparse
+import functools
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_sdpa as js
+
+B, H, T, D = 2, 16, 4096, 128
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _inputs(shape, dtype, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys]
+
+
+def _documents(seq: int, count: int = 16):
+    return jnp.arange(seq, dtype=jnp.int32) // (seq // count)
+
+
+def _same_document(documents):
+    return lambda b, h, i, j: documents[i] == documents[j]
+
+
+def correctness_cases(seq: int, heads: int) -> dict:
+    """The three checked calls, as keywords and the arrays whose gradients are checked."""
+    gen = np.random.default_rng(0)
+    slopes = jnp.asarray(gen.uniform(0.05, 1.0, heads), jnp.float32)
+    sinks = jnp.asarray(gen.normal(size=heads), jnp.float32)
+    documents = _documents(seq)
+    block_mask = js.create_block_mask(_same_document(documents), None, None, seq, seq)
+
+    def alibi_documents(slopes, sinks):
+        return dict(
+            is_causal=True,
+            score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j).astype(s.dtype),
+            mask_mod=_same_document(documents),
+            sinks=sinks,
+        )
+
+    return {
+        "causal, soft cap": (lambda: dict(is_causal=True, logits_soft_cap=20.0), ()),
+        "block mask, 16 documents": (lambda: dict(mask_mod=block_mask), ()),
+        "ALiBi + documents + sinks": (alibi_documents, (slopes, sinks)),
+    }
+
+
+def check(name, keywords, arrays, seq, heads, dtype, kernel, tolerance):
+    """Our kernel in ``dtype`` against xla in float32 on the same inputs: worst relative error."""
+    q, k, v = _inputs((1, seq, heads, D), dtype)
+
+    def loss(implementation, q, k, v, *arrays):
+        out = js.dot_product_attention(q, k, v, implementation=implementation, **keywords(*arrays))
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.shape[-1]))), out
+
+    argnums = tuple(range(1, 4 + len(arrays)))
+
+    def run(implementation, *args):
+        grad = jax.grad(loss, argnums=argnums, has_aux=True)
+        return jax.jit(grad, static_argnums=0)(implementation, *args)
+
+    grads, out = run(kernel, q, k, v, *arrays)
+    wide = [x.astype(jnp.float32) for x in (q, k, v)]
+    want_grads, want = run("xla", *wide, *arrays)
+    errors = [
+        float(jnp.abs(a.astype(jnp.float32) - b).max() / jnp.abs(b).max())
+        for a, b in zip([out, *grads], [want, *want_grads], strict=True)
+    ]
+    names = ["out", "dq", "dk", "dv", *(f"d{n}" for n in ("slopes", "sinks")[: len(arrays)])]
+    worst = max(errors)
+    verdict = "ok" if worst <= tolerance else "FAIL"
+    detail = ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errors, strict=True))
+    print(f"  {name:28s} {verdict}  {detail}", flush=True)
+
+
+def flops(causal: bool, backward: bool) -> float:
+    forward = 4 * B * H * T * T * D * (0.5 if causal else 1.0)
+    return forward * (3.5 if backward else 1.0)
+
+
+def timed_calls(kernel) -> dict:
+    """The timed calls: ``name -> (fn(q, k, v), causal)``."""
+    slopes = js.mods.alibi_slopes(H)
+    documents = _documents(T)
+    block_mask = js.create_block_mask(_same_document(documents), None, None, T, T)
+    ours = functools.partial(js.dot_product_attention, implementation=kernel)
+
+    def alibi(s, b, h, i, j):
+        return s - slopes[h] * (i - j).astype(s.dtype)
+
+    calls = {
+        "pallas causal": (functools.partial(ours, is_causal=True), True),
+        "pallas causal ALiBi": (functools.partial(ours, is_causal=True, score_mod=alibi), True),
+        "pallas no mask": (ours, False),
+        "pallas 16 documents": (functools.partial(ours, mask_mod=block_mask), False),
+        "chunked causal": (
+            functools.partial(js.dot_product_attention, is_causal=True, implementation="chunked"),
+            True,
+        ),
+    }
+    for backend in ("cudnn", "xla"):
+        nn = functools.partial(jax.nn.dot_product_attention, implementation=backend)
+        calls[f"jax.nn {backend} causal"] = (functools.partial(nn, is_causal=True), True)
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as upstream
+
+        calls["upstream mha causal"] = (
+            lambda q, k, v: upstream.mha(q, k, v, segment_ids=None, causal=True),
+            True,
+        )
+    except ImportError as error:
+        print(f"  upstream mha: not importable ({error})")
+    return calls
+
+
+def _median_seconds(fn, args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _forward_backward(fn):
+    def loss(q, k, v):
+        return fn(q, k, v).astype(jnp.float32).sum()
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def gemm_tflops(reps: int) -> float:
+    """The machine's own bfloat16 matrix product, 8192³, as TFLOP/s."""
+    a, b = _inputs((8192, 8192), jnp.bfloat16)[:2]
+    seconds = _median_seconds(jax.jit(jnp.matmul), (a, b), reps)
+    return 2 * 8192**3 / seconds / 1e12
+
+
+def time_all(kernel, reps: int, stop: float) -> None:
+    q, k, v = _inputs((B, T, H, D), jnp.bfloat16)
+    print(f"bfloat16 matrix product 8192³: {gemm_tflops(reps):.0f} TFLOP/s (this machine)")
+    rows, cudnn = [], {}
+    for name, (fn, causal) in timed_calls(kernel).items():
+        for backward in (False, True):
+            if time.time() > stop:
+                print("deadline reached: the remaining cases were not run")
+                return _print(rows, cudnn)
+            program = _forward_backward(fn) if backward else jax.jit(fn)
+            try:
+                seconds = _median_seconds(program, (q, k, v), reps)
+            except Exception as error:  # one case's failure must not lose the others
+                print(
+                    f"  {name} {'fwd+bwd' if backward else 'fwd'}: {type(error).__name__}: "
+                    f"{str(error).splitlines()[0][:300]}"
+                )
+                continue
+            tflops = flops(causal, backward) / seconds / 1e12
+            if name == "jax.nn cudnn causal":
+                cudnn[backward] = tflops
+            rows.append((name, backward, seconds, tflops))
+    _print(rows, cudnn)
+
+
+def _print(rows, cudnn) -> None:
+    print(f"\nB{B} H{H} T{T} d{D} bfloat16, median of calls")
+    print(f"{'call':26s} {'pass':8s} {'ms':>9s} {'TFLOP/s':>8s} {'vs cuDNN':>9s}")
+    for name, backward, seconds, tflops in rows:
+        ratio = f"{tflops / cudnn[backward]:.2f}" if backward in cudnn else "-"
+        print(
+            f"{name:26s} {'fwd+bwd' if backward else 'fwd':8s} {seconds * 1e3:9.2f} "
+            f"{tflops:8.1f} {ratio:>9s}"
+        )
+    _print_targets({(name, backward): seconds for name, backward, seconds, _ in rows})
+
+
+# The kernel issue's targets: (what, numerator, denominator, bound); ratios of times, the first
+# call's over the second's, in both passes.
+TARGETS = (
+    ("≥ 50 % of cuDNN's TFLOP/s (fwd; 40 % fwd+bwd)", "jax.nn cudnn causal", "pallas causal"),
+    ("≥ 5× our chunked path", "chunked causal", "pallas causal"),
+    ("ALiBi ≤ 1.15× plain causal", "pallas causal ALiBi", "pallas causal"),
+    ("16 documents ≥ 8× faster than no mask", "pallas no mask", "pallas 16 documents"),
+    ("at least as fast as upstream mha", "upstream mha causal", "pallas causal"),
+)
+
+
+def _print_targets(seconds: dict) -> None:
+    print("\ntargets (time of the first call over the second's):")
+    for what, first, second in TARGETS:
+        for backward in (False, True):
+            pair = (first, backward), (second, backward)
+            if all(key in seconds for key in pair):
+                ratio = seconds[pair[0]] / seconds[pair[1]]
+                passes = "fwd+bwd" if backward else "fwd"
+                print(f"  {what:48s} {passes:8s} {first} / {second} = {ratio:.2f}")
+
+
+def lower_all(kernel) -> None:
+    """Every timed call of ours, lowered for cuda at full size (on any machine)."""
+    x = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
+    unchecked = [jax.export.DisabledSafetyCheck.custom_call(TRITON)]
+    for name, (fn, _) in timed_calls(kernel).items():
+        if not name.startswith("pallas"):
+            continue
+        for backward in (False, True):
+            program = _forward_backward(fn) if backward else jax.jit(fn)
+            try:
+                exported = jax.export.export(
+                    program, platforms=["cuda"], disabled_checks=unchecked
+                )(x, x, x)
+                kernels = exported.mlir_module().count(TRITON)
+                print(
+                    f"  {name:24s} {'fwd+bwd' if backward else 'fwd':8s} lowers: {kernels} kernels"
+                )
+            except Exception as error:
+                print(f"  {name:24s} FAILS to lower: {type(error).__name__}: {error}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lower", action="store_true", help="lower for cuda, run nothing")
+    parser.add_argument("--interpret", action="store_true", help="checks in the interpreter")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--deadline", type=float, default=220.0, help="seconds for the run")
+    parser.add_argument("--block-q", type=int, default=128)
+    parser.add_argument("--block-kv", type=int, default=64)
+    args = parser.parse_args()
+    stop = time.time() + args.deadline
+    kernel = js.Pallas(block_q=args.block_q, block_kv=args.block_kv, interpret=args.interpret)
+    print(f"jax {jax.__version__}, devices {jax.devices()}, {kernel}")
+    if args.lower:
+        return lower_all(kernel)
+    seq, heads, dtype, tolerance = (
+        (256, 4, jnp.float32, 1e-5) if args.interpret else (1024, H, jnp.bfloat16, 3e-2)
+    )
+    print(f"correctness, T={seq} {jnp.dtype(dtype).name}, against xla in float32:")
+    for name, (keywords, arrays) in correctness_cases(seq, heads).items():
+        try:
+            check(name, keywords, arrays, seq, heads, dtype, kernel, tolerance)
+        except Exception:  # one case's failure must not lose the others
+            print(f"  {name}: FAILED\n{traceback.format_exc(limit=3)}")
+    if not args.interpret:
+        time_all(kernel, args.reps, stop)
+
+
+if __name__ == "__main__":
+    main()
