@@ -37,23 +37,23 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jax_sdpa import _online_softmax as online_softmax
-from jax_sdpa._formula import CallArrays, Formula
+from jax_sdpa._block_mask import EMPTY, BlockMask
+from jax_sdpa._formula import CallArrays
 from jax_sdpa._indices import INDEX
 from jax_sdpa._kernel_reads import evaluate
-from jax_sdpa._masks import LengthMask
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import (
     BackwardRows,
     Tiles,
     check_sizes,
     classified,
-    differentiable,
+    loop,
     sweep,
     tile_class,
 )
 
 # The smallest side of a tile and of a head: Triton's matrix product takes no less.
-_MIN_SIDE = 16
+MIN_SIDE = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Pallas:
 
     def __post_init__(self):
         check_sizes(self, ("block_q", "block_kv", "num_warps", "num_stages"))
-        for name, least in (("block_q", _MIN_SIDE), ("block_kv", _MIN_SIDE), ("num_warps", 1)):
+        for name, least in (("block_q", MIN_SIDE), ("block_kv", MIN_SIDE), ("num_warps", 1)):
             size = getattr(self, name)
             if size < least or size & (size - 1):
                 raise ValueError(
@@ -96,18 +96,8 @@ class Pallas:
             )
 
 
-def _side(length: int, block: int) -> int:
-    """The tile side for ``length`` positions: ``block``, or the power of two ≥ a short one."""
-    return min(block, _power_of_two(length))
-
-
-def _power_of_two(size: int) -> int:
-    """The least power of two ≥ ``size`` and ≥ 16 (Triton's tiles and heads)."""
-    return max(_MIN_SIDE, 1 << (size - 1).bit_length())
-
-
 @dataclasses.dataclass(frozen=True)
-class _Kernel:
+class Kernel:
     """What the kernels of one call share (static): tiles, options, the arrays' layout.
 
     Besides queries, keys and values, every program reads whole: the query heads' indices, the
@@ -128,9 +118,9 @@ class _Kernel:
     def groups(self) -> int:
         return self.tiles.groups[1]
 
-    def inputs(self, arrays: CallArrays, offsets) -> list:
-        """The arrays every program reads, in the order :meth:`arrays` takes their refs."""
-        leaves = jax.tree.leaves(_shared(arrays, offsets))
+    def inputs(self, arrays: CallArrays, offsets, lists) -> list:
+        """The arrays every program reads, in the order :meth:`run` takes their refs."""
+        leaves = jax.tree.leaves(shared_arrays(arrays, offsets, lists))
         shapes = zip(leaves, self.shapes, strict=True)
         # Two axes of 1 first: under vmap a batch axis joins them, and TPU blocks end in two
         # whole axes.
@@ -138,7 +128,7 @@ class _Kernel:
         return [arrays.head, *([arrays.sinks] if self.sinks else []), *shared]
 
     def run(self, body, refs: list, n):
-        """``body(arrays, sink, (q_offset, kv_offset))`` in a program of query head ``n``.
+        """``body(arrays, sink, (q_offset, kv_offset), lists)`` in a program of query head ``n``.
 
         ``arrays`` are head ``n``'s, read from the refs of :meth:`inputs`.
 
@@ -151,9 +141,9 @@ class _Kernel:
 
         def with_values(*shared):
             shared = [x.reshape(shape) for x, shape in zip(shared, self.shapes, strict=True)]
-            rule, batch, consts, offsets = jax.tree.unflatten(self.shared, shared)
+            rule, batch, consts, offsets, lists = jax.tree.unflatten(self.shared, shared)
             arrays = CallArrays(rule=rule, batch=batch, head=head, score_consts=consts)
-            return body(arrays, sink, (offsets[0], offsets[1]))
+            return body(arrays, sink, (offsets[0], offsets[1]), lists)
 
         return evaluate(with_values, refs)
 
@@ -189,59 +179,77 @@ class _Kernel:
 
         return lowered
 
-    def sweep(self, arrays: CallArrays, step, axis: str, start, offset, carry):
+    def sweep(self, arrays: CallArrays, step, axis: str, block, offset, carry, where):
         """``carry = step(m, carry, rule)`` over the ``axis`` blocks ``m`` the rule may allow.
 
-        ``start`` is the global position of the program's block of the other axis, ``offset``
-        that of the swept axis's first. The blocks the rule excludes are skipped: by its ranges
-        (the loop's bounds) or, for an opaque rule, by each tile's class.
+        ``block`` is the program's block of the other axis; ``offset`` the global position of
+        each axis's first (``(q_offset, kv_offset)``). The blocks the rule excludes are never
+        visited: the loop runs between the rule's ranges or, given a block mask's
+        :class:`BlockLists` (``where = (n, lists)``, query head ``n``), over its list of the
+        blocks it does not exclude; inside either, an opaque rule's class of each tile says
+        whether it is skipped, run with the rule, or run without it (full).
         """
         tiles = self.tiles
         forward = axis == "kv"
         this, other = (
             (tiles.block_q, tiles.block_kv) if forward else (tiles.block_kv, tiles.block_q)
         )
+        start = offset[1 - forward] + block * this
+        first = offset[1] if forward else offset[0]
         count = (self.seq_kv if forward else self.seq_q) // other
 
         def classify(m, rule):
-            blocks = ((start, this), (offset + m * other, other))
+            blocks = ((start, this), (first + m * other, other))
             return tile_class(rule, arrays, *(blocks if forward else blocks[::-1]))
 
         guarded = classified(step, classify, skip=lambda m, carry: carry)
-        span = (start, start + this)
-        return sweep(guarded, arrays.rule, axis, span, offset, other, count, carry)
+        n, lists = where
+        if lists is None:
+            span = (start, start + this)
+            return sweep(guarded, arrays.rule, axis, span, first, other, count, carry)
+        counts, blocks = lists.along(axis)
+        head = 0 if counts.shape[0] == 1 else n
+        listed = lambda m, carry: guarded(blocks[head, block, m], carry, arrays.rule)  # noqa: E731
+        return loop(0, counts[head, block], listed, carry)
 
 
-def _whole(x):
-    """A spec reading all of ``x`` in every program."""
-    return pl.BlockSpec(x.shape, lambda n, m: (0,) * x.ndim)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockLists:
+    """A block mask's tiles as lists: FlexAttention's ``kv_num_blocks`` and ``kv_indices``.
 
-
-def _block(rows: int, width: int):
-    """A spec of ``(heads, rows, width)`` reading program ``(n, m)``'s block ``m`` of head ``n``."""
-    return pl.BlockSpec((None, rows, width), lambda n, m: (n, m, 0))
-
-
-def _head(rows: int, width: int, groups: int = 1, block: bool = False):
-    """A spec of ``(heads, rows, width)``: all rows of head ``n // groups``, or block ``m``."""
-    return pl.BlockSpec((None, rows, width), lambda n, m: (n // groups, m if block else 0, 0))
-
-
-def _lse(rows: int, block: bool = True):
-    """A spec of ``(heads, T, 1)`` row statistics: block ``m`` of head ``n``, or all of it.
-
-    A column, not a row: TPU blocks end in (a multiple of 8, whole).
+    For each head (or one for all) and query block, how many key blocks the mask does not
+    exclude and which, those first (``kv_count``, ``kv_blocks``); the same for each key block's
+    query blocks (``q_count``, ``q_blocks``), for the backward pass.
     """
-    return pl.BlockSpec((None, rows, 1), lambda n, m: (n, m if block else 0, 0))
+
+    kv_count: jax.Array  # (heads or 1, q_blocks)
+    kv_blocks: jax.Array  # (heads or 1, q_blocks, kv_blocks)
+    q_count: jax.Array  # (heads or 1, kv_blocks)
+    q_blocks: jax.Array  # (heads or 1, kv_blocks, q_blocks)
+
+    @classmethod
+    def of(cls, mask: BlockMask) -> "BlockLists":
+        """The lists of one sequence's :class:`~jax_sdpa.BlockMask` (a batch axis of 1)."""
+        visited = mask.classes[0] != EMPTY
+
+        def lists(x):
+            order = jnp.argsort(~x, axis=-1, stable=True)
+            return x.sum(axis=-1).astype(INDEX), order.astype(INDEX)
+
+        return cls(*lists(visited), *lists(jnp.swapaxes(visited, -1, -2)))
+
+    def along(self, axis: str) -> tuple:
+        return (self.kv_count, self.kv_blocks) if axis == "kv" else (self.q_count, self.q_blocks)
 
 
-def _forward_kernel(kernel: _Kernel, q_ref, k_ref, v_ref, *refs):
+def forward_kernel(kernel: Kernel, q_ref, k_ref, v_ref, *refs):
     *inputs, o_ref, lse_ref = refs
     tiles = kernel.tiles
     n, i = pl.program_id(0), pl.program_id(1)
     q = q_ref[...]
 
-    def body(arrays: CallArrays, sink, offsets):
+    def body(arrays: CallArrays, sink, offsets, lists):
         q_offset, kv_offset = offsets
         tile_q = q_offset + i * tiles.block_q
         like = jnp.zeros((), q.dtype)  # in a kernel the state's zeros need not vary (shard_map)
@@ -255,7 +263,7 @@ def _forward_kernel(kernel: _Kernel, q_ref, k_ref, v_ref, *refs):
             tile_kv = kv_offset + j * tiles.block_kv
             return tiles.forward_tile(state, q, k_j, v_j, tile, tile_q, tile_kv)
 
-        state = kernel.sweep(arrays, step, "kv", tile_q, kv_offset, state)
+        state = kernel.sweep(arrays, step, "kv", i, offsets, state, (n, lists))
         return online_softmax.finish(state, o_ref.dtype)
 
     out, lse = kernel.run(body, inputs, n)
@@ -271,14 +279,14 @@ def _wide(x):
     return x.astype(accumulation_dtype(x.dtype))
 
 
-def _dq_kernel(kernel: _Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_ref, *refs):
+def dq_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_ref, *refs):
     *inputs, dq_ref = refs
     tiles = kernel.tiles
     n, i = pl.program_id(0), pl.program_id(1)
     q = _wide(q_ref[...])
     terms = BackwardRows(_wide(d_out_ref[...]), delta_ref[:, 0], shift_ref[:, 0])
 
-    def body(arrays: CallArrays, _, offsets):
+    def body(arrays: CallArrays, _, offsets, lists):
         q_offset, kv_offset = offsets
         tile_q = q_offset + i * tiles.block_q
 
@@ -289,19 +297,20 @@ def _dq_kernel(kernel: _Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift
             tile_kv = kv_offset + j * tiles.block_kv
             return dq + tiles.backward_tile(q, k_j, v_j, tile, terms, tile_q, tile_kv)[0]
 
-        return kernel.sweep(arrays, step, "kv", tile_q, kv_offset, jnp.zeros_like(q))
+        zeros = jnp.zeros_like(q)
+        return kernel.sweep(arrays, step, "kv", i, offsets, zeros, (n, lists))
 
     dq_ref[...] = kernel.run(body, inputs, n).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(kernel: _Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_ref, *refs):
+def dkv_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_ref, *refs):
     *inputs, dk_ref, dv_ref = refs[: len(refs) - kernel.gradients]
     d_const_refs = refs[len(refs) - kernel.gradients :]
     tiles = kernel.tiles
     n, j = pl.program_id(0), pl.program_id(1)
     k, v = _wide(k_ref[...]), _wide(v_ref[...])
 
-    def body(arrays: CallArrays, _, offsets):
+    def body(arrays: CallArrays, _, offsets, lists):
         q_offset, kv_offset = offsets
         tile_kv = kv_offset + j * tiles.block_kv
 
@@ -318,7 +327,7 @@ def _dkv_kernel(kernel: _Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shif
 
         consts = [jnp.zeros(r.shape[2:], r.dtype) for r in d_const_refs]
         zeros = (jnp.zeros_like(k), jnp.zeros_like(v), consts)
-        return kernel.sweep(arrays, step, "q", tile_kv, q_offset, zeros)
+        return kernel.sweep(arrays, step, "q", j, offsets, zeros, (n, lists))
 
     dk, dv, d_consts = kernel.run(body, inputs, n)
     dk_ref[...] = dk
@@ -327,199 +336,6 @@ def _dkv_kernel(kernel: _Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shif
         ref[0, 0] = d
 
 
-def _heads_first(x, rows: int | None = None):
-    """``(T, heads, d)`` → ``(heads, T, d)``; ``(T, heads)`` → ``(heads, T, 1)``."""
-    return jnp.swapaxes(x, 0, 1) if x.ndim == 3 else x.T[:, :, None]
-
-
-def forward(
-    tiles: Tiles,
-    options: Pallas,
-    query,
-    key,
-    value,
-    arrays: CallArrays,
-    offsets=(0, 0),
-    out_dtype=None,
-):
-    """``(out, lse)`` of ``(T, N, ·)`` queries against ``(S, K, ·)`` keys, from :func:`padded`.
-
-    ``offsets``: the global positions of the first query and the first key. With sinks in
-    ``arrays``, the rows start from them. ``out`` is in ``out_dtype`` (the values' by default).
-    """
-    kernel = _kernel(tiles, options, query, key, arrays)
-    (seq_q, heads, width), value_width = query.shape, value.shape[-1]
-    groups = kernel.groups
-    inputs = kernel.inputs(arrays, offsets)
-    result = functools.partial(_result, like=query)
-    call = kernel.call(
-        _forward_kernel,
-        grid=(heads, seq_q // kernel.tiles.block_q),
-        in_specs=[
-            _block(tiles.block_q, width),
-            _head(kernel.seq_kv, width, groups),
-            _head(kernel.seq_kv, value_width, groups),
-            *map(_whole, inputs),
-        ],
-        out_specs=[_block(tiles.block_q, value_width), _lse(tiles.block_q)],
-        out_shape=[
-            result((heads, seq_q, value_width), out_dtype or value.dtype),
-            result((heads, seq_q, 1), accumulation_dtype(query.dtype)),
-        ],
-        name="jax_sdpa_forward",
-    )
-    out, lse = call(*map(_heads_first, (query, key, value)), *inputs)
-    return jnp.swapaxes(out, 0, 1), lse[:, :, 0].T
-
-
-def backward(
-    tiles: Tiles,
-    options: Pallas,
-    query,
-    key,
-    value,
-    arrays: CallArrays,
-    rows: BackwardRows,
-    offsets=(0, 0),
-) -> tuple:
-    """``(dq, dk, dv, d_consts)`` of :func:`forward`'s call, from the rows' backward terms.
-
-    ``rows`` are the queries' :class:`~jax_sdpa._tiles.BackwardRows` (over all the keys the
-    rows meet, wherever they are); ``d_consts`` the ``score_mod``'s floating-point arrays'
-    gradients (None for the others). All in the accumulation dtype; the sinks' gradient is the
-    caller's.
-    """
-    kernel = _kernel(tiles, options, query, key, arrays)
-    (seq_q, heads, width), value_width = query.shape, value.shape[-1]
-    groups = kernel.groups
-    d_out = rows.d_out.reshape(seq_q, heads, value_width)
-    operands = [*map(_heads_first, (query, key, value, d_out, rows.delta, rows.shift))]
-    inputs = kernel.inputs(arrays, offsets)
-    result = functools.partial(_result, like=query)
-    (dq,) = kernel.call(
-        _dq_kernel,
-        grid=(heads, seq_q // kernel.tiles.block_q),
-        in_specs=[
-            _block(tiles.block_q, width),
-            _head(kernel.seq_kv, width, groups),
-            _head(kernel.seq_kv, value_width, groups),
-            _block(tiles.block_q, value_width),
-            _lse(tiles.block_q),
-            _lse(tiles.block_q),
-            *map(_whole, inputs),
-        ],
-        out_specs=[_block(tiles.block_q, width)],
-        out_shape=[result((heads, seq_q, width), accumulation_dtype(query.dtype))],
-        name="jax_sdpa_backward_queries",
-    )(*operands, *inputs)
-    kv_blocks = kernel.seq_kv // tiles.block_kv
-    consts = [c for c in differentiable(arrays.score_consts) if c is not None]
-    dk, dv, *d_consts = kernel.call(
-        _dkv_kernel,
-        grid=(heads, kv_blocks),
-        in_specs=[
-            _head(seq_q, width),
-            _head(tiles.block_kv, width, groups, block=True),
-            _head(tiles.block_kv, value_width, groups, block=True),
-            _head(seq_q, value_width),
-            _lse(seq_q, block=False),
-            _lse(seq_q, block=False),
-            *map(_whole, inputs),
-        ],
-        out_specs=[
-            _block(tiles.block_kv, width),
-            _block(tiles.block_kv, value_width),
-            *(
-                pl.BlockSpec(
-                    (None, None, 1, 1, *c.shape), lambda n, m, c=c: (n, m) + (0,) * (2 + c.ndim)
-                )
-                for c in consts
-            ),
-        ],
-        out_shape=[
-            result((heads, kernel.seq_kv, width), accumulation_dtype(key.dtype)),
-            result((heads, kernel.seq_kv, value_width), accumulation_dtype(value.dtype)),
-            # Two axes of 1 before each array's: TPU blocks end in two whole axes.
-            *(
-                result((heads, kv_blocks, 1, 1, *c.shape), accumulation_dtype(c.dtype))
-                for c in consts
-            ),
-        ],
-        name="jax_sdpa_backward_keys",
-    )(*operands, *inputs)
-
-    def per_kv_head(d):  # (N, S, d) → (S, K, d), summed over the heads that share one
-        return jnp.swapaxes(d.reshape(heads // groups, groups, *d.shape[1:]).sum(1), 0, 1)
-
-    sums = iter(d.sum(axis=(0, 1, 2, 3)) for d in d_consts)
-    d_consts = tuple(None if c is None else next(sums) for c in differentiable(arrays.score_consts))
-    return jnp.swapaxes(dq, 0, 1), per_kv_head(dk), per_kv_head(dv), d_consts
-
-
-def _result(shape: tuple, dtype, like) -> jax.ShapeDtypeStruct:
-    """A kernel's output, varying over the mesh axes ``like`` varies over (``shard_map``)."""
-    aval = jax.typeof(like)
-    mat = getattr(aval, "mat", None)  # JAX 0.10; before, the axes were ``aval.vma``
-    if mat is not None:
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-    return jax.ShapeDtypeStruct(shape, dtype, vma=getattr(aval, "vma", frozenset()))
-
-
-def _shared(arrays: CallArrays, offsets) -> tuple:
-    """The arrays every program reads whole: the rule's, the batch index, the mods', offsets."""
-    return arrays.rule, arrays.batch, arrays.score_consts, jnp.asarray(offsets, INDEX)
-
-
-def _kernel(tiles: Tiles, options: Pallas, query, key, arrays: CallArrays) -> _Kernel:
-    leaves, shared = jax.tree.flatten(_shared(arrays, (0, 0)))
-    return _Kernel(
-        tiles,
-        options,
-        query.shape[0],
-        key.shape[0],
-        shared,
-        tuple(jnp.shape(x) for x in leaves),
-        arrays.sinks is not None,
-        sum(c is not None for c in differentiable(arrays.score_consts)),
-    )
-
-
-def fitted(formula: Formula, options: Pallas, query, key) -> Tiles:
-    """The tiles for ``(T, N, H)`` queries and ``(S, K, H)`` keys.
-
-    ``options``' sides, or for a short sequence the power of two ≥ 16 at or above its length.
-    """
-    (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
-    block_q, block_kv = _side(seq_q, options.block_q), _side(seq_kv, options.block_kv)
-    return Tiles(formula, block_q, block_kv, (kv_heads, heads // kv_heads))
-
-
-def padded(tiles: Tiles, query, key, value, arrays: CallArrays, kv_offset=0) -> tuple:
-    """``(query, key, value, arrays)`` padded to whole tiles and heads of a power of two ≥ 16.
-
-    The padded keys are masked by a length rule (at global positions from ``kv_offset``); the
-    padded queries are the caller's to drop; the heads' zeros change no product.
-    """
-    seq_kv = key.shape[0]
-    rows_q = -(-query.shape[0] // tiles.block_q) * tiles.block_q
-    rows_kv = -(-seq_kv // tiles.block_kv) * tiles.block_kv
-    if rows_kv != seq_kv:
-        padding = LengthMask(None, jnp.asarray(kv_offset + seq_kv, INDEX))
-        arrays = dataclasses.replace(
-            arrays, rule=padding if arrays.rule is None else arrays.rule & padding
-        )
-    if arrays.head is None:
-        heads = jnp.arange(query.shape[1], dtype=INDEX)
-        arrays = dataclasses.replace(arrays, head=heads)
-    width = _power_of_two(query.shape[-1])
-    return (
-        _pad(query, rows_q, width),
-        _pad(key, rows_kv, width),
-        _pad(value, rows_kv, _power_of_two(value.shape[-1])),
-        arrays,
-    )
-
-
-def _pad(x, rows: int, width: int):
-    """``(r, heads, d)`` zero-padded to ``(rows, heads, width)``."""
-    return jnp.pad(x, ((0, rows - x.shape[0]), (0, 0), (0, width - x.shape[2])))
+def shared_arrays(arrays: CallArrays, offsets, lists) -> tuple:
+    """The arrays every program reads whole: rule, batch index, mods, offsets, block lists."""
+    return arrays.rule, arrays.batch, arrays.score_consts, jnp.asarray(offsets, INDEX), lists

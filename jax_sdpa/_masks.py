@@ -138,8 +138,7 @@ class MaskRule:
             grid = q_idx[:, None], kv_idx[None, :]
             allowed = jax.vmap(lambda head: self.at(*grid, batch, head))(heads)
             return ~allowed.any(), allowed.all()
-        # A run's ends, as reductions: a kernel (Pallas) does not slice.
-        span = q_idx.min(), q_idx.max() + 1
+        span = q_idx.min(), q_idx.max() + 1  # a run's ends (reduced: a kernel does not slice)
         (lo, hi), (full_lo, full_hi) = self.kv_range(*span), self.kv_full_range(*span)
         start, stop = kv_idx.min(), kv_idx.max() + 1
         return (hi <= start) | (lo >= stop), (full_lo <= start) & (full_hi >= stop)

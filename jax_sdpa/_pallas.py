@@ -16,31 +16,32 @@ import jax
 from jax_sdpa._block_mask import blocked
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
-from jax_sdpa._kernels import Pallas, Tiles, backward, fitted, forward, padded
-from jax_sdpa._tiles import differentiable
+from jax_sdpa._kernel_calls import backward, fitted, forward, padded
+from jax_sdpa._kernels import BlockLists, Pallas
+from jax_sdpa._tiles import Tiles, differentiable
 from jax_sdpa._tiles_backward import backward_rows, sinks_grad
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused(tiles: Tiles, options: Pallas, query, key, value, arrays: CallArrays):
-    return forward(tiles, options, query, key, value, arrays)
+def _fused(tiles: Tiles, options: Pallas, query, key, value, arrays: CallArrays, lists):
+    return forward(tiles, options, query, key, value, arrays, lists=lists)
 
 
-def _fused_fwd(tiles: Tiles, options: Pallas, query, key, value, arrays: CallArrays):
-    out, lse = forward(tiles, options, query, key, value, arrays)
-    return (out, lse), (query, key, value, arrays, out, lse)
+def _fused_fwd(tiles: Tiles, options: Pallas, query, key, value, arrays: CallArrays, lists):
+    out, lse = forward(tiles, options, query, key, value, arrays, lists=lists)
+    return (out, lse), (query, key, value, arrays, lists, out, lse)
 
 
 def _fused_bwd(tiles: Tiles, options: Pallas, residuals: tuple, cotangents: tuple) -> tuple:
-    query, key, value, arrays, out, lse = residuals
+    query, key, value, arrays, lists, out, lse = residuals
     rows = backward_rows(out, lse, cotangents)
-    grads = backward(tiles, options, query, key, value, arrays, rows)
+    grads = backward(tiles, options, query, key, value, arrays, rows, lists=lists)
     operands = (query, key, value, differentiable(arrays.score_consts))
     d_query, d_key, d_value, d_consts = jax.tree.map(
         lambda d, x: d.astype(x.dtype), grads, operands
     )
     d_arrays = CallArrays(score_consts=d_consts, sinks=sinks_grad(arrays.sinks, lse, rows))
-    return d_query, d_key, d_value, d_arrays
+    return d_query, d_key, d_value, d_arrays, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -52,14 +53,16 @@ def pallas_sequence(
     """The fused kernels on one sequence, all heads: ``(out, lse, None)`` in jax.nn's layout.
 
     ``(T, N, H)`` queries and ``(S, K, ·)`` keys and values, padded to whole tiles
-    (:func:`jax_sdpa._kernels.padded`); an opaque rule's tiles are classified once, for both
-    passes to read.
+    (:func:`jax_sdpa._kernels.padded`). An opaque rule's tiles are classified once, and listed
+    (:class:`~jax_sdpa._kernels.BlockLists`): the kernels visit only the blocks it does not
+    exclude.
     """
     (seq_q, _, _), value_width = query.shape, value.shape[-1]
     tiles = fitted(formula, options, query, key)
     query, key, value, arrays = padded(tiles, query, key, value, arrays)
+    lists = None
     if arrays.rule is not None and arrays.rule.opaque:
         rule = blocked(tiles, arrays, seq_q, key.shape[0])
-        arrays = dataclasses.replace(arrays, rule=rule)
-    out, lse = _fused(tiles, options, query, key, value, arrays)
+        arrays, lists = dataclasses.replace(arrays, rule=rule), BlockLists.of(rule)
+    out, lse = _fused(tiles, options, query, key, value, arrays, lists)
     return Result(out[:seq_q, :, :value_width], lse[:seq_q], None)

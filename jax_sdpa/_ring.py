@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa import _kernels as kernels
+from jax_sdpa import _kernel_calls as kernels
 from jax_sdpa._formula import CallArrays, Formula, block_of
 from jax_sdpa._heads import Result
 from jax_sdpa._kernels import Pallas
