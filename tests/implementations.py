@@ -148,6 +148,12 @@ ROWS = (
 )
 
 
+# The rows the inner loop (-m "not slow") runs every behaviour test on: the reference and the tiled
+# path. The others have test files of their own (test_decode, test_paged, test_pallas) there,
+# and run every behaviour test in CI and in the x64 pass (marked ``row``).
+INNER_LOOP = ("xla", "chunked")
+
+
 def each_implementation(*needs: str):
     """Parametrizes a test's ``impl`` over every row; a row lacking one of ``needs`` is skipped."""
     unknown = set(needs) - {need for row in ROWS for need in row.lacks}
@@ -157,6 +163,8 @@ def each_implementation(*needs: str):
     def param(row: Row):
         missing = [row.lacks[need] for need in needs if need in row.lacks]
         marks = [pytest.mark.skip(reason=missing[0])] if missing else []
+        if row.name not in INNER_LOOP:
+            marks += [pytest.mark.slow, pytest.mark.row]
         return pytest.param(row, id=row.name, marks=marks)
 
     return pytest.mark.parametrize("impl", [param(row) for row in ROWS])

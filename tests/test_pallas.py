@@ -104,11 +104,14 @@ def test_captured_arrays_sinks_and_a_document_mask_get_the_reference_gradients(r
 @pytest.mark.parametrize(
     "keywords",
     [
-        dict(is_causal=True),
+        pytest.param(dict(is_causal=True), marks=pytest.mark.slow),
         dict(sinks=jnp.array([0.5, -1.0])),
-        dict(
-            score_mod=lambda s, b, h, i, j: s - 0.1 * jnp.abs(i - j).astype(s.dtype),
-            local_window_size=(5, 0),
+        pytest.param(
+            dict(
+                score_mod=lambda s, b, h, i, j: s - 0.1 * jnp.abs(i - j).astype(s.dtype),
+                local_window_size=(5, 0),
+            ),
+            marks=pytest.mark.slow,  # the simulator takes seconds a call: CI runs these two
         ),
     ],
     ids=["causal", "sinks", "score_mod and window"],
@@ -161,6 +164,8 @@ def _keywords(case: str) -> dict:
 LOWERED = [("cuda", case) for case in CASES] + [
     ("tpu", case) for case in CASES if case not in ("documents", "block mask")
 ]
+# The inner loop lowers one case for each platform; CI lowers them all.
+INNER_LOOP = {("cuda", "alibi"), ("tpu", "sinks")}
 CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 
@@ -192,7 +197,10 @@ def lowered(platform: str, keywords: dict, backward: bool) -> str:
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-@pytest.mark.parametrize("platform, case", LOWERED)
+@pytest.mark.parametrize(
+    "platform, case",
+    [pytest.param(*x, marks=[] if x in INNER_LOOP else [pytest.mark.slow]) for x in LOWERED],
+)
 def test_lowers_for_a_gpu_and_a_tpu_at_real_sizes(platform, case, backward):
     module = lowered(platform, _keywords(case), backward)
     # One kernel forward; the backward pass has its own two (queries; keys and values).
