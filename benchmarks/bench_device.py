@@ -17,7 +17,10 @@ product measured in the same run. Every case runs in its own ``try``: one failur
 error and the rest go on; the deadline stops the run between cases.
 
 ``--lower`` and ``--interpret`` are its rehearsal on a machine without a GPU: they prove that
-the calls lower and that the checks pass, not any speed.
+the calls lower and that the checks pass, not any speed. On a lent machine whose image has JAX
+but not this package, run it from the checkout: ``PYTHONPATH=. python
+benchmarks/bench_device.py``, with ``jaxtyping`` (pure Python, as is its one dependency
+``wadler_lindig``) importable there.
 """
 
 import argparse
@@ -54,7 +57,9 @@ def correctness_cases(seq: int, heads: int) -> dict:
     slopes = jnp.asarray(gen.uniform(0.05, 1.0, heads), jnp.float32)
     sinks = jnp.asarray(gen.normal(size=heads), jnp.float32)
     documents = _documents(seq)
-    block_mask = js.create_block_mask(_same_document(documents), None, None, seq, seq)
+    block_mask = js.create_block_mask(
+        _same_document(documents), None, None, seq, seq, block_q=128, block_kv=64
+    )
 
     def alibi_documents(slopes, sinks):
         return dict(
@@ -105,10 +110,15 @@ def flops(causal: bool, backward: bool) -> float:
 
 
 def timed_calls(kernel) -> dict:
-    """The timed calls: ``name -> (fn(q, k, v), causal)``."""
+    """The timed calls: ``name -> (fn(q, k, v), causal)``.
+
+    The block mask is made with the kernel's tiles; its TFLOP/s count a full call's products
+    (compare its time with "no mask").
+    """
     slopes = js.mods.alibi_slopes(H)
     documents = _documents(T)
-    block_mask = js.create_block_mask(_same_document(documents), None, None, T, T)
+    tiles = dict(block_q=kernel.block_q, block_kv=kernel.block_kv)
+    block_mask = js.create_block_mask(_same_document(documents), None, None, T, T, **tiles)
     ours = functools.partial(js.dot_product_attention, implementation=kernel)
 
     def alibi(s, b, h, i, j):

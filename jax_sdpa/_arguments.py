@@ -19,7 +19,7 @@ from jax import lax
 from jax_sdpa import _checks
 from jax_sdpa._block_mask import BlockMask
 from jax_sdpa._formula import CallArrays, Formula
-from jax_sdpa._implementations import Config, Inputs, Output, choose, options, requested
+from jax_sdpa._implementations import Config, Inputs, Output, choose
 from jax_sdpa._indices import INDEX, Index, positions
 from jax_sdpa._masks import (
     AndMask,
@@ -104,11 +104,7 @@ def bind(
         sinks=_sinks(shapes, **keywords),
     )
     inputs = _varying_together(Inputs(query, key, value, arrays, page_table), ring)
-    config = Config(formula, output, ring=ring)
-    name = choose(inputs, config, requested(implementation))
-    return inputs, dataclasses.replace(
-        config, implementation=name, options=options(name, implementation)
-    )
+    return inputs, choose(inputs, Config(formula, output, ring=ring), implementation)
 
 
 def _varying_together(inputs: Inputs, ring: RingSpec | None) -> Inputs:

@@ -186,7 +186,8 @@ def _run_pallas(inputs: Inputs, config: Config) -> Result:
     return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
 
 
-def _pallas_unsupported(inputs: Inputs, config: Config) -> str | None:
+def _kernel_lacks(inputs: Inputs, asked: str, instead: str) -> str | None:
+    """The message of a call the fused kernel cannot take (``asked``: how it was asked for)."""
     arrays = inputs.arrays
     lacks = {
         "bias": arrays.bias is not None,
@@ -196,10 +197,22 @@ def _pallas_unsupported(inputs: Inputs, config: Config) -> str | None:
     used = [name for name, on in lacks.items() if on]
     if used:
         return (
-            f"`implementation='pallas'` takes no {', '.join(used)} (a dense array per call, or "
-            "random bits per tile): use a mask rule or mask_mod, a score_mod, or 'chunked'."
+            f"{asked} takes no {', '.join(used)} (a dense array per call, or random bits per "
+            f"tile): use a mask rule or mask_mod, a score_mod, or {instead}."
         )
-    return _no_weights("pallas", config)
+    return None
+
+
+def _pallas_unsupported(inputs: Inputs, config: Config) -> str | None:
+    lacks = _kernel_lacks(inputs, "`implementation='pallas'`", "'chunked'")
+    return lacks or _no_weights("pallas", config)
+
+
+def _ring_unsupported(inputs: Inputs, config: Config) -> str | None:
+    if config.options.kernel is None:
+        return None
+    asked = "`ring_attention(implementation='pallas')`"
+    return _kernel_lacks(inputs, asked, "the ring's own tiles (implementation=None)")
 
 
 def _rule_parts(rule: MaskRule | None) -> tuple[MaskRule, ...]:
@@ -285,7 +298,7 @@ IMPLEMENTATIONS: dict[str, Entry] = {
         _run_paged, _paged_unsupported, jvp=True, asked_as="`paged_attention`", options=Paged
     ),
     "cudnn": Entry(_run_cudnn, _cudnn_unsupported),
-    "ring": Entry(_run_ring, asked_as="`ring_attention`", options=Ring),
+    "ring": Entry(_run_ring, _ring_unsupported, asked_as="`ring_attention`", options=Ring),
     "pallas": Entry(_run_pallas, _pallas_unsupported, options=Pallas),
 }
 
@@ -363,30 +376,39 @@ def requested(implementation) -> str | None:
     )
 
 
-def choose(inputs: Inputs, config: Config, requested: str | None) -> str:
-    """The implementation that runs the call: ``requested``, or the first that supports it.
+def choose(inputs: Inputs, config: Config, implementation) -> Config:
+    """``config`` with the implementation that runs the call and its options.
+
+    That is the one ``implementation`` asks for (a name or options; :func:`requested`), or
+    with ``None`` the first that supports the call. Each is asked with its own options.
 
     Raises:
-        ValueError: With the implementation's own message, if ``requested`` cannot run it.
-        TypeError: If ``requested`` has no forward mode and ``jax.jvp`` differentiates the call.
+        ValueError: With the implementation's own message, if the one asked for cannot run it.
+        TypeError: If the one asked for has no forward mode and ``jax.jvp`` differentiates the
+            call.
     """
     under_jvp = _under_jvp(inputs)
+    asked = requested(implementation)
 
     def takes(name: str) -> bool:
         return not under_jvp or IMPLEMENTATIONS[name].jvp
 
-    if requested is not None and not takes(requested):
-        asked = IMPLEMENTATIONS[requested].asked_as or f"`implementation={requested!r}`"
+    if asked is not None and not takes(asked):
+        how = IMPLEMENTATIONS[asked].asked_as or f"`implementation={asked!r}`"
         raise TypeError(
-            f"{asked} has no forward-mode derivative (jax.jvp, jax.jacfwd): its backward pass "
+            f"{how} has no forward-mode derivative (jax.jvp, jax.jacfwd): its backward pass "
             "is its own (jax.custom_vjp); dot_product_attention(implementation='xla') has one."
         )
-    names = _preference(inputs) if requested is None else (requested,)
-    names = [name for name in names if takes(name)]
-    reasons = [IMPLEMENTATIONS[name].unsupported(inputs, config) for name in names]
-    for name, reason in zip(names, reasons, strict=True):
+    names = _preference(inputs) if asked is None else (asked,)
+    configs = [
+        dataclasses.replace(config, implementation=name, options=options(name, implementation))
+        for name in names
+        if takes(name)
+    ]
+    reasons = [IMPLEMENTATIONS[c.implementation].unsupported(inputs, c) for c in configs]
+    for chosen, reason in zip(configs, reasons, strict=True):
         if reason is None:
-            return name
+            return chosen
     raise ValueError(reasons[0])
 
 

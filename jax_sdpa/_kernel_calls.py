@@ -25,9 +25,8 @@ from jax_sdpa._kernels import (
     forward_kernel,
     shared_arrays,
 )
-from jax_sdpa._masks import LengthMask
 from jax_sdpa._steps import accumulation_dtype
-from jax_sdpa._tiles import BackwardRows, Tiles, differentiable
+from jax_sdpa._tiles import BackwardRows, Tiles, differentiable, pad_keys
 
 
 def _whole(x):
@@ -53,7 +52,7 @@ def _lse(rows: int, block: bool = True):
     return pl.BlockSpec((None, rows, 1), lambda n, m: (n, m if block else 0, 0))
 
 
-def _heads_first(x, rows: int | None = None):
+def _heads_leading(x):
     """``(T, heads, d)`` → ``(heads, T, d)``; ``(T, heads)`` → ``(heads, T, 1)``."""
     return jnp.swapaxes(x, 0, 1) if x.ndim == 3 else x.T[:, :, None]
 
@@ -77,7 +76,7 @@ def forward(
     """
     kernel = _kernel(tiles, options, query, key, arrays, lists)
     (seq_q, heads, width), value_width = query.shape, value.shape[-1]
-    groups = kernel.groups
+    groups = kernel.group
     inputs = kernel.inputs(arrays, offsets, lists)
     result = functools.partial(_result, like=query)
     call = kernel.call(
@@ -96,7 +95,7 @@ def forward(
         ],
         name="jax_sdpa_forward",
     )
-    out, lse = call(*map(_heads_first, (query, key, value)), *inputs)
+    out, lse = call(*map(_heads_leading, (query, key, value)), *inputs)
     return jnp.swapaxes(out, 0, 1), lse[:, :, 0].T
 
 
@@ -121,12 +120,12 @@ def backward(
     kernel = _kernel(tiles, options, query, key, arrays, lists)
     (seq_q, heads, _), value_width = query.shape, value.shape[-1]
     d_out = rows.d_out.reshape(seq_q, heads, value_width)
-    operands = [*map(_heads_first, (query, key, value, d_out, rows.delta, rows.shift))]
+    operands = [*map(_heads_leading, (query, key, value, d_out, rows.delta, rows.shift))]
     inputs = kernel.inputs(arrays, offsets, lists)
     consts = [c for c in differentiable(arrays.score_consts) if c is not None]
     dq = _query_gradients(kernel, operands, inputs)
     dk, dv, d_consts = _key_gradients(kernel, operands, inputs, consts)
-    groups = kernel.groups
+    groups = kernel.group
 
     def per_kv_head(d):  # (N, S, d) → (S, K, d), summed over the heads that share one
         return jnp.swapaxes(d.reshape(heads // groups, groups, *d.shape[1:]).sum(1), 0, 1)
@@ -140,7 +139,7 @@ def _query_gradients(kernel: Kernel, operands: list, inputs: list):
     """The queries' gradients, ``(N, T, H)``: a program per head and query block."""
     query, key, value = operands[:3]
     (heads, seq_q, width), value_width = query.shape, value.shape[-1]
-    tiles, groups = kernel.tiles, kernel.groups
+    tiles, groups = kernel.tiles, kernel.group
     (dq,) = kernel.call(
         dq_kernel,
         grid=(heads, seq_q // tiles.block_q),
@@ -168,7 +167,7 @@ def _key_gradients(kernel: Kernel, operands: list, inputs: list, consts: list):
     """
     query, key, value = operands[:3]
     (heads, seq_q, width), value_width = query.shape, value.shape[-1]
-    tiles, groups = kernel.tiles, kernel.groups
+    tiles, groups = kernel.tiles, kernel.group
     kv_blocks = kernel.seq_kv // tiles.block_kv
     result = functools.partial(_result, like=query)
     dk, dv, *d_consts = kernel.call(
@@ -246,14 +245,9 @@ def padded(tiles: Tiles, query, key, value, arrays: CallArrays, kv_offset=0) -> 
     The padded keys are masked by a length rule (at global positions from ``kv_offset``); the
     padded queries are the caller's to drop; the heads' zeros change no product.
     """
-    seq_kv = key.shape[0]
     rows_q = -(-query.shape[0] // tiles.block_q) * tiles.block_q
-    rows_kv = -(-seq_kv // tiles.block_kv) * tiles.block_kv
-    if rows_kv != seq_kv:
-        padding = LengthMask(None, jnp.asarray(kv_offset + seq_kv, INDEX))
-        arrays = dataclasses.replace(
-            arrays, rule=padding if arrays.rule is None else arrays.rule & padding
-        )
+    rows_kv = -(-key.shape[0] // tiles.block_kv) * tiles.block_kv
+    _, _, arrays = pad_keys(key, value, arrays, tiles.block_kv, kv_offset)
     if arrays.head is None:
         heads = jnp.arange(query.shape[1], dtype=INDEX)
         arrays = dataclasses.replace(arrays, head=heads)
@@ -263,6 +257,22 @@ def padded(tiles: Tiles, query, key, value, arrays: CallArrays, kv_offset=0) -> 
         _pad(key, rows_kv, width),
         _pad(value, rows_kv, _power_of_two(value.shape[-1])),
         arrays,
+    )
+
+
+def padded_rows(rows: BackwardRows, count: int, heads: int, width: int) -> BackwardRows:
+    """The queries' backward terms for :func:`padded`'s ``count`` rows and ``width`` values.
+
+    The padded rows get no cotangent and a shift no score reaches (their weights are 0, not
+    ``e^{s − 0}``, which a large score would take to ∞ and ∞ · 0 to NaN).
+    """
+    extra = count - rows.delta.shape[0]
+    d_out = rows.d_out.reshape(rows.d_out.shape[0], heads, -1)
+    d_out = _pad(d_out, count, width).reshape(count, -1)
+    delta = jnp.pad(rows.delta, ((0, extra), (0, 0)))
+    far = jnp.finfo(rows.shift.dtype).max
+    return BackwardRows(
+        d_out, delta, jnp.pad(rows.shift, ((0, extra), (0, 0)), constant_values=far)
     )
 
 

@@ -11,8 +11,9 @@ it whole. The gradients of a ``score_mod``'s arrays are the transposes of those 
 either: they become sums of one-hot products, ``d[m] = Σ_e g_e [idx_e = m]`` (and ``all``,
 ``any`` of booleans become ``min``, ``max`` of integers).
 
-The function's values are unchanged; only how its reads are spelled is (the interpreter runs
-the rewritten program too, so the tests check what a GPU or TPU compiles).
+The function's values are unchanged (out-of-bounds reads are clamped, or filled, as ``lax``
+defines them); only how its reads are spelled is. The interpreter runs the rewritten program
+too, so the tests check the values of the program a GPU or TPU is given.
 """
 
 import dataclasses
@@ -59,12 +60,14 @@ class _Unread:
             index[axis] = index[axis].start
         return _Unread(self.ref, tuple(index))
 
-    def at_points(self, points: list, clip: bool):
-        """``part[points[0], points[1], …]`` of equal-shape index arrays, one per kept axis."""
+    def at_points(self, points: list):
+        """``part[points[0], points[1], …]`` of equal-shape index arrays, one per kept axis.
+
+        Each is clamped into the part (as a ``CLIP`` gather): no read leaves it.
+        """
         index = list(self.index)
         for axis, point, length in zip(self.kept(), points, self.shape, strict=True):
-            point = jnp.clip(point, 0, length - 1) if clip else point
-            index[axis] = index[axis].start + point
+            index[axis] = index[axis].start + jnp.clip(point, 0, length - 1)
         return self.ref[tuple(index)]
 
 
@@ -99,11 +102,10 @@ def _value(x):
 def evaluate(fn, refs: list, *args):
     """``fn(*values of refs, *args)``, each ref read only where and as ``fn`` reads it."""
     avals = [jax.ShapeDtypeStruct(ref.shape, ref.dtype) for ref in refs]
-    closed = jax.make_jaxpr(fn)(*avals, *args)
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*avals, *args)
     unread = [_Unread(ref, tuple(pl.ds(0, n) for n in ref.shape)) for ref in refs]
-    leaves = jax.tree.leaves(args)
-    outs = _eval(closed.jaxpr, closed.consts, [*unread, *leaves])
-    return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(fn, *avals, *args)), outs)
+    outs = _eval(closed.jaxpr, closed.consts, [*unread, *jax.tree.leaves(args)])
+    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
 def _eval(jaxpr, consts, args) -> list:
@@ -214,12 +216,27 @@ def _point_gather(eqn, operand: _Unread) -> bool:
 def _gather(operand: _Unread, indices, params):
     rank = len(operand.shape)
     points = _points(indices, rank)
-    fill = params["mode"] == lax.GatherScatterMode.FILL_OR_DROP
-    value = operand.at_points(points, clip=not fill)
-    if fill:
-        inside = _all((p >= 0) & (p < n) for p, n in zip(points, operand.shape, strict=True))
-        value = jnp.where(inside, value, params["fill_value"] or 0)
+    value = operand.at_points(points)
+    if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:  # read clamped, then filled
+        inside = _inside(points, operand.shape)
+        value = jnp.where(inside, value, _fill_value(params["fill_value"], value.dtype))
     return _Expanded(value, rank)
+
+
+def _inside(points: list, shape: tuple):
+    return _all((p >= 0) & (p < n) for p, n in zip(points, shape, strict=True))
+
+
+def _fill_value(fill, dtype):
+    """``lax.gather``'s fill for out-of-bounds points: given, or its default for ``dtype``."""
+    if fill is not None:
+        return jnp.asarray(fill, dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.asarray(jnp.nan, dtype)
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return jnp.asarray(True)
+    info = jnp.iinfo(dtype)
+    return jnp.asarray(info.min if jnp.issubdtype(dtype, jnp.signedinteger) else info.max, dtype)
 
 
 def _points(indices, rank: int) -> list:
@@ -249,7 +266,7 @@ def _updated(operand, update, *starts):
         return lax.dynamic_update_slice(operand, update, starts)
     at = _all(
         lax.broadcasted_iota(jnp.int32, operand.shape, axis)
-        == jnp.clip(start, 0, operand.shape[axis] - 1)
+        == jnp.clip(start, 0, operand.shape[axis] - 1).astype(jnp.int32)
         for axis, start in enumerate(starts)
     )
     return jnp.where(at, update.reshape(()), operand)
@@ -275,6 +292,8 @@ def _scatter_add(eqn, operand, indices, updates):
     if not point or operand.size > _ONE_HOT_MAX:
         return _bind(eqn, [operand, _value(indices), updates])
     points = _points(indices, rank)
+    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:  # clamped, as its gather's
+        points = [jnp.clip(p, 0, n - 1) for p, n in zip(points, operand.shape, strict=True)]
     values = updates.reshape(points[0].shape)[(...,) + (None,) * rank]
     entries = points[0].ndim
     hits = _all(

@@ -86,7 +86,7 @@ class Pallas:
             size = getattr(self, name)
             if size < least or size & (size - 1):
                 raise ValueError(
-                    f"`Pallas.{name}` must be a power of two ≥ {least} (Triton's tiles); "
+                    f"`Pallas.{name}` must be a power of two ≥ {least} (as Triton takes it); "
                     f"got {size}."
                 )
         if not isinstance(self.interpret, (bool, pltpu.InterpretParams)):
@@ -102,20 +102,22 @@ class Kernel:
 
     Besides queries, keys and values, every program reads whole: the query heads' indices, the
     sinks (if any) and the ``shared`` arrays (the rule's, the batch index, the ``score_mod``'s
-    arrays, the global positions of the first query and key), each with two leading axes of 1.
+    arrays, the global positions of the first query and key, a block mask's lists), each with two
+    leading axes of 1.
     """
 
     tiles: Tiles
     options: Pallas
     seq_q: int  # padded to whole tiles
     seq_kv: int
-    shared: Any  # the treedef of (rule, batch, score_consts, offsets)
+    shared: Any  # the treedef of (rule, batch, score_consts, offsets, lists)
     shapes: tuple  # the shapes of its leaves
     sinks: bool
     gradients: int  # how many of the ``score_mod``'s arrays have one (floating point)
 
     @property
-    def groups(self) -> int:
+    def group(self) -> int:
+        """``G``, the query heads per key/value head."""
         return self.tiles.groups[1]
 
     def inputs(self, arrays: CallArrays, offsets, lists) -> list:
@@ -168,7 +170,10 @@ class Kernel:
         if interpret:
             return on(True, None)
         options = self.options
-        triton = on(False, pltriton.CompilerParams(options.num_warps, options.num_stages))
+        triton = on(
+            False,
+            pltriton.CompilerParams(num_warps=options.num_warps, num_stages=options.num_stages),
+        )
         mosaic = on(False, pltpu.CompilerParams())
         interpreter = on(True, None)
 
@@ -179,13 +184,13 @@ class Kernel:
 
         return lowered
 
-    def sweep(self, arrays: CallArrays, step, axis: str, block, offset, carry, where):
+    def sweep(self, arrays: CallArrays, step, axis: str, block, offset, carry, head_lists):
         """``carry = step(m, carry, rule)`` over the ``axis`` blocks ``m`` the rule may allow.
 
         ``block`` is the program's block of the other axis; ``offset`` the global position of
         each axis's first (``(q_offset, kv_offset)``). The blocks the rule excludes are never
         visited: the loop runs between the rule's ranges or, given a block mask's
-        :class:`BlockLists` (``where = (n, lists)``, query head ``n``), over its list of the
+        :class:`BlockLists` (``head_lists = (n, lists)``, query head ``n``), over its list of the
         blocks it does not exclude; inside either, an opaque rule's class of each tile says
         whether it is skipped, run with the rule, or run without it (full).
         """
@@ -203,7 +208,7 @@ class Kernel:
             return tile_class(rule, arrays, *(blocks if forward else blocks[::-1]))
 
         guarded = classified(step, classify, skip=lambda m, carry: carry)
-        n, lists = where
+        n, lists = head_lists
         if lists is None:
             span = (start, start + this)
             return sweep(guarded, arrays.rule, axis, span, first, other, count, carry)

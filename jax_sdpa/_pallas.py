@@ -53,7 +53,7 @@ def pallas_sequence(
     """The fused kernels on one sequence, all heads: ``(out, lse, None)`` in jax.nn's layout.
 
     ``(T, N, H)`` queries and ``(S, K, ·)`` keys and values, padded to whole tiles
-    (:func:`jax_sdpa._kernels.padded`). An opaque rule's tiles are classified once, and listed
+    (:func:`jax_sdpa._kernel_calls.padded`). An opaque rule's tiles are classified once, and listed
     (:class:`~jax_sdpa._kernels.BlockLists`): the kernels visit only the blocks it does not
     exclude.
     """

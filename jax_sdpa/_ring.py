@@ -34,7 +34,6 @@ from jax_sdpa._online_softmax import finish, from_result, init, merge
 from jax_sdpa._tiles import (
     DEFAULT_BLOCK_KV,
     DEFAULT_BLOCK_Q,
-    BackwardRows,
     Tiles,
     check_sizes,
     flat,
@@ -58,10 +57,11 @@ class Ring:
 
     Attributes:
         block_q: Queries per tile, at most: each run of a shard is cut into the largest tiles
-            that divide it (shards are never padded).
+            that divide it (shards are never padded; unused with ``kernel``).
         block_kv: Keys per tile, likewise.
-        kernel: If given, each step's tiles are computed by the fused kernel, with its tiles
-            (``ring_attention(..., implementation="pallas")`` or ``Pallas(...)`` gives it).
+        kernel: If given, each step's tiles are computed by the fused kernel, with its own
+            tiles, each run padded to them (``ring_attention(..., implementation="pallas")`` or
+            ``Pallas(...)`` gives it).
     """
 
     block_q: int = DEFAULT_BLOCK_Q
@@ -136,19 +136,27 @@ def _heads(x, heads: int):
     return x.reshape(x.shape[0], heads, -1)
 
 
-def _kernel_forward(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, state, offsets):
-    """:func:`~jax_sdpa._tiles.forward_sweep`, the tiles computed by the fused kernel.
+def _on_kernel(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, kv_offset) -> tuple:
+    """``(tiles, (q, k, v), padded)``: a run's rows ``(r, heads·d)`` as the kernel takes them.
 
-    The kernel gives ``(out, lse)`` of these queries over these keys, merged into ``state``
-    (which has met the sinks, if any, from the start).
+    ``(q, k, v)`` are ``(r, heads, d)``; ``padded`` is :func:`jax_sdpa._kernel_calls.padded`'s
+    ``(q, k, v, arrays)``, without the sinks (the ring's state met them from the start).
     """
     heads, kv_heads = math.prod(tiles.groups), tiles.groups[0]
     q, k, v = _heads(queries, heads), _heads(key, kv_heads), _heads(value, kv_heads)
     fitted = kernels.fitted(tiles.formula, kernel, q, k)
-    padded = kernels.padded(fitted, q, k, v, dataclasses.replace(arrays, sinks=None), offsets[1])
-    wide = state.acc.dtype
-    out, lse = kernels.forward(fitted, kernel, *padded, offsets, out_dtype=wide)
-    rows, width = q.shape[0], v.shape[-1]
+    arrays = dataclasses.replace(arrays, sinks=None)
+    return fitted, (q, k, v), kernels.padded(fitted, q, k, v, arrays, kv_offset)
+
+
+def _kernel_forward(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, state, offsets):
+    """:func:`~jax_sdpa._tiles.forward_sweep`, the tiles computed by the fused kernel.
+
+    The kernel gives ``(out, lse)`` of these queries over these keys, merged into ``state``.
+    """
+    fitted, (q, _, v), padded = _on_kernel(kernel, tiles, queries, key, value, arrays, offsets[1])
+    out, lse = kernels.forward(fitted, kernel, *padded, offsets, out_dtype=state.acc.dtype)
+    rows, heads, width = q.shape[0], q.shape[1], v.shape[-1]
     part = from_result(out[:rows, :, :width], lse[:rows])
     merged = merge(state._replace(acc=_heads(state.acc, heads)), part)
     return merged._replace(acc=merged.acc.reshape(rows, -1))
@@ -158,28 +166,16 @@ def _kernel_backward(
     kernel: Pallas, tiles: Tiles, queries, key, value, arrays, rows, grads, offsets
 ):
     """:func:`~jax_sdpa._tiles_backward.backward_sweep`, the tiles computed by the fused kernel."""
-    heads, kv_heads = math.prod(tiles.groups), tiles.groups[0]
-    q, k, v = _heads(queries, heads), _heads(key, kv_heads), _heads(value, kv_heads)
-    fitted = kernels.fitted(tiles.formula, kernel, q, k)
-    arrays = dataclasses.replace(arrays, sinks=None)
-    q_p, k_p, v_p, arrays = kernels.padded(fitted, q, k, v, arrays, offsets[1])
-    extra = q_p.shape[0] - q.shape[0]
-    d_out = jnp.pad(
-        _heads(rows.d_out, heads), ((0, extra), (0, 0), (0, v_p.shape[-1] - v.shape[-1]))
-    )
-    rows = BackwardRows(
-        d_out.reshape(q_p.shape[0], -1),
-        *(jnp.pad(x, ((0, extra), (0, 0))) for x in (rows.delta, rows.shift)),
-    )
-    dq, dk, dv, d_consts = kernels.backward(fitted, kernel, q_p, k_p, v_p, arrays, rows, offsets)
-    d_query, d_key, d_value, d_bias, consts = grads
-    return (
-        d_query + dq[: q.shape[0], :, : q.shape[-1]].reshape(q.shape[0], -1),
-        d_key + dk[: k.shape[0], :, : k.shape[-1]].reshape(k.shape[0], -1),
-        d_value + dv[: v.shape[0], :, : v.shape[-1]].reshape(v.shape[0], -1),
-        d_bias,
-        jax.tree.map(lambda total, d: total + d.astype(total.dtype), consts, d_consts),
-    )
+    fitted, runs, padded = _on_kernel(kernel, tiles, queries, key, value, arrays, offsets[1])
+    rows = kernels.padded_rows(rows, padded[0].shape[0], runs[0].shape[1], padded[2].shape[-1])
+    *d_runs, d_consts = kernels.backward(fitted, kernel, *padded, rows, offsets)
+    *totals, d_bias, consts = grads
+    totals = [  # each run's gradient, its padding dropped, added to its accumulator
+        total + d[: x.shape[0], :, : x.shape[-1]].reshape(x.shape[0], -1)
+        for total, d, x in zip(totals, d_runs, runs, strict=True)
+    ]
+    consts = jax.tree.map(lambda total, d: total + d.astype(total.dtype), consts, d_consts)
+    return (*totals, d_bias, consts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -296,7 +292,8 @@ def ring_sequence(
 
     :func:`jax_sdpa._chunked.chunked_sequence` on a ring: ``(out, lse, None)`` for this device's
     queries, in jax.nn's layout. Shards are never padded: each tile is the largest divisor of a
-    run's length not above the options'.
+    run's length not above the options' (with ``options.kernel``, each run is padded to the
+    kernel's tiles instead).
     """
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
     runs = 2 if ring.layout == "striped" else 1

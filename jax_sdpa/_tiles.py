@@ -336,15 +336,16 @@ def pad_to(x: jax.Array | None, axis: int, multiple: int, value=0) -> jax.Array 
     return jnp.pad(x, widths, constant_values=value)
 
 
-def pad_keys(key, value, arrays: CallArrays, block: int) -> tuple:
+def pad_keys(key, value, arrays: CallArrays, block: int, offset=0) -> tuple:
     """``(key, value, arrays)`` with the keys padded to whole blocks, the padding masked.
 
-    The padded keys are masked by a length rule; the bias and mask gain their columns.
+    The padded keys are masked by a length rule (at global positions: the keys start at
+    ``offset``); the bias and mask gain their columns.
     """
     seq_kv = key.shape[0]
     if seq_kv % block == 0:
         return key, value, arrays
-    padding = LengthMask(None, jnp.asarray(seq_kv, INDEX))
+    padding = LengthMask(None, jnp.asarray(offset + seq_kv, INDEX))
     arrays = dataclasses.replace(
         arrays,
         rule=padding if arrays.rule is None else arrays.rule & padding,

@@ -56,7 +56,11 @@ def test_what_the_kernel_does_not_take_is_refused_and_none_falls_back(keywords, 
     x = jnp.ones((1, 2, 1, 16))
     with pytest.raises(ValueError, match=f"`implementation='pallas'` takes no {named}"):
         js.dot_product_attention(x, x, x, implementation=INTERPRET, **keywords)
-    js.dot_product_attention(x, x, x, **keywords)  # implementation=None never picks it
+    # implementation=None never picks the kernel: it takes the call, as the XLA paths do.
+    chosen = js.dot_product_attention(x, x, x, **keywords)
+    np.testing.assert_allclose(
+        chosen, js.dot_product_attention(x, x, x, implementation="xla", **keywords)
+    )
 
 
 def test_a_plain_pallas_call_on_a_cpu_runs_the_interpreter(rng):
@@ -137,7 +141,7 @@ def test_the_tpu_simulator_finds_no_out_of_bounds_or_uninitialised_read(rng, key
 # --- lowering for a GPU and a TPU, on this CPU ------------------------------------------------
 
 T, N, D = 4096, 16, 128
-SLOPES = jnp.linspace(0.05, 1.0, N)
+SLOPES = jnp.linspace(0.05, 1.0, N, dtype=jnp.float32)
 DOCUMENTS = jnp.arange(T, dtype=jnp.int32) // (T // 16)
 CASES = {
     "causal": dict(is_causal=True),

@@ -6,6 +6,7 @@ the largest entry.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -360,7 +361,7 @@ def test_ring_steps_by_the_kernel_lower_for_a_gpu_under_shard_maps_default_check
     # Lowered, not run: no GPU here. The kernel's outputs carry shard_map's varying types.
     m = mesh((4,), ("seq",))
     spec = P(None, "seq", None, None)
-    slopes = jnp.linspace(0.1, 1.0, 4)
+    slopes = jnp.linspace(0.1, 1.0, 4, dtype=jnp.float32)
     documents = jnp.arange(1024, dtype=jnp.int32) // 128
 
     def local(q, k, v, sinks):
@@ -380,3 +381,18 @@ def test_ring_steps_by_the_kernel_lower_for_a_gpu_under_shard_maps_default_check
         )(x, x, x, sinks)
         text = exported.mlir_module()
         assert text.count(triton) == kernels and "collective_permute" in text
+
+
+def test_ring_steps_by_the_kernel_refuse_what_the_kernel_does_not_take():
+    m = mesh((8,), ("seq",))
+    spec = P(None, "seq", None, None)
+    q, k, v = inputs(2)
+    bias = jnp.zeros((2, 4, 8, 64), jnp.float32)  # this device's queries, all the keys
+
+    def local(q, k, v):
+        return js.ring_attention(q, k, v, bias, axis_name="seq", implementation="pallas")
+
+    ring = jax.shard_map(local, mesh=m, in_specs=(spec,) * 3, out_specs=spec)
+    message = "`ring_attention(implementation='pallas')` takes no bias"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ring(q, k, v)
