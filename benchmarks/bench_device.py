@@ -18,9 +18,11 @@ error and the rest go on; the deadline stops the run between cases.
 
 ``--lower`` and ``--interpret`` are its rehearsal on a machine without a GPU: they prove that
 the calls lower and that the checks pass, not any speed. On a lent machine whose image has JAX
-but not this package, run it from the checkout: ``PYTHONPATH=. python
-benchmarks/bench_device.py``, with ``jaxtyping`` (pure Python, as is its one dependency
-``wadler_lindig``) importable there.
+but not this package (nor a network), run it from the checkout with this package's one other
+dependency, pure Python, brought along::
+
+    pip install --no-deps --target benchmarks/.deps jaxtyping wadler_lindig   # here (ignored)
+    PYTHONPATH=.:benchmarks/.deps python benchmarks/bench_device.py         # there
 """
 
 import argparse
