@@ -131,9 +131,17 @@ def _run_dense(inputs: Inputs, config: Config) -> Result:
     )
 
 
-def _run_chunked(inputs: Inputs, config: Config) -> Result:
-    sequence = functools.partial(chunked_sequence, config.formula, config.options)
-    return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
+def _tiled(sequence_fn: Callable) -> Callable[[Inputs, Config], Result]:
+    """The ``run`` of a tiled implementation, ``sequence_fn(formula, options, ...)`` a sequence.
+
+    Mapped over the batch, or sequence by sequence where its tiles' classes depend on data.
+    """
+
+    def run(inputs: Inputs, config: Config) -> Result:
+        sequence = functools.partial(sequence_fn, config.formula, config.options)
+        return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
+
+    return run
 
 
 def _no_weights(name: str, config: Config) -> str | None:
@@ -178,11 +186,6 @@ def _paged_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 def _run_ring(inputs: Inputs, config: Config) -> Result:
     sequence = functools.partial(ring_sequence, config.formula, config.options, config.ring)
-    return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
-
-
-def _run_pallas(inputs: Inputs, config: Config) -> Result:
-    sequence = functools.partial(pallas_sequence, config.formula, config.options)
     return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
 
 
@@ -292,14 +295,14 @@ def _run_cudnn(inputs: Inputs, config: Config) -> Result:
 
 IMPLEMENTATIONS: dict[str, Entry] = {
     "xla": Entry(_run_dense, jvp=True),
-    "chunked": Entry(_run_chunked, _chunked_unsupported, options=Chunked),
+    "chunked": Entry(_tiled(chunked_sequence), _chunked_unsupported, options=Chunked),
     "decode": Entry(_run_decode, _decode_unsupported, options=Decode),
     "paged": Entry(
         _run_paged, _paged_unsupported, jvp=True, asked_as="`paged_attention`", options=Paged
     ),
     "cudnn": Entry(_run_cudnn, _cudnn_unsupported),
     "ring": Entry(_run_ring, _ring_unsupported, asked_as="`ring_attention`", options=Ring),
-    "pallas": Entry(_run_pallas, _pallas_unsupported, options=Pallas),
+    "pallas": Entry(_tiled(pallas_sequence), _pallas_unsupported, options=Pallas),
 }
 
 

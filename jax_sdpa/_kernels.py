@@ -130,9 +130,10 @@ class Kernel:
         return [arrays.head, *([arrays.sinks] if self.sinks else []), *shared]
 
     def run(self, body, refs: list, n):
-        """``body(arrays, sink, (q_offset, kv_offset), lists)`` in a program of query head ``n``.
+        """``body(arrays, sink, (q_offset, kv_offset), sweep)`` in a program of query head ``n``.
 
-        ``arrays`` are head ``n``'s, read from the refs of :meth:`inputs`.
+        ``arrays`` are head ``n``'s, read from the refs of :meth:`inputs`; ``sweep(step, axis,
+        block, carry)`` is :meth:`sweep` with this program's arrays, offsets and block lists.
 
         The shared arrays stay in memory, read where ``body`` reads them
         (:func:`jax_sdpa._kernel_reads.evaluate`).
@@ -145,7 +146,9 @@ class Kernel:
             shared = [x.reshape(shape) for x, shape in zip(shared, self.shapes, strict=True)]
             rule, batch, consts, offsets, lists = jax.tree.unflatten(self.shared, shared)
             arrays = CallArrays(rule=rule, batch=batch, head=head, score_consts=consts)
-            return body(arrays, sink, (offsets[0], offsets[1]), lists)
+            offsets = (offsets[0], offsets[1])
+            sweep = functools.partial(self.sweep, arrays, offsets=offsets, head_lists=(n, lists))
+            return body(arrays, sink, offsets, sweep)
 
         return evaluate(with_values, refs)
 
@@ -184,10 +187,10 @@ class Kernel:
 
         return lowered
 
-    def sweep(self, arrays: CallArrays, step, axis: str, block, offset, carry, head_lists):
+    def sweep(self, arrays: CallArrays, step, axis: str, block, carry, *, offsets, head_lists):
         """``carry = step(m, carry, rule)`` over the ``axis`` blocks ``m`` the rule may allow.
 
-        ``block`` is the program's block of the other axis; ``offset`` the global position of
+        ``block`` is the program's block of the other axis; ``offsets`` the global position of
         each axis's first (``(q_offset, kv_offset)``). The blocks the rule excludes are never
         visited: the loop runs between the rule's ranges or, given a block mask's
         :class:`BlockLists` (``head_lists = (n, lists)``, query head ``n``), over its list of the
@@ -199,8 +202,8 @@ class Kernel:
         this, other = (
             (tiles.block_q, tiles.block_kv) if forward else (tiles.block_kv, tiles.block_q)
         )
-        start = offset[1 - forward] + block * this
-        first = offset[1] if forward else offset[0]
+        start = offsets[1 - forward] + block * this
+        first = offsets[1] if forward else offsets[0]
         count = (self.seq_kv if forward else self.seq_q) // other
 
         def classify(m, rule):
@@ -254,7 +257,7 @@ def forward_kernel(kernel: Kernel, q_ref, k_ref, v_ref, *refs):
     n, i = pl.program_id(0), pl.program_id(1)
     q = q_ref[...]
 
-    def body(arrays: CallArrays, sink, offsets, lists):
+    def body(arrays: CallArrays, sink, offsets, sweep):
         q_offset, kv_offset = offsets
         tile_q = q_offset + i * tiles.block_q
         like = jnp.zeros((), q.dtype)  # in a kernel the state's zeros need not vary (shard_map)
@@ -268,7 +271,7 @@ def forward_kernel(kernel: Kernel, q_ref, k_ref, v_ref, *refs):
             tile_kv = kv_offset + j * tiles.block_kv
             return tiles.forward_tile(state, q, k_j, v_j, tile, tile_q, tile_kv)
 
-        state = kernel.sweep(arrays, step, "kv", i, offsets, state, (n, lists))
+        state = sweep(step, "kv", i, state)
         return online_softmax.finish(state, o_ref.dtype)
 
     out, lse = kernel.run(body, inputs, n)
@@ -291,7 +294,7 @@ def dq_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_r
     q = _wide(q_ref[...])
     terms = BackwardRows(_wide(d_out_ref[...]), delta_ref[:, 0], shift_ref[:, 0])
 
-    def body(arrays: CallArrays, _, offsets, lists):
+    def body(arrays: CallArrays, _, offsets, sweep):
         q_offset, kv_offset = offsets
         tile_q = q_offset + i * tiles.block_q
 
@@ -302,8 +305,7 @@ def dq_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_r
             tile_kv = kv_offset + j * tiles.block_kv
             return dq + tiles.backward_tile(q, k_j, v_j, tile, terms, tile_q, tile_kv)[0]
 
-        zeros = jnp.zeros_like(q)
-        return kernel.sweep(arrays, step, "kv", i, offsets, zeros, (n, lists))
+        return sweep(step, "kv", i, jnp.zeros_like(q))
 
     dq_ref[...] = kernel.run(body, inputs, n).astype(dq_ref.dtype)
 
@@ -315,7 +317,7 @@ def dkv_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_
     n, j = pl.program_id(0), pl.program_id(1)
     k, v = _wide(k_ref[...]), _wide(v_ref[...])
 
-    def body(arrays: CallArrays, _, offsets, lists):
+    def body(arrays: CallArrays, _, offsets, sweep):
         q_offset, kv_offset = offsets
         tile_kv = kv_offset + j * tiles.block_kv
 
@@ -332,7 +334,7 @@ def dkv_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_
 
         consts = [jnp.zeros(r.shape[2:], r.dtype) for r in d_const_refs]
         zeros = (jnp.zeros_like(k), jnp.zeros_like(v), consts)
-        return kernel.sweep(arrays, step, "q", j, offsets, zeros, (n, lists))
+        return sweep(step, "q", j, zeros)
 
     dk, dv, d_consts = kernel.run(body, inputs, n)
     dk_ref[...] = dk
