@@ -6,10 +6,13 @@ A mask rule, a block mask or a ``score_mod`` reads its arrays by value: ``slopes
 index, they do not slice registers). :func:`evaluate` runs a function of such arrays with each
 array left in memory (a Pallas ref) until it is read: slices, dynamic slices and point gathers
 of it become loads at those indices (``ref[pl.ds(h, 1)]``, ``ref[q_idx]``); anything else loads
-it whole. The gradients of a ``score_mod``'s arrays are the transposes of those reads
-(``dynamic_update_slice`` and ``scatter-add`` into zeros), which the kernels do not lower
-either: they become sums of one-hot products, ``d[m] = Σ_e g_e [idx_e = m]`` (and ``all``,
-``any`` of booleans become ``min``, ``max`` of integers).
+it whole. Positions are followed from their ``iota`` (a :class:`_Run`): a read at a tile's
+positions is one load of a contiguous window (``ref[pl.ds(q_offset, block_q)]``), which is all
+a TPU loads (Mosaic has no load at a vector of indices). The gradients of a ``score_mod``'s
+arrays are the transposes of those reads (``dynamic_update_slice`` and ``scatter-add`` into
+zeros), which the kernels do not lower either: they become sums of one-hot products,
+``d[m] = Σ_e g_e [idx_e = m]`` (and ``all``, ``any`` of booleans become ``min``, ``max`` of
+integers).
 
 The function's values are unchanged (out-of-bounds reads are clamped, or filled, as ``lax``
 defines them); only how its reads are spelled is. The interpreter runs the rewritten program
@@ -17,6 +20,7 @@ too, so the tests check the values of the program a GPU or TPU is given.
 """
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -92,7 +96,59 @@ class _Expanded:
         return self.value.reshape(self.value.shape + (1,) * self.ones)
 
 
-_LAZY = (_Unread, _Joined, _Expanded)
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """``base + shift + iota`` along ``axis`` of ``shape``, whose other axes are 1: positions.
+
+    ``shift`` is the part known when traced (a literal), ``base`` the traced rest. ``wrap`` is
+    ``n`` once a ``jnp`` index's wrap (``x + n`` where ``x < 0``) has been applied to it.
+    """
+
+    base: Any
+    shift: int
+    shape: tuple
+    axis: int
+    wrap: int | None = None
+
+    @property
+    def size(self) -> int:
+        return self.shape[self.axis]
+
+    @property
+    def start(self):
+        return self.base + self.shift
+
+    def read(self):
+        run = self.start + lax.broadcasted_iota(self.base.dtype, self.shape, self.axis)
+        return run if self.wrap is None else jnp.where(run < 0, run + self.wrap, run)
+
+    def reshaped(self, shape: tuple) -> "_Run | None":
+        """The run as ``shape`` (axes of 1 added or dropped), or None if that is not all."""
+        if math.prod(shape) != self.size:
+            return None
+        axis = next((n for n, size in enumerate(shape) if size == self.size), 0)
+        return dataclasses.replace(self, shape=tuple(shape), axis=axis)
+
+    def shifted(self, x, sign: int) -> "_Run | None":
+        """The run plus (``sign`` 1) or minus (−1) a scalar ``x``, or None if ``x`` is not one."""
+        if self.wrap is not None or isinstance(x, _LAZY) or jnp.ndim(x) != 0:
+            return None
+        if isinstance(x, jax.core.Tracer):
+            return dataclasses.replace(self, base=self.base + sign * x)
+        return dataclasses.replace(self, shift=self.shift + sign * int(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Negative:
+    """``run < 0``, kept until it is seen to choose a ``jnp`` index's wrap."""
+
+    run: _Run
+
+    def read(self):
+        return self.run.read() < 0
+
+
+_LAZY = (_Unread, _Joined, _Expanded, _Run, _Negative)
 
 
 def _value(x):
@@ -155,6 +211,9 @@ def _eqn(eqn, invals: list):
         return _Joined([_value(x) for x in invals])
     if name == "gather" and isinstance(first, _Unread) and _point_gather(eqn, first):
         return _gather(first, invals[1], params)
+    run = _on_runs(eqn, invals)
+    if run is not None:
+        return run
     if name in ("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint"):
         return _eval(*_sub(params, "jaxpr", "call_jaxpr"), invals)
     if name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
@@ -201,26 +260,126 @@ def _squeezed(x: _Expanded, dimensions):
 
 
 def _point_gather(eqn, operand: _Unread) -> bool:
-    """Whether a gather reads single entries: ``operand[idx[..., 0], idx[..., 1], …]``."""
+    """Whether a gather reads single entries: ``operand[idx[..., 0], idx[..., 1], …]``.
+
+    Its result has the entries' shape (``jnp`` indexing), or that and ``rank`` axes of 1 (a
+    mapped index).
+    """
     numbers, rank = eqn.params["dimension_numbers"], len(operand.shape)
+    out_rank = eqn.outvars[0].aval.ndim
+    kept = (not numbers.collapsed_slice_dims) and tuple(numbers.offset_dims) == tuple(
+        range(out_rank - rank, out_rank)
+    )
+    collapsed = tuple(numbers.collapsed_slice_dims) == tuple(range(rank)) and not (
+        numbers.offset_dims
+    )
     return (
         tuple(eqn.params["slice_sizes"]) == (1,) * rank
         and tuple(numbers.start_index_map) == tuple(range(rank))
-        and not numbers.collapsed_slice_dims
         and not numbers.operand_batching_dims
-        and tuple(numbers.offset_dims)
-        == tuple(range(eqn.outvars[0].aval.ndim - rank, eqn.outvars[0].aval.ndim))
+        and (kept or collapsed)
     )
 
 
 def _gather(operand: _Unread, indices, params):
+    """A point gather: loads at the points (one contiguous load for a run of positions)."""
     rank = len(operand.shape)
+    ones = 0 if params["dimension_numbers"].collapsed_slice_dims else rank
+    if isinstance(indices, _Run):
+        if rank == 1 and indices.size <= operand.shape[0]:
+            return _Expanded(_read_run(operand, indices, params), ones)
+        indices = indices.read()  # a run longer than the array
     points = _points(indices, rank)
     value = operand.at_points(points)
     if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:  # read clamped, then filled
         inside = _inside(points, operand.shape)
         value = jnp.where(inside, value, _fill_value(params["fill_value"], value.dtype))
-    return _Expanded(value, rank)
+    return _Expanded(value, ones)
+
+
+def _read_run(operand: _Unread, run: _Run, params):
+    """``operand[run]`` of a 1-D part: one load of a contiguous window where the run lies inside.
+
+    That is what a TPU loads (it has no load at a vector of indices) and the common case: the
+    positions of a tile. A run that leaves the part (a tile past the end of a sequence) is read
+    by :func:`_windowed`, equal to the gather's clamped or filled values.
+    """
+    (length,), count = operand.shape, run.size
+    start = run.start
+
+    def outside():
+        points = run.read().reshape(count)
+        value = _windowed(operand, jnp.clip(points, 0, length - 1))
+        if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+            fill = _fill_value(params["fill_value"], value.dtype)
+            value = jnp.where(_inside([points], operand.shape), value, fill)
+        return value
+
+    within = (start >= 0) & (start <= length - count)
+    value = lax.cond(within, lambda: operand.narrowed([start], [count]).read(), outside)
+    return value.reshape(run.shape[:-1])
+
+
+def _windowed(operand: _Unread, points):
+    """``operand[points]`` of a 1-D part, points inside it: one-hot sums over windows of loads."""
+    (length,), count = operand.shape, points.size
+    wide = jnp.int32 if operand.ref.dtype == jnp.bool_ else operand.ref.dtype
+
+    def window(c, value):
+        lo = jnp.minimum(c * count, length - count)  # the last window overlaps the one before
+        entries = operand.narrowed([lo], [count]).read().astype(wide)
+        at = lo + lax.broadcasted_iota(points.dtype, (1, count), 1)
+        hits = (points[:, None] == at) & (at >= c * count)
+        return value + jnp.where(hits, entries[None, :], 0).sum(axis=1).astype(wide)
+
+    value = lax.fori_loop(0, -(-length // count), window, jnp.zeros(count, wide))
+    return value.astype(operand.ref.dtype)
+
+
+def _on_runs(eqn, invals: list):
+    """What an equation makes of positions, if it keeps them a :class:`_Run`; else None.
+
+    Those that do: an integer iota, plus or minus a scalar, axes of 1 added or dropped, and a
+    ``jnp`` index's wrap (``select_n(x < 0, x, x + n)``).
+    """
+    name, params = eqn.primitive.name, eqn.params
+    if name == "iota" and jnp.issubdtype(params["dtype"], jnp.integer):
+        shape, axis = tuple(params["shape"]), params["dimension"]
+        if math.prod(shape) == shape[axis]:
+            return _Run(jnp.zeros((), params["dtype"]), 0, shape, axis)
+        return None
+    first = invals[0] if invals else None
+    if name == "select_n" and isinstance(first, _Negative) and len(invals) == 3:
+        run, (kept, wrapped) = first.run, invals[1:]
+        if (
+            kept is run
+            and isinstance(wrapped, _Run)
+            and wrapped.base is run.base
+            and (wrapped.shape, wrapped.axis, wrapped.wrap) == (run.shape, run.axis, None)
+        ):
+            return dataclasses.replace(run, wrap=wrapped.shift - run.shift)
+        return None
+    if not isinstance(first, _Run) and not (name == "add" and isinstance(invals[1], _Run)):
+        return None
+    shape = tuple(eqn.outvars[0].aval.shape)
+    if name in ("broadcast_in_dim", "squeeze") or (
+        name == "reshape" and params.get("dimensions") is None
+    ):
+        return first.reshaped(shape)
+    if name == "convert_element_type" and params["new_dtype"] == first.base.dtype:
+        return first
+    if name == "add":
+        run, other = (first, invals[1]) if isinstance(first, _Run) else (invals[1], first)
+        return run.shifted(other, 1)
+    if name == "sub":
+        return first.shifted(invals[1], -1)
+    if name == "lt" and _is_zero(invals[1]) and first.wrap is None:
+        return _Negative(first)
+    return None
+
+
+def _is_zero(x) -> bool:
+    return not isinstance(x, (jax.core.Tracer, *_LAZY)) and jnp.ndim(x) == 0 and int(x) == 0
 
 
 def _inside(points: list, shape: tuple):

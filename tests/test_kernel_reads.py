@@ -76,3 +76,60 @@ CASES = {
 def test_a_kernel_reads_what_the_function_reads(case):
     fn, arrays = CASES[case]
     np.testing.assert_array_equal(in_kernel(fn, *arrays), fn(*arrays))
+
+
+# --- positions: a run ``start + arange(n)`` is read as one contiguous load -------------------
+
+DOCS = jnp.arange(40, dtype=jnp.int32) // 7
+FLAGS = jnp.arange(40) % 3 == 0
+
+
+def at_positions(fn, array, start, count: int):
+    """``fn(array, start + arange(count))`` computed in a kernel with ``start`` traced."""
+    run = lambda a, s: fn(a, s + jnp.arange(count, dtype=jnp.int32))  # noqa: E731
+    shape = jax.eval_shape(run, array, start)
+
+    def kernel(start_ref, array_ref, out):
+        out[...] = evaluate(run, [array_ref], start_ref[0])
+
+    return pl.pallas_call(kernel, out_shape=shape, interpret=True)(jnp.atleast_1d(start), array)
+
+
+RUNS = {
+    "index": lambda a, i: a[i],
+    "index less a constant": lambda a, i: a[i - 3],
+    "index plus a traced scalar": lambda a, i: a[i + i[0] // 2],
+    "fill gather": lambda a, i: a.at[i].get(mode="fill", fill_value=a.dtype.type(1)),
+    "as a column and a row": lambda a, i: a[i][:, None] == a[i + 1][None, :],
+}
+
+
+@pytest.mark.parametrize("array", [DOCS, FLAGS], ids=["ids", "booleans"])
+@pytest.mark.parametrize("start", [0, 9, 24, 30, 39, -6], ids=lambda s: f"start {s}")
+@pytest.mark.parametrize("case", RUNS)
+def test_a_run_of_positions_reads_what_the_function_reads(case, start, array):
+    # 16 positions from `start` in 40 entries: inside (0, 9, 24), past the end (30, 39) and
+    # before the start (−6, which a jnp index wraps): the last two read window by window.
+    fn = RUNS[case]
+    start = jnp.int32(start)
+    want = fn(array, start + jnp.arange(16, dtype=jnp.int32))
+    np.testing.assert_array_equal(at_positions(fn, array, start, 16), want)
+
+
+@pytest.mark.parametrize("case", ["index", "fill gather"])
+def test_a_run_longer_than_the_array_reads_what_the_function_reads(case):
+    fn, start = RUNS[case], jnp.int32(-3)
+    want = fn(DOCS, start + jnp.arange(48, dtype=jnp.int32))
+    np.testing.assert_array_equal(at_positions(fn, DOCS, start, 48), want)
+
+
+def test_a_run_inside_the_array_is_one_load_without_a_gather():
+    def kernel(start_ref, array_ref, out):
+        out[...] = evaluate(
+            lambda a, s: a[s + jnp.arange(16, dtype=jnp.int32)], [array_ref], start_ref[0]
+        )
+
+    program = jax.make_jaxpr(
+        pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.int32), interpret=True)
+    )(jnp.zeros(1, jnp.int32), DOCS)
+    assert "gather" not in str(program)

@@ -105,6 +105,10 @@ def test_captured_arrays_sinks_and_a_document_mask_get_the_reference_gradients(r
         assert ref.rel_err(g, w) < 1e-5, name
 
 
+Q_DOCUMENTS = jnp.array([0] * 7 + [1] * 9 + [2] * 4, jnp.int32)
+KV_DOCUMENTS = jnp.array([0] * 11 + [1] * 6 + [2] * 7, jnp.int32)
+
+
 @pytest.mark.parametrize(
     "keywords",
     [
@@ -115,10 +119,16 @@ def test_captured_arrays_sinks_and_a_document_mask_get_the_reference_gradients(r
                 score_mod=lambda s, b, h, i, j: s - 0.1 * jnp.abs(i - j).astype(s.dtype),
                 local_window_size=(5, 0),
             ),
-            marks=pytest.mark.slow,  # the simulator takes seconds a call: CI runs these two
+            marks=pytest.mark.slow,  # the simulator takes seconds a call: CI runs these three
+        ),
+        pytest.param(
+            # Ids read at the positions: tiles of 16 past 20 queries and 24 keys read them
+            # window by window, the others as one load.
+            dict(mask_mod=lambda b, h, i, j: Q_DOCUMENTS[i] == KV_DOCUMENTS[j]),
+            marks=pytest.mark.slow,
         ),
     ],
-    ids=["causal", "sinks", "score_mod and window"],
+    ids=["causal", "sinks", "score_mod and window", "documents"],
 )
 def test_the_tpu_simulator_finds_no_out_of_bounds_or_uninitialised_read(rng, keywords):
     # The simulator fills uninitialised memory with NaN and raises on out-of-bounds reads.
@@ -167,12 +177,9 @@ def _keywords(case: str) -> dict:
     return dict(mask_mod=blocks)
 
 
-# Measured, not hoped: Mosaic has no load at a vector of positions (a document mask's ids read at
-# the queries' and keys' positions), so a mask that reads one does not lower for a TPU, nor its
-# block mask (the README's kernel section says so); every other case lowers for both.
-LOWERED = [("cuda", case) for case in CASES] + [
-    ("tpu", case) for case in CASES if case not in ("documents", "block mask")
-]
+# Every case lowers for both: a document mask's ids, read at the tiles' positions, are
+# contiguous loads, which Mosaic has (it has no load at a vector of indices).
+LOWERED = [(platform, case) for platform in ("cuda", "tpu") for case in CASES]
 # The inner loop lowers one case for each platform; CI lowers them all.
 INNER_LOOP = {("cuda", "alibi"), ("tpu", "sinks")}
 CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
