@@ -15,6 +15,7 @@ from jax.experimental import pallas as pl
 
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._indices import INDEX
+from jax_sdpa._kernel_reads import ONE_HOT_MAX
 from jax_sdpa._kernels import (
     MIN_SIDE,
     BlockLists,
@@ -50,6 +51,17 @@ def _lse(rows: int, block: bool = True):
     A column, not a row: TPU blocks end in (a multiple of 8, whole).
     """
     return pl.BlockSpec((None, rows, 1), lambda n, m: (n, m if block else 0, 0))
+
+
+def _gradient(shape: tuple, shared: bool):
+    """A spec of ``(programs…, 1, 1, *shape)`` gradients: program ``(n, m)``'s, or the one shared.
+
+    Two axes of 1 before the array's: TPU blocks end in two whole axes.
+    """
+    return pl.BlockSpec(
+        (None, None, 1, 1, *shape),
+        lambda n, m: ((0, 0) if shared else (n, m)) + (0,) * (2 + len(shape)),
+    )
 
 
 def _heads_leading(x):
@@ -170,6 +182,19 @@ def _key_gradients(kernel: Kernel, operands: list, inputs: list, consts: list):
     tiles, groups = kernel.tiles, kernel.group
     kv_blocks = kernel.seq_kv // tiles.block_kv
     result = functools.partial(_result, like=query)
+    # A gradient per program, or one that all programs add to where it is summed in memory
+    # (starting as zeros: an output aliased to an input).
+    shared = kernel.in_memory
+    summed = [n for n, one in enumerate(shared) if one]
+    d_specs = [_gradient(c.shape, one) for c, one in zip(consts, shared, strict=True)]
+    d_shapes = [
+        result(
+            ((1, 1) if one else (heads, kv_blocks)) + (1, 1, *c.shape), accumulation_dtype(c.dtype)
+        )
+        for c, one in zip(consts, shared, strict=True)
+    ]
+    zeros = [jnp.zeros(d_shapes[n].shape, d_shapes[n].dtype) for n in summed]
+    first = len(operands) + len(inputs)
     dk, dv, *d_consts = kernel.call(
         dkv_kernel,
         grid=(heads, kv_blocks),
@@ -181,28 +206,17 @@ def _key_gradients(kernel: Kernel, operands: list, inputs: list, consts: list):
             _lse(seq_q, block=False),
             _lse(seq_q, block=False),
             *map(_whole, inputs),
+            *(d_specs[n] for n in summed),
         ],
-        out_specs=[
-            _block(tiles.block_kv, width),
-            _block(tiles.block_kv, value_width),
-            *(
-                pl.BlockSpec(
-                    (None, None, 1, 1, *c.shape), lambda n, m, c=c: (n, m) + (0,) * (2 + c.ndim)
-                )
-                for c in consts
-            ),
-        ],
+        out_specs=[_block(tiles.block_kv, width), _block(tiles.block_kv, value_width), *d_specs],
         out_shape=[
             result((heads, kernel.seq_kv, width), accumulation_dtype(key.dtype)),
             result((heads, kernel.seq_kv, value_width), accumulation_dtype(value.dtype)),
-            # Two axes of 1 before each array's: TPU blocks end in two whole axes.
-            *(
-                result((heads, kv_blocks, 1, 1, *c.shape), accumulation_dtype(c.dtype))
-                for c in consts
-            ),
+            *d_shapes,
         ],
+        aliases={first + k: 2 + n for k, n in enumerate(summed)},
         name="jax_sdpa_backward_keys",
-    )(*operands, *inputs)
+    )(*operands, *inputs, *zeros)
     return dk, dv, d_consts
 
 
@@ -225,7 +239,7 @@ def _kernel(tiles: Tiles, options: Pallas, query, key, arrays: CallArrays, lists
         shared,
         tuple(jnp.shape(x) for x in leaves),
         arrays.sinks is not None,
-        sum(c is not None for c in differentiable(arrays.score_consts)),
+        tuple(c.size > ONE_HOT_MAX for c in differentiable(arrays.score_consts) if c is not None),
     )
 
 

@@ -28,6 +28,9 @@ import jax.extend
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jax_sdpa._indices import INDEX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +151,58 @@ class _Negative:
         return self.run.read() < 0
 
 
-_LAZY = (_Unread, _Joined, _Expanded, _Run, _Negative)
+# The most entries a point scatter-add is rewritten for: its one-hot products hold this many
+# per entry of the tile. A larger array (a table per position) is a :class:`_Scatter`, which a
+# kernel adds into memory (:data:`jax_sdpa._kernels.Kernel.in_memory`).
+ONE_HOT_MAX = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class _Zeros:
+    """A broadcast zero, kept until read: a scatter into it needs no dense add."""
+
+    shape: tuple
+    dtype: Any
+
+    def read(self):
+        return jnp.zeros(self.shape, self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scatter:
+    """``base`` (zeros if None) plus point scatter-adds not yet done: ``((points, updates), …)``.
+
+    Points are inside the array (clamped, or their updates 0 where the scatter drops them).
+    Added to memory by ``atomic_add``, each part is an atomic add at its points; read, a
+    scatter-add.
+    """
+
+    shape: tuple
+    dtype: Any
+    base: Any
+    parts: tuple
+
+    def read(self):
+        value = jnp.zeros(self.shape, self.dtype) if self.base is None else self.base
+        for points, updates in self.parts:
+            value = value.at[tuple(points)].add(updates, mode="promise_in_bounds")
+        return value
+
+    def plus(self, other) -> "_Scatter | None":
+        """This plus ``other`` (an array, zeros or another scatter of the same dtype), or None."""
+        if isinstance(other, _Zeros):
+            return self
+        if isinstance(other, _Scatter):
+            base = other.base if self.base is None else self.base
+            if None not in (self.base, other.base):
+                base = self.base + other.base
+            return dataclasses.replace(self, base=base, parts=self.parts + other.parts)
+        if isinstance(other, _LAZY) or jnp.shape(other) != self.shape:
+            return None
+        return dataclasses.replace(self, base=other if self.base is None else self.base + other)
+
+
+_LAZY = (_Unread, _Joined, _Expanded, _Run, _Negative, _Zeros, _Scatter)
 
 
 def _value(x):
@@ -211,9 +265,11 @@ def _eqn(eqn, invals: list):
         return _Joined([_value(x) for x in invals])
     if name == "gather" and isinstance(first, _Unread) and _point_gather(eqn, first):
         return _gather(first, invals[1], params)
-    run = _on_runs(eqn, invals)
-    if run is not None:
-        return run
+    lazy = _on_runs(eqn, invals) or _on_scatters(eqn, invals)
+    if lazy is not None:
+        return lazy
+    if name == "broadcast_in_dim" and _is_zero(first) and not params["broadcast_dimensions"]:
+        return _Zeros(tuple(params["shape"]), eqn.outvars[0].aval.dtype)
     if name in ("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint"):
         return _eval(*_sub(params, "jaxpr", "call_jaxpr"), invals)
     if name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
@@ -330,9 +386,10 @@ def _windowed(operand: _Unread, points):
         entries = operand.narrowed([lo], [count]).read().astype(wide)
         at = lo + lax.broadcasted_iota(points.dtype, (1, count), 1)
         hits = (points[:, None] == at) & (at >= c * count)
-        return value + jnp.where(hits, entries[None, :], 0).sum(axis=1).astype(wide)
+        return value + jnp.where(hits, entries[None, :], 0).sum(axis=1, dtype=wide)
 
-    value = lax.fori_loop(0, -(-length // count), window, jnp.zeros(count, wide))
+    windows = INDEX(-(-length // count))  # int32 under x64 too: Mosaic has no int64
+    value = lax.fori_loop(INDEX(0), windows, window, jnp.zeros(count, wide))
     return value.astype(operand.ref.dtype)
 
 
@@ -379,7 +436,7 @@ def _on_runs(eqn, invals: list):
 
 
 def _is_zero(x) -> bool:
-    return not isinstance(x, (jax.core.Tracer, *_LAZY)) and jnp.ndim(x) == 0 and int(x) == 0
+    return not isinstance(x, (jax.core.Tracer, *_LAZY)) and jnp.ndim(x) == 0 and x == 0
 
 
 def _inside(points: list, shape: tuple):
@@ -431,29 +488,33 @@ def _updated(operand, update, *starts):
     return jnp.where(at, update.reshape(()), operand)
 
 
-# The most entries a point scatter-add is rewritten for: its one-hot products hold this many
-# per entry of the tile. Larger arrays (a table per position) keep the scatter, which runs in
-# the interpreter and which Triton and Mosaic do not lower.
-_ONE_HOT_MAX = 256
-
-
 def _scatter_add(eqn, operand, indices, updates):
-    """A point ``scatter-add`` (a point gather's transpose) as a sum of one-hot products."""
+    """A point ``scatter-add`` (a point gather's transpose): a sum of one-hot products.
+
+    Into an array of more than :data:`ONE_HOT_MAX` entries, a :class:`_Scatter`.
+    """
     numbers = eqn.params["dimension_numbers"]
-    operand, updates = _value(operand), _value(updates)
-    rank = operand.ndim
+    updates = _value(updates)
+    rank = len(eqn.invars[0].aval.shape)
     point = (
         tuple(numbers.scatter_dims_to_operand_dims) == tuple(range(rank))
-        and not numbers.inserted_window_dims
+        and tuple(numbers.inserted_window_dims) in ((), tuple(range(rank)))  # as the gathers
         and not numbers.operand_batching_dims
         and updates.size * rank == eqn.invars[1].aval.size
     )
-    if not point or operand.size > _ONE_HOT_MAX:
-        return _bind(eqn, [operand, _value(indices), updates])
-    points = _points(indices, rank)
-    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:  # clamped, as its gather's
-        points = [jnp.clip(p, 0, n - 1) for p, n in zip(points, operand.shape, strict=True)]
-    values = updates.reshape(points[0].shape)[(...,) + (None,) * rank]
+    if not point:
+        return _bind(eqn, [_value(operand), _value(indices), updates])
+    shape = eqn.invars[0].aval.shape
+    points = _points(_value(indices) if isinstance(indices, _Run) else indices, rank)
+    if eqn.params["mode"] != lax.GatherScatterMode.CLIP:  # XLA drops what is out of bounds
+        updates = jnp.where(_inside(points, shape), updates.reshape(points[0].shape), 0)
+    points = [jnp.clip(p, 0, n - 1) for p, n in zip(points, shape, strict=True)]
+    updates = updates.reshape(points[0].shape)
+    if math.prod(shape) > ONE_HOT_MAX:
+        scatter = _Scatter(tuple(shape), updates.dtype, None, ((points, updates),))
+        return scatter.plus(operand) or _bind(eqn, [_value(operand), _value(indices), updates])
+    operand = _value(operand)
+    values = updates[(...,) + (None,) * rank]
     entries = points[0].ndim
     hits = _all(
         point[(...,) + (None,) * rank]
@@ -462,6 +523,36 @@ def _scatter_add(eqn, operand, indices, updates):
     )
     summed = jnp.where(hits, values, 0).sum(axis=tuple(range(entries)))
     return operand + summed.astype(operand.dtype)
+
+
+def _on_scatters(eqn, invals: list):
+    """Scatters kept lazy through sums and into an ``atomic_add``; None for any other equation."""
+    name = eqn.primitive.name
+    if name in ("add", "add_any"):
+        first, second = invals
+        if isinstance(second, _Scatter):
+            first, second = second, first
+        return first.plus(second) if isinstance(first, _Scatter) else None
+    if name == "convert_element_type" and isinstance(invals[0], _Scatter):
+        return invals[0] if eqn.params["new_dtype"] == invals[0].dtype else None
+    if name == "atomic_rmw":
+        return _atomic_add(eqn, invals)
+    return None
+
+
+def _atomic_add(eqn, invals: list):
+    """``atomic_add(ref, index, scatter)``: the scatter's base, then each part at its points."""
+    ref, transforms, value, mask = eqn.params["args_tree"].unflatten(invals)
+    if not isinstance(value, _Scatter) or len(transforms) != 1 or mask is not None:
+        return None
+    (index,) = transforms
+    if value.base is not None:
+        pltriton.atomic_add(ref, index.indices, value.base)
+    for points, updates in value.parts:
+        points = iter(points)
+        at = [next(points) + i.start if isinstance(i, pl.Slice) else i for i in index.indices]
+        pltriton.atomic_add(ref, tuple(at), updates)
+    return jnp.zeros(value.shape, value.dtype)  # the old values, which no kernel here reads
 
 
 def _while(params, invals):

@@ -113,7 +113,15 @@ class Kernel:
     shared: Any  # the treedef of (rule, batch, score_consts, offsets, lists)
     shapes: tuple  # the shapes of its leaves
     sinks: bool
-    gradients: int  # how many of the ``score_mod``'s arrays have one (floating point)
+    # For each of the ``score_mod``'s arrays with a gradient (floating point): whether it is
+    # summed in memory (an array too large to hold as one-hot sums: a table per position).
+    in_memory: tuple[bool, ...]
+    atomics: bool = False  # in memory, summed by atomic adds (Triton's programs run at once)
+
+    @property
+    def gradients(self) -> int:
+        """How many of the ``score_mod``'s arrays have a gradient."""
+        return len(self.in_memory)
 
     @property
     def group(self) -> int:
@@ -152,12 +160,15 @@ class Kernel:
 
         return evaluate(with_values, refs)
 
-    def call(self, kernel, grid, in_specs, out_specs, out_shape, name: str):
-        """``kernel`` as a ``pallas_call``, compiled for the platform the program is lowered for."""
+    def call(self, kernel, grid, in_specs, out_specs, out_shape, name: str, aliases=None):
+        """``kernel`` as a ``pallas_call``, compiled for the platform the program is lowered for.
 
-        def on(interpret, params):
+        ``aliases``: ``pallas_call``'s ``input_output_aliases`` (outputs that start as inputs).
+        """
+
+        def on(interpret, params, atomics=False):
             return pl.pallas_call(
-                functools.partial(kernel, self),
+                functools.partial(kernel, dataclasses.replace(self, atomics=atomics)),
                 grid=grid,
                 in_specs=in_specs,
                 out_specs=out_specs,
@@ -165,6 +176,7 @@ class Kernel:
                 interpret=interpret,
                 compiler_params=params,
                 name=name,
+                input_output_aliases=aliases or {},
             )
 
         interpret = self.options.interpret
@@ -176,6 +188,7 @@ class Kernel:
         triton = on(
             False,
             pltriton.CompilerParams(num_warps=options.num_warps, num_stages=options.num_stages),
+            atomics=True,
         )
         mosaic = on(False, pltpu.CompilerParams())
         interpreter = on(True, None)
@@ -311,11 +324,23 @@ def dq_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_r
 
 
 def dkv_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_ref, *refs):
-    *inputs, dk_ref, dv_ref = refs[: len(refs) - kernel.gradients]
-    d_const_refs = refs[len(refs) - kernel.gradients :]
+    """Program ``(n, j)``: key block ``j``'s gradients, and its part of the mods' arrays'.
+
+    An array's gradient is carried through the loop, or for an array summed in memory
+    (``kernel.in_memory``: its output starts as zeros) added to the output at each step: by
+    atomic adds on a GPU, where a scatter's points repeat (a table read at ``q_idx − kv_idx``).
+    """
+    outputs = len(refs) - 2 - kernel.gradients  # after the inputs and the zeros they start as
+    inputs, (dk_ref, dv_ref, *d_const_refs) = (
+        refs[: outputs - sum(kernel.in_memory)],
+        refs[outputs:],
+    )
     tiles = kernel.tiles
     n, j = pl.program_id(0), pl.program_id(1)
     k, v = _wide(k_ref[...]), _wide(v_ref[...])
+
+    def parts(xs: list, in_memory: bool) -> list:
+        return [x for x, m in zip(xs, kernel.in_memory, strict=True) if m == in_memory]
 
     def body(arrays: CallArrays, _, offsets, sweep):
         q_offset, kv_offset = offsets
@@ -330,16 +355,21 @@ def dkv_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_
                 _wide(q_ref[rows, :]), k, v, tile, terms, tile_q, tile_kv
             )
             d_consts = [d for d in d_consts if d is not None]
-            return jax.tree.map(jnp.add, grads, (dk, dv, d_consts))
+            for ref, d in zip(parts(d_const_refs, True), parts(d_consts, True), strict=True):
+                if kernel.atomics:
+                    pltriton.atomic_add(ref, (0, 0), d.astype(ref.dtype))
+                else:
+                    ref[0, 0] += d.astype(ref.dtype)
+            return jax.tree.map(jnp.add, grads, (dk, dv, parts(d_consts, False)))
 
-        consts = [jnp.zeros(r.shape[2:], r.dtype) for r in d_const_refs]
+        consts = [jnp.zeros(r.shape[2:], r.dtype) for r in parts(d_const_refs, False)]
         zeros = (jnp.zeros_like(k), jnp.zeros_like(v), consts)
         return sweep(step, "q", j, zeros)
 
     dk, dv, d_consts = kernel.run(body, inputs, n)
     dk_ref[...] = dk
     dv_ref[...] = dv
-    for ref, d in zip(d_const_refs, d_consts, strict=True):
+    for ref, d in zip(parts(d_const_refs, False), d_consts, strict=True):
         ref[0, 0] = d
 
 

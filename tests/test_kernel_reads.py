@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from jax_sdpa._kernel_reads import evaluate
 
@@ -133,3 +134,55 @@ def test_a_run_inside_the_array_is_one_load_without_a_gather():
         pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.int32), interpret=True)
     )(jnp.zeros(1, jnp.int32), DOCS)
     assert "gather" not in str(program)
+
+
+# --- a large array's gradient: its scatter is added into memory ------------------------------
+
+BIG = jnp.linspace(-2.0, 2.0, 300, dtype=jnp.float32)  # more entries than one-hot sums take
+UNIQUE = jnp.array([[5, 299, 0], [17, 150, 42]], jnp.int32)
+REPEATED = jnp.array([[5, 5, 0], [-4, 320, 42]], jnp.int32)  # repeated, and clamped
+
+
+def added_into_memory(fn, array, indices, atomics: bool):
+    """``fn(array, indices)`` (an array's gradient) added into a zeroed output in a kernel."""
+
+    def kernel(array_ref, indices_ref, zeros_ref, out):
+        def add(a, i):
+            if atomics:
+                pltriton.atomic_add(out, (0, 0), fn(a, i))
+            else:
+                out[0, 0] += fn(a, i)
+            return jnp.zeros(())
+
+        evaluate(add, [array_ref], indices_ref[...])
+
+    zeros = jnp.zeros((1, 1, array.size), array.dtype)
+    call = pl.pallas_call(kernel, out_shape=zeros, input_output_aliases={2: 0}, interpret=True)
+    return call(array, indices, zeros)[0, 0]
+
+
+def _gradient_of_gather(a, i):
+    return jax.grad(lambda a: jnp.sum(jnp.sin(a[i]) * i.astype(a.dtype)))(a)
+
+
+def _gradient_of_fill_gather(a, i):
+    return jax.grad(lambda a: jnp.sum(a.at[i].get(mode="fill", fill_value=0.0) ** 2))(a)
+
+
+@pytest.mark.parametrize("fn", [_gradient_of_gather, _gradient_of_fill_gather])
+@pytest.mark.parametrize("indices", [UNIQUE, REPEATED], ids=["unique", "repeated"])
+def test_a_large_scatter_added_into_memory_is_the_gradient(fn, indices):
+    np.testing.assert_allclose(
+        added_into_memory(fn, BIG, indices, atomics=False), fn(BIG, indices), rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize("fn", [_gradient_of_gather, _gradient_of_fill_gather])
+def test_a_large_scatter_is_atomic_adds_at_its_points(fn):
+    # The interpreter's atomic add keeps one of repeated points (a GPU adds them all): unique
+    # points check where each add lands.
+    program = jax.make_jaxpr(lambda: added_into_memory(fn, BIG, UNIQUE, atomics=True))()
+    assert "scatter" not in str(program)
+    np.testing.assert_allclose(
+        added_into_memory(fn, BIG, UNIQUE, atomics=True), fn(BIG, UNIQUE), rtol=1e-6
+    )

@@ -153,6 +153,7 @@ def test_the_tpu_simulator_finds_no_out_of_bounds_or_uninitialised_read(rng, key
 T, N, D = 4096, 16, 128
 SLOPES = jnp.linspace(0.05, 1.0, N, dtype=jnp.float32)
 DOCUMENTS = jnp.arange(T, dtype=jnp.int32) // (T // 16)
+TABLE = jnp.linspace(-1.0, 1.0, N * 2 * T, dtype=jnp.float32).reshape(N, 2 * T)  # per distance
 CASES = {
     "causal": dict(is_causal=True),
     "sinks": dict(is_causal=True, sinks=jnp.zeros(N)),
@@ -160,6 +161,9 @@ CASES = {
         is_causal=True, score_mod=lambda s, b, h, i, j: s - SLOPES[h] * (i - j).astype(s.dtype)
     ),
     "documents": dict(mask_mod=lambda b, h, i, j: DOCUMENTS[i] == DOCUMENTS[j]),
+    "relative positions": dict(
+        is_causal=True, score_mod=lambda s, b, h, i, j: s + TABLE[h, i - j + T].astype(s.dtype)
+    ),
     "block mask": "built when used",
     "band": dict(mask_mod=lambda b, h, i, j: (j <= i) & (i - j < 1000)),
     "band block mask": "built when used",
@@ -177,9 +181,12 @@ def _keywords(case: str) -> dict:
     return dict(mask_mod=blocks)
 
 
-# Every case lowers for both: a document mask's ids, read at the tiles' positions, are
-# contiguous loads, which Mosaic has (it has no load at a vector of indices).
-LOWERED = [(platform, case) for platform in ("cuda", "tpu") for case in CASES]
+# A document mask's ids, read at the tiles' positions, are contiguous loads, which Mosaic has.
+# A table read at q_idx − kv_idx is a load at a vector of indices, which Mosaic has not, and its
+# gradient atomic adds (Triton's): it lowers for a GPU only.
+LOWERED = [("cuda", case) for case in CASES] + [
+    ("tpu", case) for case in CASES if case != "relative positions"
+]
 # The inner loop lowers one case for each platform; CI lowers them all.
 INNER_LOOP = {("cuda", "alibi"), ("tpu", "sinks")}
 CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
@@ -221,3 +228,5 @@ def test_lowers_for_a_gpu_and_a_tpu_at_real_sizes(platform, case, backward):
     module = lowered(platform, _keywords(case), backward)
     # One kernel forward; the backward pass has its own two (queries; keys and values).
     assert module.count(CUSTOM_CALL[platform]) == (3 if backward else 1)
+    # The table's gradient (2·T entries a head) is summed by atomic adds.
+    assert ("atomic_rmw" in module) == (backward and case == "relative positions")

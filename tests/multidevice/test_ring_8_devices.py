@@ -383,6 +383,33 @@ def test_ring_steps_by_the_kernel_lower_for_a_gpu_under_shard_maps_default_check
         assert text.count(triton) == kernels and "collective_permute" in text
 
 
+def test_a_large_tables_gradient_on_the_rings_kernel_lowers_for_a_gpu():
+    # The table's gradient is one output all programs add into (atomics), starting as zeros.
+    m = mesh((4,), ("seq",))
+    spec = P(None, "seq", None, None)
+
+    def local(q, k, v, table):
+        def score_mod(s, b, h, i, j):
+            return s + table[h, i - j + 1024].astype(s.dtype)
+
+        return js.ring_attention(
+            q, k, v, axis_name="seq", implementation="pallas", is_causal=True, score_mod=score_mod
+        )
+
+    ring = jax.shard_map(local, mesh=m, in_specs=(spec,) * 3 + (P(),), out_specs=spec)
+    grads = jax.grad(lambda *a: ring(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
+    x = jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((4, 2048), jnp.float32)
+    triton = "__gpu$xla.gpu.triton"
+    exported = jax.export.export(
+        jax.jit(grads),
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)],
+    )(x, x, x, table)
+    text = exported.mlir_module()
+    assert text.count(triton) == 3 and "atomic_rmw" in text
+
+
 def test_ring_steps_by_the_kernel_refuse_what_the_kernel_does_not_take():
     m = mesh((8,), ("seq",))
     spec = P(None, "seq", None, None)
