@@ -39,6 +39,7 @@ from jax_sdpa._steps import default_scale as default_scale
 from jax_sdpa._steps import dropout_weights as dropout_weights
 from jax_sdpa._steps import raw_scores as raw_scores
 from jax_sdpa._steps import scale_scores as scale_scores
+from jax_sdpa._steps import sigmoid_weights as sigmoid_weights
 from jax_sdpa._steps import soft_cap_scores as soft_cap_scores
 from jax_sdpa._steps import softmax_weights as softmax_weights
 from jax_sdpa._steps import weighted_sum as weighted_sum
@@ -75,6 +76,7 @@ __all__ = (
     "ring_dot_product_attention",
     "scale_scores",
     "soft_cap_scores",
+    "sigmoid_weights",
     "softmax_weights",
     "to_striped",
     "update_cache",

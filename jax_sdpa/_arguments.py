@@ -102,6 +102,7 @@ def bind(
         ),
         score_consts=score_consts,
         sinks=_sinks(shapes, **keywords),
+        sigmoid_bias=_sigmoid_bias(shapes, formula, **keywords),
     )
     inputs = _varying_together(Inputs(query, key, value, arrays, page_table), ring)
     return inputs, choose(inputs, Config(formula, output, ring=ring), implementation)
@@ -410,6 +411,48 @@ def _sinks(shapes: _Shapes, sinks=None, **_) -> jax.Array | None:
     return shared(sinks, shapes.batch)
 
 
+def _sigmoid_bias(
+    shapes: _Shapes,
+    formula: Formula,
+    sigmoid_bias=None,
+    sinks=None,
+    key_value_seq_lengths=None,
+    **_,
+) -> jax.Array | None:
+    """The sigmoid's bias of each sequence and query head: given, or ``−log S`` by default.
+
+    ``S`` is the sequence's number of keys: its ``key_value_seq_lengths`` entry if given, else
+    all the keys (on a ring, of the whole sequence); masks do not change it. A constant of the
+    call: no gradient reaches it.
+    """
+    if not formula.sigmoid:
+        if sigmoid_bias is not None:
+            raise ValueError("`sigmoid_bias` needs `normalizer='sigmoid'`; got 'softmax'.")
+        return None
+    if sinks is not None:
+        raise ValueError(
+            "`sinks` have no meaning with `normalizer='sigmoid'` (a sink only takes weight from a "
+            "row's softmax); got sinks."
+        )
+    dtype = jnp.float32
+    if sigmoid_bias is not None:
+        bias = jnp.asarray(sigmoid_bias)
+        _checks.check_float("sigmoid_bias", bias)
+        if bias.shape not in ((), (shapes.heads,)):
+            raise ValueError(
+                f"`sigmoid_bias` must be a scalar or have shape (heads,) = ({shapes.heads},); "
+                f"got {tuple(bias.shape)}."
+            )
+        bias = jnp.broadcast_to(bias.astype(accumulation_dtype(bias.dtype)), (shapes.heads,))
+        return lax.stop_gradient(shared(bias, shapes.batch))
+    if key_value_seq_lengths is None:
+        count = jnp.full((1,) * len(shapes.batch), shapes.seq_kv * shapes.shards, dtype)
+    else:
+        lengths = _per_batch("key_value_seq_lengths", key_value_seq_lengths, shapes)
+        count = jnp.maximum(lengths, 1).astype(dtype)
+    return jnp.broadcast_to(-jnp.log(count)[..., None], (*count.shape, shapes.heads))
+
+
 def _window(local_window_size) -> tuple[int, int]:
     """``(left, right)`` from ``jax.nn``'s ``local_window_size``, an int or a pair."""
     window = (
@@ -448,10 +491,17 @@ def _dropout_rng(
 
 
 def _check_formula(
-    d_k: int, scale=None, logits_soft_cap=None, dropout_rate=0.0, precision=None, **_
+    d_k: int,
+    scale=None,
+    logits_soft_cap=None,
+    dropout_rate=0.0,
+    precision=None,
+    normalizer="softmax",
+    **_,
 ):
-    """The static formula: the scale (``1/√d_k`` by default), soft cap, dropout rate, precision."""
+    """The static formula: scale (``1/√d_k`` by default), cap, dropout, precision, normaliser."""
     _checks.check_range("dropout_rate", dropout_rate, 0.0, 1.0)
+    _checks.check_choice("normalizer", normalizer, ("softmax", "sigmoid"))
     if logits_soft_cap is not None:
         logits_soft_cap = _static_float("logits_soft_cap", logits_soft_cap)
         if not logits_soft_cap > 0:
@@ -461,6 +511,7 @@ def _check_formula(
         soft_cap=logits_soft_cap,
         dropout_rate=float(dropout_rate),
         precision=precision,
+        normalizer=normalizer,
     )
 
 

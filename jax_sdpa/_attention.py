@@ -18,7 +18,13 @@ from jax_sdpa import _checks
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_heads
 from jax_sdpa._masks import CausalMask
-from jax_sdpa._steps import default_scale, softmax_with_logsumexp, weighted_sum
+from jax_sdpa._steps import (
+    default_scale,
+    log_total,
+    sigmoid_parts,
+    softmax_with_logsumexp,
+    weighted_sum,
+)
 
 __all__ = ["attention"]
 
@@ -32,7 +38,11 @@ def attention_head(
 ) -> Result:
     """The dense single-head composition, unchecked: ``(out, logsumexp, weights)``."""
     scores, allowed = formula.scores(query, key, arrays)
-    weights, lse = softmax_with_logsumexp(scores, allowed, arrays.sinks)
+    if formula.sigmoid:
+        weights = sigmoid_parts(scores, allowed, arrays.sigmoid_bias)
+        lse = log_total(weights)
+    else:
+        weights, lse = softmax_with_logsumexp(scores, allowed, arrays.sinks)
     dropped = formula.drop(weights, arrays.dropout_rng)
     out = weighted_sum(dropped, value, precision=formula.precision)
     return Result(out.astype(value.dtype), lse, weights)

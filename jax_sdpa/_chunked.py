@@ -88,7 +88,11 @@ def _flash_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
             lax.dynamic_update_slice_in_dim(
                 x, rows_first(part, 2).reshape(-1, *x.shape[1:]), i * tiles.block_q, axis=0
             )
-            for x, part in zip(outputs, online_softmax.finish(state, value.dtype), strict=True)
+            for x, part in zip(
+                outputs,
+                online_softmax.finish(state, value.dtype, tiles.formula.sigmoid),
+                strict=True,
+            )
         )
 
     outputs = (

@@ -130,7 +130,13 @@ def _chunk_state(formula: Formula, query, keys, values, arrays: CallArrays, star
     shape = raw.shape[:-1]
     state = online_softmax.init(query, shape, (*shape, values.shape[-1]))
     return online_softmax.update(
-        state, scores, allowed, values, precision=formula.precision, product=_blend
+        state,
+        scores,
+        allowed,
+        values,
+        precision=formula.precision,
+        product=_blend,
+        sigmoid_bias=None if arrays.sigmoid_bias is None else arrays.sigmoid_bias[..., None],
     )
 
 
@@ -158,7 +164,9 @@ def split_keys(formula: Formula, query, keys, values, arrays: CallArrays) -> Res
         state = online_softmax.merge(
             state, online_softmax.init(per_query, state.denom.shape, state.acc.shape, sink)
         )
-    out, lse = online_softmax.finish(state, values.dtype)  # (K, G, T, V), (K, G, T)
+    out, lse = online_softmax.finish(
+        state, values.dtype, formula.sigmoid
+    )  # (K, G, T, ·), (K, G, T)
     out = jnp.moveaxis(out, 2, 0).reshape(seq_q, heads, -1)
     return Result(out, jnp.moveaxis(lse, 2, 0).reshape(seq_q, heads), None)
 

@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no
 __all__ = ["dot_product_attention", "dot_product_attention_weights", "ring_attention"]
 
 CausalAlignment = Literal["top_left", "bottom_right"]
+Normalizer = Literal["softmax", "sigmoid"]
 
 
 # The keyword vocabulary, in groups, written once for the overloads and **options. The functions
@@ -59,6 +60,8 @@ class _Formula(TypedDict, total=False):
     score_mod: Callable | None
     mask_mod: Callable | MaskRule | None
     sinks: ArrayLike | None
+    normalizer: Normalizer
+    sigmoid_bias: ArrayLike | float | None
     precision: lax.PrecisionLike
 
 
@@ -164,6 +167,8 @@ def dot_product_attention(
     score_mod: Callable | None = None,
     mask_mod: Callable | MaskRule | None = None,
     sinks: ArrayLike | None = None,
+    normalizer: Normalizer = "softmax",
+    sigmoid_bias: ArrayLike | float | None = None,
     query_segment_ids: ArrayLike | None = None,
     key_value_segment_ids: ArrayLike | None = None,
     broadcast_dropout: bool = True,
@@ -236,6 +241,13 @@ def dot_product_attention(
             other mask argument.
         sinks: ``(N,)``, one logit per query head for a virtual key without a value that joins
             every row's softmax (attention sinks); the log-sum-exp includes it.
+        normalizer: ``"softmax"``, or ``"sigmoid"``: each weight :math:`\sigma(s + b)` on its
+            own, rows not normalised (sigmoid attention, :func:`~jax_sdpa.sigmoid_weights`);
+            the residual is then the log of each row's total weight, and ``sinks`` are refused.
+        sigmoid_bias: The sigmoid's :math:`b`, a scalar or one per query head ``(N,)``; by
+            default :math:`-\log S`, ``S`` the sequence's keys (its ``key_value_seq_lengths``
+            if given; masks do not change it), so that a row of near-zero scores sums to about
+            1. A constant: no gradient reaches it.
         query_segment_ids: ``(B, T)`` integers for packed sequences: a query sees only keys with
             the same id.
         key_value_segment_ids: ``(B, S)``; defaults to ``query_segment_ids`` when ``S == T``.
@@ -301,6 +313,8 @@ def dot_product_attention_weights(
     score_mod: Callable | None = None,
     mask_mod: Callable | MaskRule | None = None,
     sinks: ArrayLike | None = None,
+    normalizer: Normalizer = "softmax",
+    sigmoid_bias: ArrayLike | float | None = None,
     query_segment_ids: ArrayLike | None = None,
     key_value_segment_ids: ArrayLike | None = None,
     broadcast_dropout: bool = True,
@@ -391,6 +405,8 @@ def ring_attention(
     score_mod: Callable | None = None,
     mask_mod: Callable | MaskRule | None = None,
     sinks: ArrayLike | None = None,
+    normalizer: Normalizer = "softmax",
+    sigmoid_bias: ArrayLike | float | None = None,
     layout: Layout = "contiguous",
     batch_axis: Any = None,
     head_axis: Any = None,
@@ -429,6 +445,9 @@ def ring_attention(
             ``batch_axis`` and ``head_axis``, global batch and head indices).
         mask_mod: Likewise.
         sinks: As in :func:`dot_product_attention`, for this device's query heads.
+        normalizer: As in :func:`dot_product_attention`.
+        sigmoid_bias: As in :func:`dot_product_attention` (``S`` counts the whole sequence's
+            keys), for this device's query heads.
         implementation: :class:`~jax_sdpa.Ring`, its tiles, or None for its defaults;
             ``"pallas"`` or :class:`~jax_sdpa.Pallas` for each step's tiles computed by the
             fused kernel (``Ring(kernel=Pallas(...))``).

@@ -39,6 +39,8 @@ class Formula:
         score_mod: A user's ``score_mod(score, batch, head, q_idx, kv_idx)``, closure-converted:
             it takes the arrays it closed over (``CallArrays.score_consts``) after the five
             scalars.
+        normalizer: ``"softmax"``, or ``"sigmoid"``: each weight ``σ(score + b)`` on its own,
+            ``b`` the call's ``CallArrays.sigmoid_bias``.
     """
 
     scale: float
@@ -46,6 +48,12 @@ class Formula:
     dropout_rate: float = 0.0
     precision: Any = None
     score_mod: Callable | None = None
+    normalizer: str = "softmax"
+
+    @property
+    def sigmoid(self) -> bool:
+        """Whether the weights are the sigmoid's (no normalisation over the row)."""
+        return self.normalizer == "sigmoid"
 
     def scores(
         self,
@@ -165,6 +173,8 @@ class CallArrays:
             functions) are given besides the query and key positions.
         score_consts: The arrays the ``score_mod`` closed over, shared by every sequence and head.
         sinks: One logit per query head for a virtual key without a value (attention sinks).
+        sigmoid_bias: With the sigmoid normaliser, the bias ``b`` of each query head (per
+            sequence: ``−log S`` counts its keys).
     """
 
     bias: Array | None = None
@@ -175,6 +185,7 @@ class CallArrays:
     head: Array | None = None
     score_consts: tuple = ()
     sinks: Array | None = None
+    sigmoid_bias: Array | None = None
 
     def indices(self) -> tuple[Array | int, Array | int]:
         """``(batch, head)`` of one head's arrays (0 and 0 where they are not tracked)."""
@@ -197,6 +208,7 @@ class CallArrays:
             head=_per_head(self.head, groups),
             score_consts=score_consts,
             sinks=_per_head(self.sinks, groups),
+            sigmoid_bias=_per_head(self.sigmoid_bias, groups),
         )
 
     def block(self, q_block: tuple, kv_block: tuple) -> "CallArrays":

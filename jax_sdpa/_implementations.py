@@ -241,6 +241,7 @@ def _beyond_jax_nn(inputs: Inputs, config: Config) -> list[str]:
         ),
         "score_mod": config.formula.score_mod is not None,
         "sinks": inputs.arrays.sinks is not None,
+        "normalizer='sigmoid'": config.formula.sigmoid,
         "dropout_rate": inputs.arrays.dropout_rng is not None,
         "module": config.output != "attention",
     }

@@ -101,9 +101,9 @@ class Kernel:
     """What the kernels of one call share (static): tiles, options, the arrays' layout.
 
     Besides queries, keys and values, every program reads whole: the query heads' indices, the
-    sinks (if any) and the ``shared`` arrays (the rule's, the batch index, the ``score_mod``'s
-    arrays, the global positions of the first query and key, a block mask's lists), each with two
-    leading axes of 1.
+    sinks and the sigmoid's biases (if any) and the ``shared`` arrays (the rule's, the batch
+    index, the ``score_mod``'s arrays, the global positions of the first query and key, a block
+    mask's lists), each with two leading axes of 1.
     """
 
     tiles: Tiles
@@ -135,7 +135,8 @@ class Kernel:
         # Two axes of 1 first: under vmap a batch axis joins them, and TPU blocks end in two
         # whole axes.
         shared = [jnp.reshape(x, (1, 1, *shape)) for x, shape in shapes]
-        return [arrays.head, *([arrays.sinks] if self.sinks else []), *shared]
+        heads = [arrays.head, arrays.sinks, arrays.sigmoid_bias]
+        return [x for x in heads if x is not None] + shared
 
     def run(self, body, refs: list, n):
         """``body(arrays, sink, (q_offset, kv_offset), sweep)`` in a program of query head ``n``.
@@ -148,12 +149,15 @@ class Kernel:
         """
         head, *refs = refs
         sink = refs.pop(0)[n] if self.sinks else None
+        bias = refs.pop(0)[n] if self.tiles.formula.sigmoid else None
         head = head[n]
 
         def with_values(*shared):
             shared = [x.reshape(shape) for x, shape in zip(shared, self.shapes, strict=True)]
             rule, batch, consts, offsets, lists = jax.tree.unflatten(self.shared, shared)
-            arrays = CallArrays(rule=rule, batch=batch, head=head, score_consts=consts)
+            arrays = CallArrays(
+                rule=rule, batch=batch, head=head, score_consts=consts, sigmoid_bias=bias
+            )
             offsets = (offsets[0], offsets[1])
             sweep = functools.partial(self.sweep, arrays, offsets=offsets, head_lists=(n, lists))
             return body(arrays, sink, offsets, sweep)
@@ -285,7 +289,7 @@ def forward_kernel(kernel: Kernel, q_ref, k_ref, v_ref, *refs):
             return tiles.forward_tile(state, q, k_j, v_j, tile, tile_q, tile_kv)
 
         state = sweep(step, "kv", i, state)
-        return online_softmax.finish(state, o_ref.dtype)
+        return online_softmax.finish(state, o_ref.dtype, tiles.formula.sigmoid)
 
     out, lse = kernel.run(body, inputs, n)
     o_ref[...] = out

@@ -10,6 +10,11 @@ FlashAttention-2, Dao 2023)::
              #   ℓ = e^{m − m_new} ℓ + rowsum(p),  õ = e^{m − m_new} õ + p v_j
     out, lse = finish(state)                             # õ / ℓ,  m + log ℓ
 
+Sigmoid attention (``sigmoid_bias`` given) keeps the same state with no running max: its
+weights :math:`\sigma(s + b)` need no normalisation, so a block's weighted values and weights
+just add (:math:`\ell` is then the row's total weight, and the max stays at the fill, which
+makes every correction :math:`e^{0} = 1`); it finishes as :math:`(\tilde o, \log \ell)`.
+
 Two states over disjoint sets of keys :func:`merge` into the state over their union, and a
 finished ``(out, lse)`` is itself a state (max ``lse``, denominator 1, output ``out``), so
 :func:`merge_attention` combines results computed separately: split keys in decoding, a cached
@@ -18,7 +23,7 @@ prefix, or the shards of a ring. The arithmetic is the dense softmax's own
 block.
 """
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -29,9 +34,11 @@ from jax_sdpa._steps import (
     accumulation_dtype,
     exp_scores,
     large_negative,
+    log_of_sum,
     logsumexp,
     masked_scores,
     normalize,
+    sigmoid_parts,
     weighted_sum,
 )
 
@@ -87,13 +94,22 @@ def update(
     precision=None,
     drop=lambda p: p,
     product=weighted_sum,
+    sigmoid_bias: Float[Array, "..."] | None = None,
 ) -> State:
     """The state of ``(..., q)`` rows after one more block of keys: their scores and values.
 
     ``drop`` is applied to the block's un-normalised weights before they meet the values
     (dropout: the denominator counts every weight, as the dense softmax does); ``product`` is
     how they meet them, :func:`~jax_sdpa._steps.weighted_sum` or the same sum formed otherwise.
+    With a ``sigmoid_bias``, the weights are the sigmoid's (no shift: they simply add).
     """
+    if sigmoid_bias is not None:
+        w = sigmoid_parts(scores, allowed, sigmoid_bias)
+        return State(
+            state.row_max,
+            state.denom + w.sum(axis=-1),
+            state.acc + product(drop(w), value, precision=precision),
+        )
     masked = masked_scores(scores, allowed)
     new_max = jnp.maximum(state.row_max, masked.max(axis=-1))
     # Until a row meets its first allowed key, its max stays at the fill and p counts masked
@@ -114,30 +130,55 @@ def _shifted(state: State, row_max: Array) -> tuple[Array, Array]:
 
 
 def recompute(
-    scores: Float[Array, "q kv"], allowed: Bool[Array, "#q #kv"] | None, lse: Float[Array, " q"]
+    scores: Float[Array, "q kv"],
+    allowed: Bool[Array, "#q #kv"] | None,
+    lse: Float[Array, " q"],
+    sigmoid_bias: Float[Array, "..."] | None = None,
 ) -> Float[Array, "q kv"]:
     """A block's normalised weights from its rows' final log-sum-exp: :math:`P = e^{S - lse}`.
 
-    ``lse`` must be finite (0 for a row with no key, whose weights then come out 0).
+    ``lse`` must be finite (0 for a row with no key, whose weights then come out 0). With a
+    ``sigmoid_bias``, the sigmoid's weights, which need no row statistic.
     """
+    if sigmoid_bias is not None:
+        return sigmoid_parts(scores, allowed, sigmoid_bias)
     return exp_scores(masked_scores(scores, allowed), lse)
 
 
-def finish(state: State, dtype) -> tuple[Array, Array]:
+def score_gradient(p: Array, d_p: Array, delta: Array, sigmoid: bool) -> Array:
+    r"""The scores' cotangent from the weights' (``d_p``) and the rows' ``delta``.
+
+    Softmax: :math:`dS = P \circ (dP - \delta)` (:math:`\delta_i = \sum_j P_{ij} dP_{ij}`
+    less the log-sum-exp's cotangent). Sigmoid: :math:`dS = P(1 - P) \circ (dP - \delta)`,
+    :math:`\delta_i` the log of the total weight's cotangent over :math:`-e^{\mathrm{lse}_i}`.
+    """
+    slope = p * (1 - p) if sigmoid else p
+    return slope * (d_p - delta[:, None])
+
+
+def finish(state: State, dtype, sigmoid: bool = False) -> tuple[Array, Array]:
     """``(out, lse)``, ``(..., r, V)`` and ``(..., r)``, from a final state of ``(..., r)`` rows.
 
-    A row that met no key gives 0 and −∞.
+    A row that met no key gives 0 and −∞. A sigmoid state (``sigmoid``) is already the output;
+    its ``lse`` is the log of the row's total weight.
     """
+    if sigmoid:
+        return state.acc.astype(dtype), log_of_sum(state.denom)
     flat = state.acc.reshape(-1, state.acc.shape[-1])
     out = normalize(flat, state.denom.reshape(-1), state.row_max.reshape(-1))
     lse = logsumexp(state.row_max, state.denom)
     return out.reshape(state.acc.shape).astype(dtype), lse
 
 
-def from_result(out: Array, lse: Array) -> State:
-    """The state that :func:`finish` turns back into ``(out, lse)``: max lse, denominator 1."""
+def from_result(out: Array, lse: Array, sigmoid: bool = False) -> State:
+    r"""The state that :func:`finish` turns back into ``(out, lse)``: max lse, denominator 1.
+
+    A sigmoid state: the fill for its max, the total weight :math:`e^{\mathrm{lse}}`.
+    """
     dtype = accumulation_dtype(out.dtype)
     lse = lse.astype(dtype)
+    if sigmoid:
+        return State(jnp.full_like(lse, large_negative(dtype)), jnp.exp(lse), out.astype(dtype))
     row_max = jnp.where(jnp.isfinite(lse), lse, large_negative(dtype))
     return State(row_max, jnp.ones_like(lse), out.astype(dtype))
 
@@ -160,7 +201,10 @@ def combine(states: State) -> State:
 
 
 def merge_attention(
-    a: tuple[ArrayLike, ArrayLike], b: tuple[ArrayLike, ArrayLike]
+    a: tuple[ArrayLike, ArrayLike],
+    b: tuple[ArrayLike, ArrayLike],
+    *,
+    normalizer: Literal["softmax", "sigmoid"] = "softmax",
 ) -> tuple[Array, Array]:
     r"""Attention over the union of two sets of keys, from the attention over each set.
 
@@ -172,6 +216,10 @@ def merge_attention(
         \mathrm{out} = e^{\mathrm{lse}_a - \mathrm{lse}}\, \mathrm{out}_a
         + e^{\mathrm{lse}_b - \mathrm{lse}}\, \mathrm{out}_b
 
+    With ``normalizer="sigmoid"`` (results of sigmoid attention, whose residual is the log of a
+    row's total weight) the outputs simply add, and so do the total weights:
+    :math:`\mathrm{out} = \mathrm{out}_a + \mathrm{out}_b`, the same ``lse``.
+
     A row with no key in either set (``lse = −∞`` in both) stays 0 with ``lse = −∞``, with zero
     gradients. Differentiable in all four arrays. Decoding with keys split over several calls,
     attention over a cached prefix plus new tokens, and ring attention all combine results so.
@@ -180,6 +228,7 @@ def merge_attention(
         a: ``(out, lse)``: outputs ``(..., V)`` and log-sum-exp ``(...)``, e.g. ``(B, T, N, V)``
             and ``(B, T, N)``.
         b: The same for the other set of keys, same shapes and dtypes.
+        normalizer: The normaliser both were computed with (``"softmax"`` or ``"sigmoid"``).
 
     Returns:
         ``(out, lse)``: the output in ``out_a``'s dtype and the log-sum-exp in at least float32.
@@ -208,4 +257,7 @@ def merge_attention(
     for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
         _checks.check_float(name, lse)
         _checks.check_shape(name, lse, out_a.shape[:-1], "out.shape[:-1]")
-    return finish(merge(from_result(out_a, lse_a), from_result(out_b, lse_b)), out_a.dtype)
+    _checks.check_choice("normalizer", normalizer, ("softmax", "sigmoid"))
+    sigmoid = normalizer == "sigmoid"
+    states = (from_result(out, lse, sigmoid) for out, lse in ((out_a, lse_a), (out_b, lse_b)))
+    return finish(merge(*states), out_a.dtype, sigmoid)

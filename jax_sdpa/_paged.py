@@ -13,6 +13,7 @@ contiguous or a paged cache: pure functions of the cache, to ``jax.jit`` with th
 """
 
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,8 @@ def paged_attention(
     score_mod=None,
     mask_mod=None,
     sinks: ArrayLike | None = None,
+    normalizer: Literal["softmax", "sigmoid"] = "softmax",
+    sigmoid_bias: ArrayLike | float | None = None,
     return_residual: bool = False,
     implementation: Paged | None = None,
 ):
@@ -70,6 +73,8 @@ def paged_attention(
             0 and ``kv_idx`` the cache positions.
         mask_mod: As in :func:`dot_product_attention`, ANDed with the rest.
         sinks: ``(N,)``: one logit per query head for a key without a value.
+        normalizer: As in :func:`dot_product_attention` (``S`` is each sequence's ``lengths``).
+        sigmoid_bias: As in :func:`dot_product_attention`.
         return_residual: Also return the log-sum-exp ``(B, T, N)``.
         implementation: :class:`~jax_sdpa.Paged` (its chunk of keys), or None for its defaults.
 
@@ -108,6 +113,8 @@ def paged_attention(
         score_mod=score_mod,
         mask_mod=mask_mod,
         sinks=sinks,
+        normalizer=normalizer,
+        sigmoid_bias=sigmoid_bias,
     )
     out, lse, _ = run(inputs, config=config)
     return (out, lse) if return_residual else out

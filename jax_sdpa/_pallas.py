@@ -34,7 +34,7 @@ def _fused_fwd(tiles: Tiles, options: Pallas, query, key, value, arrays: CallArr
 
 def _fused_bwd(tiles: Tiles, options: Pallas, residuals: tuple, cotangents: tuple) -> tuple:
     query, key, value, arrays, lists, out, lse = residuals
-    rows = backward_rows(out, lse, cotangents)
+    rows = backward_rows(out, lse, cotangents, tiles.formula.sigmoid)
     grads = backward(tiles, options, query, key, value, arrays, rows, lists=lists)
     operands = (query, key, value, differentiable(arrays.score_consts))
     d_query, d_key, d_value, d_consts = jax.tree.map(

@@ -157,7 +157,7 @@ def _kernel_forward(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, s
     fitted, (q, _, v), padded = _on_kernel(kernel, tiles, queries, key, value, arrays, offsets[1])
     out, lse = kernels.forward(fitted, kernel, *padded, offsets, out_dtype=state.acc.dtype)
     rows, heads, width = q.shape[0], q.shape[1], v.shape[-1]
-    part = from_result(out[:rows, :, :width], lse[:rows])
+    part = from_result(out[:rows, :, :width], lse[:rows], tiles.formula.sigmoid)
     merged = merge(state._replace(acc=_heads(state.acc, heads)), part)
     return merged._replace(acc=merged.acc.reshape(rows, -1))
 
@@ -224,13 +224,14 @@ def _around_ring_fwd(
     shape = query.shape[:2]  # (T, N)
     state = init(queries, shape, (shape[0], shape[1] * value.shape[-1]), arrays.sinks)
     state, _, _ = loop(0, ring.shards, step, (state, flat(key), flat(value)))
-    out, lse = finish(state._replace(acc=state.acc.reshape(*shape, -1)), value.dtype)
+    state = state._replace(acc=state.acc.reshape(*shape, -1))
+    out, lse = finish(state, value.dtype, tiles.formula.sigmoid)
     return (out, lse), (query, key, value, arrays, out, lse)
 
 
 def _around_ring_bwd(tiles: Tiles, ring: RingSpec, kernel: Pallas | None, residuals, cotangents):
     query, key, value, arrays, out, lse = residuals
-    row_terms = backward_rows(out, lse, cotangents)
+    row_terms = backward_rows(out, lse, cotangents, tiles.formula.sigmoid)
     me = lax.axis_index(ring.axis_name)
     seq_q, seq_kv = query.shape[0], key.shape[0]
     queries, keys, values = flat(query), flat(key), flat(value)

@@ -138,7 +138,9 @@ def _ring_specs(
         if name in ("bias", "mask"):  # (batch, heads, rows, columns); columns stay whole
             sharded = zip((batch_axis, head_axis, seq_axis), x.shape[:3], strict=True)
             return P(*(axis if size > 1 else None for axis, size in sharded), None)
-        return P(head_axis) if name == "sinks" else P(batch_axis)  # sinks, or lengths
+        if name in ("sinks", "sigmoid_bias"):  # one per head, or one for all
+            return P(head_axis) if x.ndim else P()
+        return P(batch_axis)  # lengths
 
     seq_spec = P(batch_axis, seq_axis, head_axis, None)
     in_specs = (seq_spec,) * 3 + tuple(spec(name, x) for name, x in named.items())
@@ -264,6 +266,7 @@ def ring_dot_product_attention(
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         sinks=options.pop("sinks", None),  # one per head: each device gets its heads'
+        sigmoid_bias=options.pop("sigmoid_bias", None),
     )
     in_specs, out_specs = _ring_specs(named, **axes, return_residual=return_residual)
     local = functools.partial(

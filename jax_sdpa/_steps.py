@@ -9,6 +9,9 @@ Each factor of the formula is one pure function here::
     weights = softmax_weights(scores, mask)   # row-wise masked softmax    (T, S)
     out     = weighted_sum(weights, value)    # weights · V                (T, d_v)
 
+or, in place of the softmax, ``sigmoid_weights(scores, mask, bias)``: each weight on its own,
+with no normalisation over the row (sigmoid attention).
+
 Shape letters: ``T`` query length, ``S`` key/value length, ``d_k`` query/key features, ``d_v``
 value features. Nothing here is batched or jitted: batching is one ``jax.vmap`` in
 :func:`jax_sdpa.dot_product_attention`.
@@ -32,6 +35,7 @@ __all__ = [
     "raw_scores",
     "scale_scores",
     "soft_cap_scores",
+    "sigmoid_weights",
     "softmax_weights",
     "weighted_sum",
 ]
@@ -261,6 +265,72 @@ def softmax_weights(
         scores, allowed if mask is None else allowed & jnp.asarray(mask)
     )
     return normalize(p, denom, row_max)
+
+
+def sigmoid_parts(
+    scores: Float[Array, "*q kv"], mask: Bool[Array, "*#q #kv"] | None, bias: Float[Array, "..."]
+) -> Float[Array, "*q kv"]:
+    r"""The sigmoid weights :math:`\sigma(s + b)` of allowed entries, exactly 0 elsewhere.
+
+    (``σ`` of a large negative number is not 0 in float32: the mask is applied, not relied on
+    through the bias.)
+    """
+    bias = jnp.broadcast_to(bias.astype(scores.dtype), scores.shape[:-1])
+    weights = jax.nn.sigmoid(scores + bias[..., None])
+    return weights if mask is None else jnp.where(mask, weights, 0)
+
+
+def log_total(weights: Float[Array, "*q kv"]) -> Float[Array, "*q"]:
+    """The log of each row's total weight, −∞ for a row of zeros (with a zero gradient there)."""
+    return log_of_sum(weights.sum(axis=-1))
+
+
+def log_of_sum(total: Float[Array, "*q"]) -> Float[Array, "*q"]:
+    """``log(total)``, −∞ where it is 0, with no NaN in its gradient there."""
+    seen = total > 0
+    return jnp.where(seen, jnp.log(jnp.where(seen, total, 1)), -jnp.inf)
+
+
+def sigmoid_weights(
+    scores: Float[ArrayLike, "q_seq kv_seq"],
+    mask: Bool[ArrayLike, "#q_seq #kv_seq"] | None = None,
+    bias: Float[ArrayLike, "#q_seq"] | float | None = None,
+) -> Float[Array, "q_seq kv_seq"]:
+    r"""Turns scores into attention weights one by one: no normalisation over the row.
+
+    .. math:: w_{ij} = m_{ij}\, \sigma(s_{ij} + b) = rac{m_{ij}}{1 + e^{-(s_{ij} + b)}},
+        \qquad b = -\log S 	ext{ by default}
+
+    With :math:`b = -\log S` a row of near-zero scores (as at initialisation) has weights
+    :math:`1/(1+S)` and sums to about 1, as a softmax row does; the weights of a row are
+    independent of each other, so the output over a union of keys is the sum of the outputs
+    over each part (Ramapuram et al. 2024). Masked entries (and scores of −∞) are exactly 0.
+
+    Args:
+        scores: Scaled scores, shape ``(T, S)``, any float dtype (computed in at least float32).
+        mask: Optional boolean mask broadcastable to ``(T, S)``; ``True`` means "may attend".
+        bias: The bias :math:`b`, a scalar or one per row ``(T,)``; by default ``-log S``.
+
+    Returns:
+        Weights of shape ``(T, S)`` in ``promote_types(scores.dtype, float32)``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> sigmoid_weights(jnp.zeros((1, 3)))  # σ(−log 3) = 1/4
+        Array([[0.25, 0.25, 0.25]], dtype=float32)
+        >>> sigmoid_weights(jnp.array([[0.0, 2.0]]), jnp.array([[True, False]]), bias=0.0)
+        Array([[0.5, 0. ]], dtype=float32)
+
+    References:
+        Ramapuram et al., Theory, Analysis, and Best Practices for Sigmoid Self-Attention, 2024.
+    """
+    scores = jnp.asarray(scores)
+    scores = scores.astype(accumulation_dtype(scores.dtype))
+    if bias is None:
+        bias = -math.log(scores.shape[-1])
+    bias = jnp.broadcast_to(jnp.asarray(bias, scores.dtype), scores.shape[:-1])
+    allowed = scores != -jnp.inf
+    return sigmoid_parts(scores, allowed if mask is None else allowed & jnp.asarray(mask), bias)
 
 
 def _keep_bits(

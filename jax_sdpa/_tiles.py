@@ -103,7 +103,13 @@ class Tiles:
         scores, allowed = self.scores(q_i, k_j, arrays, q_offset, kv_offset)
         drop = self.drop_at(arrays, q_offset, kv_offset)
         return online_softmax.update(
-            state, scores, allowed, v_j, precision=self.formula.precision, drop=drop
+            state,
+            scores,
+            allowed,
+            v_j,
+            precision=self.formula.precision,
+            drop=drop,
+            sigmoid_bias=arrays.sigmoid_bias,
         )
 
     def backward_tile(
@@ -124,16 +130,16 @@ class Tiles:
         scores, scores_vjp, allowed = jax.vjp(
             tile_scores, q_i, k_j, arrays.bias, differentiable(arrays.score_consts), has_aux=True
         )
-        p = online_softmax.recompute(
-            scores, allowed, row_terms.shift
-        )  # the weights, P = e^{S − lse}
+        # The weights: P = e^{S − lse}, or the sigmoid's.
+        p = online_softmax.recompute(scores, allowed, row_terms.shift, arrays.sigmoid_bias)
         drop = self.drop_at(arrays, q_offset, kv_offset)
         _, sum_vjp = jax.vjp(
             lambda p, v: weighted_sum(p, v, precision=self.formula.precision), drop(p), v_j
         )
         d_dropped, d_v_j = sum_vjp(row_terms.d_out)
         d_p = drop(d_dropped)  # dropout is diagonal: its own adjoint
-        d_q_i, d_k_j, d_bias_ij, d_consts = scores_vjp(p * (d_p - row_terms.delta[:, None]))
+        d_scores = online_softmax.score_gradient(p, d_p, row_terms.delta, self.formula.sigmoid)
+        d_q_i, d_k_j, d_bias_ij, d_consts = scores_vjp(d_scores)
         return d_q_i, d_k_j, d_v_j, d_bias_ij, d_consts
 
     def q_block(self, i) -> tuple:

@@ -6,7 +6,8 @@ key/value heads for GQA, and differentiates by hand:
     dV = Wᵀ dO,  dW = dO Vᵀ,  dS = W ∘ (dW − rowsum(W ∘ dW) + d_lse),  dQ = scale·dS' K,  dK = scale·dS'ᵀ Q
 
 where W includes a sink's column (whose value is 0, so its dW is 0; its dS is the sink's
-gradient), dS' = dS ∘ mod'(s) ∘ (1 − tanh²(s/c)) under a score_mod (its derivative taken by a
+gradient); for sigmoid weights W = m ∘ σ(S + b), lse = log rowsum(W) and
+dS = W ∘ (1 − W) ∘ (dW + d_lse / rowsum(W)); dS' = dS ∘ mod'(s) ∘ (1 − tanh²(s/c)) under a score_mod (its derivative taken by a
 central difference, entry by entry) and a soft cap, and dBias = dS ∘ mod'(s) summed to the bias's
 shape. A row with no allowed key outputs 0 (the library's contract).
 """
@@ -70,6 +71,8 @@ def attention(
     score_mod=None,
     mask_mod=None,
     sinks=None,
+    normalizer="softmax",
+    sigmoid_bias=None,
     **rules,
 ):
     """Forward (and, given ``d_out``, backward) of BTNH attention in float64.
@@ -77,7 +80,9 @@ def attention(
     ``score_mod(score, b, h, i, j)`` and ``mask_mod(b, h, i, j)`` are applied to the whole
     (B, N, T, S) grid at once, by broadcasting index arrays; ``sinks`` (N,) add a key without a
     value to every row. A −∞ bias masks its key whatever the score_mod makes of it, as a −∞ the
-    score_mod returns does.
+    score_mod returns does. ``normalizer="sigmoid"``: weights σ(s + b), ``b`` the
+    ``sigmoid_bias`` (a scalar or (N,)) or −log of each sequence's key count (its ``kv_lengths``,
+    at least 1); ``lse`` is then the log of each row's total weight.
 
     Returns a dict with ``out`` (B,T,N,V), ``lse`` (B,T,N), ``weights`` (B,N,T,S), ``allowed``
     and, with ``d_out`` (and optionally ``d_lse``, the log-sum-exp's cotangent, 0 where it is
@@ -106,11 +111,25 @@ def attention(
     if sinks is not None:  # one more key per row, always allowed, whose value is 0
         sink = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], (b, n, t, 1))
         masked = np.concatenate([masked, sink], axis=-1)
-    row_max = np.max(masked, axis=-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    p = np.where(np.isfinite(masked), np.exp(masked - row_max), 0.0)
-    denom = p.sum(-1, keepdims=True)
-    full_weights = p / np.where(denom > 0, denom, 1.0)  # with the sink's column
+    sigmoid = normalizer == "sigmoid"
+    if sigmoid:
+        if sigmoid_bias is None:
+            counts = rules.get("kv_lengths")
+            counts = np.full(b, s) if counts is None else np.maximum(np.asarray(counts), 1)
+            offset = -np.log(counts.astype(np.float64))[:, None, None, None]
+        else:
+            offset = np.broadcast_to(np.asarray(sigmoid_bias, np.float64), (n,))[:, None, None]
+        full_weights = np.where(
+            allowed, 1 / (1 + np.exp(-(np.where(allowed, scores, 0) + offset))), 0
+        )
+        denom = full_weights.sum(-1, keepdims=True)
+        row_max = np.zeros_like(denom)
+    else:
+        row_max = np.max(masked, axis=-1, keepdims=True)
+        row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+        p = np.where(np.isfinite(masked), np.exp(masked - row_max), 0.0)
+        denom = p.sum(-1, keepdims=True)
+        full_weights = p / np.where(denom > 0, denom, 1.0)  # with the sink's column
     weights = full_weights[..., :s]
     out = np.einsum("bnts,bsnv->btnv", weights, vf)
     with np.errstate(divide="ignore"):
@@ -124,8 +143,12 @@ def attention(
     dvf = np.einsum("bnts,btnv->bsnv", weights, d_out)
     dw = np.einsum("btnv,bsnv->bnts", d_out, vf)
     dw = np.concatenate([dw, np.zeros((b, n, t, full_weights.shape[-1] - s))], axis=-1)
-    rows = (full_weights * dw).sum(-1, keepdims=True)
-    ds_full = full_weights * (dw - rows + d_lse[..., None])  # ∂lse/∂s = W
+    if sigmoid:  # ∂lse/∂s = W(1 − W) / rowsum(W)
+        total = np.where(denom > 0, denom, 1.0)
+        ds_full = full_weights * (1 - full_weights) * (dw + d_lse[..., None] / total)
+    else:
+        rows = (full_weights * dw).sum(-1, keepdims=True)
+        ds_full = full_weights * (dw - rows + d_lse[..., None])  # ∂lse/∂s = W
     ds = ds_full[..., :s]
     if score_mod is not None:  # the chain through the mod, by a central difference per entry
         step = 1e-5 * (1 + np.abs(before_mod))

@@ -27,18 +27,19 @@ PARAMETERS = {
         "dropout_rate dropout_rng dtype force_fp32_for_softmax implementation is_causal key "
         "key_value_segment_ids key_value_seq_lengths local_window_size logits_soft_cap mask "
         "mask_mod module precision qk_attn_weights_einsum query query_segment_ids "
-        "query_seq_lengths return_residual scale score_mod sinks value".split()
+        "query_seq_lengths return_residual scale score_mod sinks value normalizer sigmoid_bias".split()
     ),
     "dot_product_attention_weights": set(
         "bias broadcast_dropout causal_alignment deterministic dropout_rate dropout_rng dtype "
         "is_causal key key_value_segment_ids key_value_seq_lengths local_window_size "
         "logits_soft_cap mask mask_mod module precision query query_segment_ids query_seq_lengths "
-        "scale score_mod sinks".split()
+        "scale score_mod sinks normalizer sigmoid_bias".split()
     ),
     "ring_attention": set(
         "axis_name batch_axis bias causal_alignment head_axis implementation is_causal key "
         "key_value_seq_lengths layout local_window_size logits_soft_cap mask mask_mod precision "
-        "query query_seq_lengths return_residual scale score_mod sinks value".split()
+        "query query_seq_lengths return_residual scale score_mod sinks value normalizer "
+        "sigmoid_bias".split()
     ),
     "ring_dot_product_attention": set(
         "batch_axis bias head_axis key key_value_seq_lengths layout mask mesh options query "
