@@ -184,17 +184,17 @@ def _key_gradients(kernel: Kernel, operands: list, inputs: list, consts: list):
     result = functools.partial(_result, like=query)
     # A gradient per program, or one that all programs add to where it is summed in memory
     # (starting as zeros: an output aliased to an input).
-    shared = kernel.in_memory
-    summed = [n for n, one in enumerate(shared) if one]
-    d_specs = [_gradient(c.shape, one) for c, one in zip(consts, shared, strict=True)]
+    in_memory = kernel.in_memory
+    summed = [n for n, one in enumerate(in_memory) if one]
+    d_specs = [_gradient(c.shape, one) for c, one in zip(consts, in_memory, strict=True)]
     d_shapes = [
         result(
             ((1, 1) if one else (heads, kv_blocks)) + (1, 1, *c.shape), accumulation_dtype(c.dtype)
         )
-        for c, one in zip(consts, shared, strict=True)
+        for c, one in zip(consts, in_memory, strict=True)
     ]
     zeros = [jnp.zeros(d_shapes[n].shape, d_shapes[n].dtype) for n in summed]
-    first = len(operands) + len(inputs)
+    zeros_at = len(operands) + len(inputs)  # the first aliased zeros input
     dk, dv, *d_consts = kernel.call(
         dkv_kernel,
         grid=(heads, kv_blocks),
@@ -214,7 +214,7 @@ def _key_gradients(kernel: Kernel, operands: list, inputs: list, consts: list):
             result((heads, kernel.seq_kv, value_width), accumulation_dtype(value.dtype)),
             *d_shapes,
         ],
-        aliases={first + k: 2 + n for k, n in enumerate(summed)},
+        aliases={zeros_at + k: 2 + n for k, n in enumerate(summed)},
         name="jax_sdpa_backward_keys",
     )(*operands, *inputs, *zeros)
     return dk, dv, d_consts

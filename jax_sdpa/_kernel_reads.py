@@ -9,14 +9,17 @@ of it become loads at those indices (``ref[pl.ds(h, 1)]``, ``ref[q_idx]``); anyt
 it whole. Positions are followed from their ``iota`` (a :class:`_Run`): a read at a tile's
 positions is one load of a contiguous window (``ref[pl.ds(q_offset, block_q)]``), which is all
 a TPU loads (Mosaic has no load at a vector of indices). The gradients of a ``score_mod``'s
-arrays are the transposes of those reads (``dynamic_update_slice`` and ``scatter-add`` into
-zeros), which the kernels do not lower either: they become sums of one-hot products,
-``d[m] = Σ_e g_e [idx_e = m]`` (and ``all``, ``any`` of booleans become ``min``, ``max`` of
-integers).
+arrays are the transposes of those reads (``scatter-add`` into zeros, placed in a row of a
+table by ``dynamic_update_slice``), which the kernels do not lower either: they are kept as
+a :class:`_Scatter` of points and updates until read, then spelled as sums of one-hot
+products, ``d[m] = Σ_e g_e [idx_e = m]``, for arrays of up to :data:`ONE_HOT_MAX` entries, or
+added into memory at their points by a kernel's ``atomic_add`` (and ``all``, ``any`` of
+booleans become ``min``, ``max`` of integers).
 
 The function's values are unchanged (out-of-bounds reads are clamped, or filled, as ``lax``
-defines them); only how its reads are spelled is. The interpreter runs the rewritten program
-too, so the tests check the values of the program a GPU or TPU is given.
+defines them), but for a ``bfloat16`` array's gradient added into ``float32`` memory, which
+is summed in ``float32``; only how its reads are spelled is. The interpreter runs the
+rewritten program too, so the tests check the values of the program a GPU or TPU is given.
 """
 
 import dataclasses
@@ -26,6 +29,7 @@ from typing import Any
 import jax
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -55,7 +59,7 @@ class _Unread:
         """The part ``[starts : starts + sizes]`` of this one, starts clamped as ``lax``'s."""
         index = list(self.index)
         for axis, start, size, length in zip(self.kept(), starts, sizes, self.shape, strict=True):
-            start = jnp.clip(start, 0, length - size)
+            start = jnp.clip(_value(start), 0, length - size)
             index[axis] = pl.ds(index[axis].start + start, size)
         return _Unread(self.ref, tuple(index))
 
@@ -127,7 +131,7 @@ class _Run:
 
     def reshaped(self, shape: tuple) -> "_Run | None":
         """The run as ``shape`` (axes of 1 added or dropped), or None if that is not all."""
-        if math.prod(shape) != self.size:
+        if math.prod(shape) != self.size or self.size not in shape:
             return None
         axis = next((n for n, size in enumerate(shape) if size == self.size), 0)
         return dataclasses.replace(self, shape=tuple(shape), axis=axis)
@@ -151,9 +155,9 @@ class _Negative:
         return self.run.read() < 0
 
 
-# The most entries a point scatter-add is rewritten for: its one-hot products hold this many
-# per entry of the tile. A larger array (a table per position) is a :class:`_Scatter`, which a
-# kernel adds into memory (:data:`jax_sdpa._kernels.Kernel.in_memory`).
+# The most entries a scatter is read as one-hot products for: they hold this many per entry of
+# the tile. A larger array (a table per position) is read as a scatter, which only the
+# interpreter runs; a kernel adds it into memory instead (``Kernel.in_memory``).
 ONE_HOT_MAX = 256
 
 
@@ -173,8 +177,8 @@ class _Scatter:
     """``base`` (zeros if None) plus point scatter-adds not yet done: ``((points, updates), …)``.
 
     Points are inside the array (clamped, or their updates 0 where the scatter drops them).
-    Added to memory by ``atomic_add``, each part is an atomic add at its points; read, a
-    scatter-add.
+    Added to memory by ``atomic_add``, each part is an atomic add at its points; read, a sum of
+    one-hot products (up to :data:`ONE_HOT_MAX` entries) or a scatter-add.
     """
 
     shape: tuple
@@ -185,8 +189,70 @@ class _Scatter:
     def read(self):
         value = jnp.zeros(self.shape, self.dtype) if self.base is None else self.base
         for points, updates in self.parts:
-            value = value.at[tuple(points)].add(updates, mode="promise_in_bounds")
+            if math.prod(self.shape) <= ONE_HOT_MAX:
+                value = value + _one_hot_sum(points, updates, self.shape).astype(self.dtype)
+            else:
+                value = value.at[tuple(points)].add(updates, mode="promise_in_bounds")
         return value
+
+    def widened(self, dtype) -> "_Scatter | None":
+        """The scatter cast to a float ``dtype`` at least as wide (its sums then in ``dtype``)."""
+        if (
+            not jnp.issubdtype(dtype, jnp.floating)
+            or jnp.finfo(dtype).bits < jnp.finfo(self.dtype).bits
+        ):
+            return None
+        cast = lambda x: None if x is None else x.astype(dtype)  # noqa: E731
+        parts = tuple((points, cast(updates)) for points, updates in self.parts)
+        return _Scatter(self.shape, jnp.dtype(dtype), cast(self.base), parts)
+
+    def expanded(self, shape: tuple, dimensions: tuple) -> "_Scatter | None":
+        """The scatter with axes of 1 added (a ``broadcast_in_dim`` that copies nothing)."""
+        if math.prod(shape) != math.prod(self.shape) or any(
+            shape[d] != n for d, n in zip(dimensions, self.shape, strict=True)
+        ):
+            return None
+        zero = jnp.zeros((), INDEX)
+
+        def points_of(points):
+            at = dict(zip(dimensions, points, strict=True))
+            return [at.get(axis, zero) + jnp.zeros_like(points[0]) for axis in range(len(shape))]
+
+        parts = tuple((points_of(points), updates) for points, updates in self.parts)
+        base = None if self.base is None else lax.broadcast_in_dim(self.base, shape, dimensions)
+        return _Scatter(shape, self.dtype, base, parts)
+
+    def reshaped(self, shape: tuple) -> "_Scatter":
+        """The scatter reshaped: each point's row-major position, in the new shape's axes."""
+
+        def points_of(points):
+            linear = jnp.zeros_like(points[0])
+            for point, size in zip(points, self.shape, strict=True):
+                linear = linear * size + point
+            new = []
+            for size in reversed(shape):  # nonnegative: lax's div and rem, no floor's signs
+                new.append(lax.rem(linear, jnp.asarray(size, linear.dtype)))
+                linear = lax.div(linear, jnp.asarray(size, linear.dtype))
+            return new[::-1]
+
+        parts = tuple((points_of(points), updates) for points, updates in self.parts)
+        base = None if self.base is None else self.base.reshape(shape)
+        return _Scatter(shape, self.dtype, base, parts)
+
+    def placed(self, shape: tuple, starts) -> "_Scatter":
+        """The scatter written into zeros of ``shape`` at ``starts`` (clamped as ``lax``'s)."""
+        starts = [
+            jnp.clip(_value(s), 0, n - size).astype(INDEX)
+            for s, n, size in zip(starts, shape, self.shape, strict=True)
+        ]
+        parts = tuple(
+            ([p + s for p, s in zip(points, starts, strict=True)], updates)
+            for points, updates in self.parts
+        )
+        base = None
+        if self.base is not None:
+            base = lax.dynamic_update_slice(jnp.zeros(shape, self.dtype), self.base, starts)
+        return _Scatter(shape, self.dtype, base, parts)
 
     def plus(self, other) -> "_Scatter | None":
         """This plus ``other`` (an array, zeros or another scatter of the same dtype), or None."""
@@ -202,7 +268,14 @@ class _Scatter:
         return dataclasses.replace(self, base=other if self.base is None else self.base + other)
 
 
-_LAZY = (_Unread, _Joined, _Expanded, _Run, _Negative, _Zeros, _Scatter)
+class _NotKept:
+    """An ``atomic_add``'s old values, which the rewritten adds do not return."""
+
+    def read(self):
+        raise NotImplementedError("the old values of an atomic add of a scatter are not kept")
+
+
+_LAZY = (_Unread, _Joined, _Expanded, _Run, _Negative, _Zeros, _Scatter, _NotKept)
 
 
 def _value(x):
@@ -342,7 +415,7 @@ def _gather(operand: _Unread, indices, params):
     rank = len(operand.shape)
     ones = 0 if params["dimension_numbers"].collapsed_slice_dims else rank
     if isinstance(indices, _Run):
-        if rank == 1 and indices.size <= operand.shape[0]:
+        if rank == 1 and 0 < indices.size <= operand.shape[0]:
             return _Expanded(_read_run(operand, indices, params), ones)
         indices = indices.read()  # a run longer than the array
     points = _points(indices, rank)
@@ -377,19 +450,27 @@ def _read_run(operand: _Unread, run: _Run, params):
 
 
 def _windowed(operand: _Unread, points):
-    """``operand[points]`` of a 1-D part, points inside it: one-hot sums over windows of loads."""
+    """``operand[points]`` of a 1-D part, points inside it: picked from windows of loads.
+
+    Each point lies in one window: its entry is picked by a max over the window (the others at
+    the dtype's least), which keeps every value as it is (−0, NaN, ∞).
+    """
     (length,), count = operand.shape, points.size
     wide = jnp.int32 if operand.ref.dtype == jnp.bool_ else operand.ref.dtype
+    floating = jnp.issubdtype(wide, jnp.floating)
+    least = jnp.asarray(-jnp.inf if floating else jnp.iinfo(wide).min, wide)
 
     def window(c, value):
         lo = jnp.minimum(c * count, length - count)  # the last window overlaps the one before
         entries = operand.narrowed([lo], [count]).read().astype(wide)
         at = lo + lax.broadcasted_iota(points.dtype, (1, count), 1)
         hits = (points[:, None] == at) & (at >= c * count)
-        return value + jnp.where(hits, entries[None, :], 0).sum(axis=1, dtype=wide)
+        picked = jnp.where(hits, entries[None, :], least).max(axis=1)
+        found = hits.astype(jnp.int32).max(axis=1) > 0  # (Triton reduces no booleans)
+        return jnp.where(found, picked, value)
 
     windows = INDEX(-(-length // count))  # int32 under x64 too: Mosaic has no int64
-    value = lax.fori_loop(INDEX(0), windows, window, jnp.zeros(count, wide))
+    value = lax.fori_loop(INDEX(0), windows, window, jnp.full(count, least))
     return value.astype(operand.ref.dtype)
 
 
@@ -436,7 +517,11 @@ def _on_runs(eqn, invals: list):
 
 
 def _is_zero(x) -> bool:
-    return not isinstance(x, (jax.core.Tracer, *_LAZY)) and jnp.ndim(x) == 0 and x == 0
+    """Whether ``x`` is a known (not traced) scalar ``+0``: a literal or a constant."""
+    if isinstance(x, (jax.core.Tracer, *_LAZY)):
+        return False
+    x = np.asarray(x)
+    return x.ndim == 0 and bool(x == 0) and not np.signbit(x)
 
 
 def _inside(points: list, shape: tuple):
@@ -461,7 +546,7 @@ def _points(indices, rank: int) -> list:
     Where the program built them by concatenation, its parts: a kernel reshapes, it does not
     slice.
     """
-    parts = indices.parts if isinstance(indices, _Joined) else [indices]
+    parts = indices.parts if isinstance(indices, _Joined) else [_value(indices)]
     if len(parts) == rank and all(part.shape[-1] == 1 for part in parts):
         return [part.reshape(part.shape[:-1]) for part in parts]
     indices = _value(indices)
@@ -489,12 +574,9 @@ def _updated(operand, update, *starts):
 
 
 def _scatter_add(eqn, operand, indices, updates):
-    """A point ``scatter-add`` (a point gather's transpose): a sum of one-hot products.
-
-    Into an array of more than :data:`ONE_HOT_MAX` entries, a :class:`_Scatter`.
-    """
+    """A point ``scatter-add`` (a point gather's transpose), kept as a :class:`_Scatter`."""
     numbers = eqn.params["dimension_numbers"]
-    updates = _value(updates)
+    given = updates = _value(updates)
     rank = len(eqn.invars[0].aval.shape)
     point = (
         tuple(numbers.scatter_dims_to_operand_dims) == tuple(range(rank))
@@ -503,40 +585,55 @@ def _scatter_add(eqn, operand, indices, updates):
         and updates.size * rank == eqn.invars[1].aval.size
     )
     if not point:
-        return _bind(eqn, [_value(operand), _value(indices), updates])
+        return _bind(eqn, [_value(operand), _value(indices), given])
     shape = eqn.invars[0].aval.shape
-    points = _points(_value(indices) if isinstance(indices, _Run) else indices, rank)
-    if eqn.params["mode"] != lax.GatherScatterMode.CLIP:  # XLA drops what is out of bounds
-        updates = jnp.where(_inside(points, shape), updates.reshape(points[0].shape), 0)
-    points = [jnp.clip(p, 0, n - 1) for p, n in zip(points, shape, strict=True)]
+    points = _points(indices, rank)
     updates = updates.reshape(points[0].shape)
-    if math.prod(shape) > ONE_HOT_MAX:
-        scatter = _Scatter(tuple(shape), updates.dtype, None, ((points, updates),))
-        return scatter.plus(operand) or _bind(eqn, [_value(operand), _value(indices), updates])
-    operand = _value(operand)
-    values = updates[(...,) + (None,) * rank]
-    entries = points[0].ndim
+    if eqn.params["mode"] != lax.GatherScatterMode.CLIP:  # XLA drops what is out of bounds
+        updates = jnp.where(_inside(points, shape), updates, 0)
+    points = [jnp.clip(p, 0, n - 1) for p, n in zip(points, shape, strict=True)]
+    scatter = _Scatter(tuple(shape), updates.dtype, None, ((points, updates),))
+    return scatter.plus(operand if isinstance(operand, (_Zeros, _Scatter)) else _value(operand))
+
+
+def _one_hot_sum(points: list, updates, shape: tuple):
+    """``zeros(shape).at[points].add(updates)`` as one-hot products: ``Σ_e u_e [p_e = m]``."""
+    rank, entries = len(shape), points[0].ndim
     hits = _all(
         point[(...,) + (None,) * rank]
-        == lax.broadcasted_iota(point.dtype, (1,) * entries + operand.shape, entries + axis)
+        == lax.broadcasted_iota(point.dtype, (1,) * entries + tuple(shape), entries + axis)
         for axis, point in enumerate(points)
     )
-    summed = jnp.where(hits, values, 0).sum(axis=tuple(range(entries)))
-    return operand + summed.astype(operand.dtype)
+    values = updates[(...,) + (None,) * rank]
+    return jnp.where(hits, values, 0).sum(axis=tuple(range(entries)))
 
 
 def _on_scatters(eqn, invals: list):
-    """Scatters kept lazy through sums and into an ``atomic_add``; None for any other equation."""
-    name = eqn.primitive.name
+    """What an equation makes of a :class:`_Scatter`, if it keeps it one; else None.
+
+    Those that do: sums, widening casts, reshapes, axes of 1 added, placement in zeros (a row
+    of a table: ``table[h][idx]``'s transpose) and an ``atomic_add``.
+    """
+    name, params = eqn.primitive.name, eqn.params
+    first = invals[0] if invals else None
     if name in ("add", "add_any"):
-        first, second = invals
+        second = invals[1]
         if isinstance(second, _Scatter):
             first, second = second, first
         return first.plus(second) if isinstance(first, _Scatter) else None
-    if name == "convert_element_type" and isinstance(invals[0], _Scatter):
-        return invals[0] if eqn.params["new_dtype"] == invals[0].dtype else None
     if name == "atomic_rmw":
         return _atomic_add(eqn, invals)
+    if name == "dynamic_update_slice" and isinstance(first, _Zeros):
+        update = invals[1]
+        return update.placed(first.shape, invals[2:]) if isinstance(update, _Scatter) else None
+    if not isinstance(first, _Scatter):
+        return None
+    if name == "convert_element_type":
+        return first.widened(params["new_dtype"])
+    if name == "broadcast_in_dim":
+        return first.expanded(tuple(params["shape"]), tuple(params["broadcast_dimensions"]))
+    if name == "reshape" and params.get("dimensions") is None:
+        return first.reshaped(tuple(params["new_sizes"]))
     return None
 
 
@@ -546,13 +643,17 @@ def _atomic_add(eqn, invals: list):
     if not isinstance(value, _Scatter) or len(transforms) != 1 or mask is not None:
         return None
     (index,) = transforms
+    kept = [i for i in index.indices if isinstance(i, pl.Slice)]
+    adds = eqn.params["atomic_type"].name == "ADD"  # (its enum is private to Pallas)
+    if not adds or len(kept) != len(value.shape):
+        return None
     if value.base is not None:
         pltriton.atomic_add(ref, index.indices, value.base)
     for points, updates in value.parts:
         points = iter(points)
         at = [next(points) + i.start if isinstance(i, pl.Slice) else i for i in index.indices]
         pltriton.atomic_add(ref, tuple(at), updates)
-    return jnp.zeros(value.shape, value.dtype)  # the old values, which no kernel here reads
+    return _NotKept()
 
 
 def _while(params, invals):

@@ -330,21 +330,29 @@ def dq_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_r
 def dkv_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_ref, *refs):
     """Program ``(n, j)``: key block ``j``'s gradients, and its part of the mods' arrays'.
 
-    An array's gradient is carried through the loop, or for an array summed in memory
-    (``kernel.in_memory``: its output starts as zeros) added to the output at each step: by
-    atomic adds on a GPU, where a scatter's points repeat (a table read at ``q_idx − kv_idx``).
+    An array's gradient is carried through the loop; one summed in memory
+    (``kernel.in_memory``) is an output all programs add to at each step. On a GPU its programs
+    run at once: it starts as zeros (an input it is aliased to) and takes atomic adds, which
+    also add a scatter's repeated points (a table read at ``q_idx − kv_idx``). Elsewhere they
+    run one after another, and the first zeroes it (a TPU keeps the block in VMEM throughout,
+    never loading the aliased zeros).
     """
-    outputs = len(refs) - 2 - kernel.gradients  # after the inputs and the zeros they start as
-    inputs, (dk_ref, dv_ref, *d_const_refs) = (
-        refs[: outputs - sum(kernel.in_memory)],
-        refs[outputs:],
-    )
+    first_output = len(refs) - 2 - kernel.gradients  # after the inputs and the aliased zeros
+    inputs = refs[: first_output - sum(kernel.in_memory)]
+    dk_ref, dv_ref, *d_const_refs = refs[first_output:]
     tiles = kernel.tiles
     n, j = pl.program_id(0), pl.program_id(1)
     k, v = _wide(k_ref[...]), _wide(v_ref[...])
 
-    def parts(xs: list, in_memory: bool) -> list:
+    def split(xs: list, in_memory: bool) -> list:
         return [x for x, m in zip(xs, kernel.in_memory, strict=True) if m == in_memory]
+
+    if not kernel.atomics:
+
+        @pl.when((n == 0) & (j == 0))
+        def _():
+            for ref in split(d_const_refs, True):
+                ref[...] = jnp.zeros(ref.shape, ref.dtype)
 
     def body(arrays: CallArrays, _, offsets, sweep):
         q_offset, kv_offset = offsets
@@ -359,21 +367,21 @@ def dkv_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_
                 _wide(q_ref[rows, :]), k, v, tile, terms, tile_q, tile_kv
             )
             d_consts = [d for d in d_consts if d is not None]
-            for ref, d in zip(parts(d_const_refs, True), parts(d_consts, True), strict=True):
+            for ref, d in zip(split(d_const_refs, True), split(d_consts, True), strict=True):
                 if kernel.atomics:
                     pltriton.atomic_add(ref, (0, 0), d.astype(ref.dtype))
                 else:
                     ref[0, 0] += d.astype(ref.dtype)
-            return jax.tree.map(jnp.add, grads, (dk, dv, parts(d_consts, False)))
+            return jax.tree.map(jnp.add, grads, (dk, dv, split(d_consts, False)))
 
-        consts = [jnp.zeros(r.shape[2:], r.dtype) for r in parts(d_const_refs, False)]
+        consts = [jnp.zeros(r.shape[2:], r.dtype) for r in split(d_const_refs, False)]
         zeros = (jnp.zeros_like(k), jnp.zeros_like(v), consts)
         return sweep(step, "q", j, zeros)
 
     dk, dv, d_consts = kernel.run(body, inputs, n)
     dk_ref[...] = dk
     dv_ref[...] = dv
-    for ref, d in zip(parts(d_const_refs, False), d_consts, strict=True):
+    for ref, d in zip(split(d_const_refs, False), d_consts, strict=True):
         ref[0, 0] = d
 
 

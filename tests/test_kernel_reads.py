@@ -83,6 +83,7 @@ def test_a_kernel_reads_what_the_function_reads(case):
 
 DOCS = jnp.arange(40, dtype=jnp.int32) // 7
 FLAGS = jnp.arange(40) % 3 == 0
+SIGNS = jnp.where(jnp.arange(40) % 2 == 0, -0.0, jnp.arange(40.0) - 20.0).at[7].set(jnp.nan)
 
 
 def at_positions(fn, array, start, count: int):
@@ -96,16 +97,19 @@ def at_positions(fn, array, start, count: int):
     return pl.pallas_call(kernel, out_shape=shape, interpret=True)(jnp.atleast_1d(start), array)
 
 
+ZERO = jnp.int32(0)  # a constant the function closes over, not a literal
+
 RUNS = {
     "index": lambda a, i: a[i],
     "index less a constant": lambda a, i: a[i - 3],
     "index plus a traced scalar": lambda a, i: a[i + i[0] // 2],
     "fill gather": lambda a, i: a.at[i].get(mode="fill", fill_value=a.dtype.type(1)),
     "as a column and a row": lambda a, i: a[i][:, None] == a[i + 1][None, :],
+    "own wrap against a constant": lambda a, i: a[jnp.where(i < ZERO, i + 40, i)],
 }
 
 
-@pytest.mark.parametrize("array", [DOCS, FLAGS], ids=["ids", "booleans"])
+@pytest.mark.parametrize("array", [DOCS, FLAGS, SIGNS], ids=["ids", "booleans", "−0 and NaN"])
 @pytest.mark.parametrize("start", [0, 9, 24, 30, 39, -6], ids=lambda s: f"start {s}")
 @pytest.mark.parametrize("case", RUNS)
 def test_a_run_of_positions_reads_what_the_function_reads(case, start, array):
@@ -114,7 +118,9 @@ def test_a_run_of_positions_reads_what_the_function_reads(case, start, array):
     fn = RUNS[case]
     start = jnp.int32(start)
     want = fn(array, start + jnp.arange(16, dtype=jnp.int32))
-    np.testing.assert_array_equal(at_positions(fn, array, start, 16), want)
+    got = at_positions(fn, array, start, 16)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # −0 stays −0
 
 
 @pytest.mark.parametrize("case", ["index", "fill gather"])
@@ -149,14 +155,14 @@ def added_into_memory(fn, array, indices, atomics: bool):
     def kernel(array_ref, indices_ref, zeros_ref, out):
         def add(a, i):
             if atomics:
-                pltriton.atomic_add(out, (0, 0), fn(a, i))
+                pltriton.atomic_add(out, (0, 0), fn(a, i).astype(out.dtype))
             else:
-                out[0, 0] += fn(a, i)
+                out[0, 0] += fn(a, i).astype(out.dtype)
             return jnp.zeros(())
 
         evaluate(add, [array_ref], indices_ref[...])
 
-    zeros = jnp.zeros((1, 1, array.size), array.dtype)
+    zeros = jnp.zeros((1, 1, *array.shape), jnp.float32)
     call = pl.pallas_call(kernel, out_shape=zeros, input_output_aliases={2: 0}, interpret=True)
     return call(array, indices, zeros)[0, 0]
 
@@ -169,15 +175,25 @@ def _gradient_of_fill_gather(a, i):
     return jax.grad(lambda a: jnp.sum(a.at[i].get(mode="fill", fill_value=0.0) ** 2))(a)
 
 
-@pytest.mark.parametrize("fn", [_gradient_of_gather, _gradient_of_fill_gather])
+def _gradient_of_a_row_s_gather(a, i):  # ``table[h][i]``: a row, then points in it
+    return jax.grad(lambda a: jnp.sum(jnp.cos(a.reshape(3, 100)[jnp.int32(1)][i % 100])))(a)
+
+
+GRADIENTS = [_gradient_of_gather, _gradient_of_fill_gather, _gradient_of_a_row_s_gather]
+
+
+@pytest.mark.parametrize("fn", GRADIENTS)
 @pytest.mark.parametrize("indices", [UNIQUE, REPEATED], ids=["unique", "repeated"])
-def test_a_large_scatter_added_into_memory_is_the_gradient(fn, indices):
-    np.testing.assert_allclose(
-        added_into_memory(fn, BIG, indices, atomics=False), fn(BIG, indices), rtol=1e-6
-    )
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_large_scatter_added_into_memory_is_the_gradient(fn, indices, dtype):
+    # A bfloat16 array's gradient, added into float32, is summed in float32.
+    array = BIG.astype(dtype)
+    want = fn(array.astype(jnp.float32), indices)
+    got = added_into_memory(fn, array, indices, atomics=False)
+    np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == jnp.float32 else 2e-2, atol=1e-6)
 
 
-@pytest.mark.parametrize("fn", [_gradient_of_gather, _gradient_of_fill_gather])
+@pytest.mark.parametrize("fn", GRADIENTS)
 def test_a_large_scatter_is_atomic_adds_at_its_points(fn):
     # The interpreter's atomic add keeps one of repeated points (a GPU adds them all): unique
     # points check where each add lands.
