@@ -31,6 +31,7 @@ from jax_sdpa._online_softmax import merge_attention as merge_attention
 from jax_sdpa._paged import paged_attention as paged_attention
 from jax_sdpa._paged import update_cache as update_cache
 from jax_sdpa._paged import update_paged_cache as update_paged_cache
+from jax_sdpa._qk_clip import qk_clip as qk_clip
 from jax_sdpa._ring import Ring as Ring
 from jax_sdpa._sharding import from_striped as from_striped
 from jax_sdpa._sharding import ring_dot_product_attention as ring_dot_product_attention
@@ -71,6 +72,7 @@ __all__ = (
     "merge_attention",
     "mods",
     "paged_attention",
+    "qk_clip",
     "raw_scores",
     "ring_attention",
     "ring_dot_product_attention",

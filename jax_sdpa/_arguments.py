@@ -70,6 +70,7 @@ def bind(
     output: Output,
     implementation=None,
     page_table=None,
+    return_max_scores=False,
     **keywords,
 ) -> tuple[Inputs, Config]:
     """Checks every argument of a public call (raising on the first problem) and bundles them.
@@ -105,7 +106,8 @@ def bind(
         sigmoid_bias=_sigmoid_bias(shapes, formula, **keywords),
     )
     inputs = _varying_together(Inputs(query, key, value, arrays, page_table), ring)
-    return inputs, choose(inputs, Config(formula, output, ring=ring), implementation)
+    config = Config(formula, output, ring=ring, max_scores=bool(return_max_scores))
+    return inputs, choose(inputs, config, implementation)
 
 
 def _varying_together(inputs: Inputs, ring: RingSpec | None) -> Inputs:

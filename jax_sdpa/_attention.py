@@ -21,6 +21,7 @@ from jax_sdpa._masks import CausalMask
 from jax_sdpa._steps import (
     default_scale,
     log_total,
+    max_allowed,
     sigmoid_parts,
     softmax_with_logsumexp,
     weighted_sum,
@@ -45,15 +46,15 @@ def attention_head(
         weights, lse = softmax_with_logsumexp(scores, allowed, arrays.sinks)
     dropped = formula.drop(weights, arrays.dropout_rng)
     out = weighted_sum(dropped, value, precision=formula.precision)
-    return Result(out.astype(value.dtype), lse, weights)
+    return Result(out.astype(value.dtype), lse, weights, max_allowed(scores, allowed))
 
 
 def _weights_head(formula: Formula, query, key, value, arrays: CallArrays) -> Result:
     """The weights after dropout, as flax's ``dot_product_attention_weights`` returns them."""
-    out, lse, weights = attention_head(
+    result = attention_head(
         formula, query, key, value, dataclasses.replace(arrays, dropout_rng=None)
     )
-    return Result(out, lse, formula.drop(weights, arrays.dropout_rng))
+    return result._replace(weights=formula.drop(result.weights, arrays.dropout_rng))
 
 
 def dense_sequence(
@@ -74,9 +75,9 @@ def dense_sequence(
     query = jnp.moveaxis(query.reshape(seq, *groups, -1), 0, 2)  # (K, G, T, H)
     kv = (jnp.moveaxis(key, 1, 0), jnp.moveaxis(value, 1, 0))
     result = over_heads(each, groups, (query, arrays.by_head(groups)), kv)
-    out, lse, weights = (x.reshape(heads, *x.shape[2:]) for x in result)
+    out, lse, weights, top = (x.reshape(heads, *x.shape[2:]) for x in result)
     # (N, T, V) → (T, N, V) and (N, T) → (T, N), the layout of jax.nn.
-    return Result(jnp.moveaxis(out, 0, 1), jnp.moveaxis(lse, 0, 1), weights)
+    return Result(jnp.moveaxis(out, 0, 1), jnp.moveaxis(lse, 0, 1), weights, top.T)
 
 
 def attention(
@@ -156,5 +157,5 @@ def attention(
         default_scale(query.shape[1]) if scale is None else scale, precision=precision
     )
     arrays = CallArrays(bias, mask, CausalMask() if is_causal else None)
-    out, _, weights = attention_head(formula, query, key, value, arrays)
+    out, _, weights, _ = attention_head(formula, query, key, value, arrays)
     return (out, weights) if return_weights else out

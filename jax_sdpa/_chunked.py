@@ -8,7 +8,7 @@ in place::
     state    = init()
     for j:  s, allowed = formula.scores(q_i, k_j, arrays_ij)   # the dense path's score steps
             state = update(state, s, allowed, v_j)             # running max, denominator, output
-    out, lse = finish(state)
+    out, lse = finish(state)                                  # and max_scores(state)
 
 The backward pass is the engine's (:func:`jax_sdpa._tiles_backward.backward`): each tile's
 weights are recomputed from the saved log-sum-exp.
@@ -84,23 +84,21 @@ def _flash_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
         sink = None if arrays.sinks is None else arrays.sinks.reshape(*tiles.groups, 1)
         state = online_softmax.init(queries, block, (*block, value.shape[-1]), sink)
         state = sweep_keys(tiles, q_i, keys, values, arrays, state, i, 0, 0)
+        parts = (
+            *online_softmax.finish(state, value.dtype, tiles.formula.sigmoid),
+            online_softmax.max_scores(state),
+        )
         return tuple(
             lax.dynamic_update_slice_in_dim(
                 x, rows_first(part, 2).reshape(-1, *x.shape[1:]), i * tiles.block_q, axis=0
             )
-            for x, part in zip(
-                outputs,
-                online_softmax.finish(state, value.dtype, tiles.formula.sigmoid),
-                strict=True,
-            )
+            for x, part in zip(outputs, parts, strict=True)
         )
 
-    outputs = (
-        zeros_from(queries, value.dtype, (*query.shape[:2], value.shape[-1])),
-        zeros_from(queries, accumulation_dtype(query.dtype), query.shape[:2]),
-    )
-    out, lse = loop(0, query.shape[0] // tiles.block_q, query_block, outputs)
-    return (out, lse), (query, key, value, arrays, out, lse)
+    rows = zeros_from(queries, accumulation_dtype(query.dtype), query.shape[:2])
+    outputs = (zeros_from(queries, value.dtype, (*query.shape[:2], value.shape[-1])), rows, rows)
+    out, lse, top = loop(0, query.shape[0] // tiles.block_q, query_block, outputs)
+    return (out, lse, top), (query, key, value, arrays, out, lse)
 
 
 _flash.defvjp(_flash_fwd, backward)
@@ -126,5 +124,5 @@ def chunked_sequence(
     query = pad_to(query, 0, block_q)
     if arrays.rule is not None and arrays.rule.opaque:
         arrays = dataclasses.replace(arrays, rule=blocked(tiles, arrays, seq_q, key.shape[0]))
-    out, lse = _flash(tiles, query, key, value, arrays)
-    return Result(out[:seq_q], lse[:seq_q], None)
+    out, lse, top = _flash(tiles, query, key, value, arrays)
+    return Result(out[:seq_q], lse[:seq_q], None, top[:seq_q])

@@ -164,11 +164,12 @@ def split_keys(formula: Formula, query, keys, values, arrays: CallArrays) -> Res
         state = online_softmax.merge(
             state, online_softmax.init(per_query, state.denom.shape, state.acc.shape, sink)
         )
-    out, lse = online_softmax.finish(
-        state, values.dtype, formula.sigmoid
-    )  # (K, G, T, ·), (K, G, T)
+    out, lse = online_softmax.finish(state, values.dtype, formula.sigmoid)  # (K, G, T, ·)
     out = jnp.moveaxis(out, 2, 0).reshape(seq_q, heads, -1)
-    return Result(out, jnp.moveaxis(lse, 2, 0).reshape(seq_q, heads), None)
+    rows = [
+        jnp.moveaxis(x, 2, 0).reshape(seq_q, heads) for x in (lse, online_softmax.max_scores(state))
+    ]
+    return Result(out, rows[0], None, rows[1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -179,8 +180,8 @@ def _split_attention(tiles: Tiles, query, key, value, arrays: CallArrays):
 def _split_attention_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
     """The keys and values, whole chunks of ``tiles.block_kv``, split and their states merged."""
     keys, values = (x.reshape(-1, tiles.block_kv, *x.shape[1:]) for x in (key, value))
-    out, lse, _ = split_keys(tiles.formula, query, keys, values, arrays)
-    return (out, lse), (query, key, value, arrays, out, lse)
+    out, lse, _, top = split_keys(tiles.formula, query, keys, values, arrays)
+    return (out, lse, top), (query, key, value, arrays, out, lse)
 
 
 _split_attention.defvjp(_split_attention_fwd, backward)
@@ -197,7 +198,8 @@ def decode_sequence(
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
     tiles = Tiles(formula, seq_q, min(options.block_kv, seq_kv), (kv_heads, heads // kv_heads))
     key, value, arrays = pad_keys(key, value, arrays, tiles.block_kv)
-    return Result(*_split_attention(tiles, query, key, value, arrays), None)
+    out, lse, top = _split_attention(tiles, query, key, value, arrays)
+    return Result(out, lse, None, top)
 
 
 def paged_sequence(

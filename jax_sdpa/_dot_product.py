@@ -129,6 +129,7 @@ def dot_product_attention(
     mask: ArrayLike | None = None,
     *,
     return_residual: Literal[False] = False,
+    return_max_scores: Literal[False] = False,
     implementation: Implementation | Chunked | Decode | Pallas | None = None,
     **options: Unpack[Options],
 ) -> Array: ...
@@ -143,9 +144,25 @@ def dot_product_attention(
     mask: ArrayLike | None = None,
     *,
     return_residual: Literal[True],
+    return_max_scores: Literal[False] = False,
     implementation: Implementation | Chunked | Decode | Pallas | None = None,
     **options: Unpack[Options],
 ) -> tuple[Array, Array]: ...
+
+
+@overload
+def dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    return_residual: bool = False,
+    return_max_scores: Literal[True],
+    implementation: Implementation | Chunked | Decode | Pallas | None = None,
+    **options: Unpack[Options],
+) -> tuple[Array, ...]: ...
 
 
 def dot_product_attention(
@@ -162,6 +179,7 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: Implementation | Chunked | Decode | Pallas | None = None,
     return_residual: bool = False,
+    return_max_scores: bool = False,
     causal_alignment: CausalAlignment = "top_left",
     logits_soft_cap: float | None = None,
     score_mod: Callable | None = None,
@@ -228,6 +246,11 @@ def dot_product_attention(
             at least float32 (``jax.nn`` returns it in the input dtype); −∞ for a row with no key.
             Differentiable (not with ``"cudnn"``, whose backward drops it);
             :func:`jax_sdpa.merge_attention` joins such pairs.
+        return_max_scores: Also return each row's largest logit, ``(B, T, N)`` in at least
+            float32: the max of the scores the normaliser sees (after scale, soft cap, bias and
+            ``score_mod``) over the keys the row may attend, −∞ for a row with none; not the
+            sinks'. Not differentiated (a statistic to watch, as FlexAttention's
+            ``AuxRequest(max_scores=True)``, or to clip: :func:`jax_sdpa.qk_clip`).
         causal_alignment: ``"top_left"`` (``jax.nn``, PyTorch) or ``"bottom_right"`` (the last
             query sees the last key: KV-cache decoding, FlashAttention). Shifts the window too.
         logits_soft_cap: If set, scores become ``cap · tanh(scores / cap)`` before the bias.
@@ -265,7 +288,8 @@ def dot_product_attention(
 
     Returns:
         The output with the query's shape but ``V`` features, in the input dtype; with
-        ``return_residual``, the pair ``(out, logsumexp)``.
+        ``return_residual``, the pair ``(out, logsumexp)``; with ``return_max_scores`` too,
+        ``(out, logsumexp, max_scores)``, and alone ``(out, max_scores)``.
 
     Raises:
         ValueError: On shapes that do not fit together, or values out of range.
@@ -281,10 +305,10 @@ def dot_product_attention(
     inputs, config = bind(
         **locals(), output="attention" if module is None else "attention_and_weights"
     )
-    out, lse, weights = run(inputs, config=config)
+    result = run(inputs, config=config)
     if module is not None:
-        _sow(module, weights)
-    return (out, lse) if return_residual else out
+        _sow(module, result.weights)
+    return result.returned(return_residual, return_max_scores)
 
 
 def _sow(module, weights: Array) -> None:
@@ -358,6 +382,7 @@ def ring_attention(
     mask: ArrayLike | None = None,
     *,
     return_residual: Literal[False] = False,
+    return_max_scores: Literal[False] = False,
     axis_name: Any,
     layout: Layout = "contiguous",
     batch_axis: Any = None,
@@ -377,6 +402,7 @@ def ring_attention(
     mask: ArrayLike | None = None,
     *,
     return_residual: Literal[True],
+    return_max_scores: Literal[False] = False,
     axis_name: Any,
     layout: Layout = "contiguous",
     batch_axis: Any = None,
@@ -385,6 +411,26 @@ def ring_attention(
     key_value_seq_lengths: ArrayLike | None = None,
     **options: Unpack[RingOptions],
 ) -> tuple[Array, Array]: ...
+
+
+@overload
+def ring_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    return_residual: bool = False,
+    return_max_scores: Literal[True],
+    axis_name: Any,
+    layout: Layout = "contiguous",
+    batch_axis: Any = None,
+    head_axis: Any = None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    **options: Unpack[RingOptions],
+) -> tuple[Array, ...]: ...
 
 
 def ring_attention(
@@ -411,6 +457,7 @@ def ring_attention(
     batch_axis: Any = None,
     head_axis: Any = None,
     return_residual: bool = False,
+    return_max_scores: bool = False,
     implementation: Ring | Pallas | Literal["pallas"] | None = None,
     precision: lax.PrecisionLike = None,
 ) -> Array | tuple[Array, Array]:
@@ -460,9 +507,12 @@ def ring_attention(
         head_axis: The mesh axis the query and key/value heads are split over, if any: the mods
             then see each head's index among all heads (``sinks`` are this device's heads').
         return_residual: Also return this device's log-sum-exp, ``(B, T/P, N)`` (differentiable).
+        return_max_scores: Also return this device's rows' largest logits, ``(B, T/P, N)``, as
+            in :func:`dot_product_attention` (over the whole ring's keys).
 
     Returns:
-        This device's output shard ``(B, T/P, N, V)``, or ``(out, logsumexp)``.
+        This device's output shard ``(B, T/P, N, V)``, or with the statistics asked for, as
+        :func:`dot_product_attention` returns them.
 
     References:
         Liu, Zaharia & Abbeel, Ring Attention with Blockwise Transformers for Near-Infinite
@@ -474,5 +524,4 @@ def ring_attention(
         implementation = Ring(kernel=implementation)
     implementation = implementation or "ring"
     inputs, config = bind(**locals(), output="attention")
-    out, lse, _ = run(inputs, config=config)
-    return (out, lse) if return_residual else out
+    return run(inputs, config=config).returned(return_residual, return_max_scores)

@@ -18,12 +18,19 @@ from jaxtyping import Array
 class Result(NamedTuple):
     """What every implementation returns: the output, each row's log-sum-exp, the weights.
 
-    ``weights`` is ``None`` where they are never formed (the chunked, decode and ring paths).
+    ``weights`` is ``None`` where they are never formed (the chunked, decode and ring paths);
+    ``max_scores``, each row's largest allowed score, ``None`` where it is not known (cuDNN).
     """
 
     out: Array
     lse: Array
     weights: Array | None
+    max_scores: Array | None = None
+
+    def returned(self, residual: bool, max_scores: bool) -> Array | tuple[Array, ...]:
+        """What a public call returns: ``out``, and the log-sum-exp and max scores asked for."""
+        extra = (self.lse,) * residual + (self.max_scores,) * max_scores
+        return (self.out, *extra) if extra else self.out
 
 
 def _split(tree: Any) -> tuple[Any, Any]:

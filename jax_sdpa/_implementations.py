@@ -103,6 +103,7 @@ class Config:
     implementation: str = "xla"
     options: Any = None  # the implementation's tunables (Chunked(...), ...), if it has any
     ring: RingSpec | None = None
+    max_scores: bool = False  # whether the call returns them (cuDNN does not give them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +243,7 @@ def _beyond_jax_nn(inputs: Inputs, config: Config) -> list[str]:
         "score_mod": config.formula.score_mod is not None,
         "sinks": inputs.arrays.sinks is not None,
         "normalizer='sigmoid'": config.formula.sigmoid,
+        "return_max_scores": config.max_scores,
         "dropout_rate": inputs.arrays.dropout_rng is not None,
         "module": config.output != "attention",
     }
@@ -428,7 +430,7 @@ def without_positions(inputs: Inputs) -> Result:
     sinks = inputs.arrays.sinks
     per_head = jnp.full((heads,), -jnp.inf, dtype) if sinks is None else sinks.astype(dtype)
     lse = jnp.broadcast_to(per_head[..., None, :], (*batch, seq_q, heads))
-    return Result(out, lse, weights)
+    return Result(out, lse, weights, jnp.full(lse.shape, -jnp.inf, dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -439,4 +441,4 @@ def run(inputs: Inputs, *, config: Config) -> Result:
     else:
         result = IMPLEMENTATIONS[config.implementation].run(inputs, config)
     weights = None if config.output == "attention" else result.weights
-    return Result(result.out, result.lse, weights)
+    return result._replace(weights=weights)

@@ -80,7 +80,9 @@ def forward(
     out_dtype=None,
     lists: "BlockLists | None" = None,
 ):
-    """``(out, lse)`` of ``(T, N, ·)`` queries against ``(S, K, ·)`` keys, from :func:`padded`.
+    """``(out, lse, max_scores)`` of ``(T, N, ·)`` queries against ``(S, K, ·)`` keys.
+
+    The arrays come from :func:`padded`.
 
     ``offsets``: the global positions of the first query and the first key. With sinks in
     ``arrays``, the rows start from them. ``out`` is in ``out_dtype`` (the values' by default).
@@ -100,15 +102,15 @@ def forward(
             _head(kernel.seq_kv, value_width, groups),
             *map(_whole, inputs),
         ],
-        out_specs=[_block(tiles.block_q, value_width), _lse(tiles.block_q)],
+        out_specs=[_block(tiles.block_q, value_width), _lse(tiles.block_q), _lse(tiles.block_q)],
         out_shape=[
             result((heads, seq_q, value_width), out_dtype or value.dtype),
-            result((heads, seq_q, 1), accumulation_dtype(query.dtype)),
+            *[result((heads, seq_q, 1), accumulation_dtype(query.dtype))] * 2,
         ],
         name="jax_sdpa_forward",
     )
-    out, lse = call(*map(_heads_leading, (query, key, value)), *inputs)
-    return jnp.swapaxes(out, 0, 1), lse[:, :, 0].T
+    out, lse, top = call(*map(_heads_leading, (query, key, value)), *inputs)
+    return jnp.swapaxes(out, 0, 1), lse[:, :, 0].T, top[:, :, 0].T
 
 
 def backward(

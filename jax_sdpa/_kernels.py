@@ -269,7 +269,7 @@ class BlockLists:
 
 
 def forward_kernel(kernel: Kernel, q_ref, k_ref, v_ref, *refs):
-    *inputs, o_ref, lse_ref = refs
+    *inputs, o_ref, lse_ref, top_ref = refs
     tiles = kernel.tiles
     n, i = pl.program_id(0), pl.program_id(1)
     q = q_ref[...]
@@ -289,11 +289,13 @@ def forward_kernel(kernel: Kernel, q_ref, k_ref, v_ref, *refs):
             return tiles.forward_tile(state, q, k_j, v_j, tile, tile_q, tile_kv)
 
         state = sweep(step, "kv", i, state)
-        return online_softmax.finish(state, o_ref.dtype, tiles.formula.sigmoid)
+        out, lse = online_softmax.finish(state, o_ref.dtype, tiles.formula.sigmoid)
+        return out, lse, online_softmax.max_scores(state)
 
-    out, lse = kernel.run(body, inputs, n)
+    out, lse, top = kernel.run(body, inputs, n)
     o_ref[...] = out
     lse_ref[...] = lse[:, None]
+    top_ref[...] = top[:, None]
 
 
 def _wide(x):

@@ -33,6 +33,7 @@ from jax_sdpa import _checks
 from jax_sdpa._steps import (
     accumulation_dtype,
     exp_scores,
+    has_key,
     large_negative,
     log_of_sum,
     logsumexp,
@@ -50,12 +51,14 @@ class State(NamedTuple):
 
     ``row_max`` and ``denom`` have one entry per row, ``(..., r)``; ``acc`` adds the value
     features, ``(..., r, V)`` (or, in a loop over whole sequences, holds them flattened into the
-    rows: ``(T, N·V)`` for ``(T, N)`` rows).
+    rows: ``(T, N·V)`` for ``(T, N)`` rows). ``top`` is the largest allowed score a row has met
+    (the fill before any): the max of ``row_max`` without the sink, and the sigmoid's too.
     """
 
     row_max: Array
     denom: Array
     acc: Array
+    top: Array
 
 
 def zeros_from(x: Array, dtype, shape: tuple | None = None) -> Array:
@@ -80,9 +83,10 @@ def init(query: Array, shape: tuple, output: tuple, sink: Array | None = None) -
     dtype = accumulation_dtype(query.dtype)
     zeros = zeros_from(query, dtype, shape)
     output = zeros_from(query, dtype, output)
+    fill = zeros + large_negative(dtype)
     if sink is None:
-        return State(zeros + large_negative(dtype), zeros, output)
-    return State(zeros + jnp.broadcast_to(sink.astype(dtype), shape), zeros + 1, output)
+        return State(fill, zeros, output, fill)
+    return State(zeros + jnp.broadcast_to(sink.astype(dtype), shape), zeros + 1, output, fill)
 
 
 def update(
@@ -103,15 +107,17 @@ def update(
     how they meet them, :func:`~jax_sdpa._steps.weighted_sum` or the same sum formed otherwise.
     With a ``sigmoid_bias``, the weights are the sigmoid's (no shift: they simply add).
     """
+    masked = masked_scores(scores, allowed)
+    top = jnp.maximum(state.top, masked.max(axis=-1))
     if sigmoid_bias is not None:
         w = sigmoid_parts(scores, allowed, sigmoid_bias)
         return State(
             state.row_max,
             state.denom + w.sum(axis=-1),
             state.acc + product(drop(w), value, precision=precision),
+            top,
         )
-    masked = masked_scores(scores, allowed)
-    new_max = jnp.maximum(state.row_max, masked.max(axis=-1))
+    new_max = jnp.maximum(state.row_max, top)
     # Until a row meets its first allowed key, its max stays at the fill and p counts masked
     # entries as 1; the correction e^{fill − real max} = 0 erases them when it does.
     p = exp_scores(masked, new_max)
@@ -120,6 +126,7 @@ def update(
         new_max,
         denom + p.sum(axis=-1),
         acc + product(drop(p), value, precision=precision),
+        top,
     )
 
 
@@ -170,17 +177,25 @@ def finish(state: State, dtype, sigmoid: bool = False) -> tuple[Array, Array]:
     return out.reshape(state.acc.shape).astype(dtype), lse
 
 
-def from_result(out: Array, lse: Array, sigmoid: bool = False) -> State:
+def from_result(out: Array, lse: Array, sigmoid: bool = False, top: Array | None = None) -> State:
     r"""The state that :func:`finish` turns back into ``(out, lse)``: max lse, denominator 1.
 
-    A sigmoid state: the fill for its max, the total weight :math:`e^{\mathrm{lse}}`.
+    A sigmoid state: the fill for its max, the total weight :math:`e^{\mathrm{lse}}`. ``top``:
+    the rows' largest scores (:func:`max_scores`), if known.
     """
     dtype = accumulation_dtype(out.dtype)
     lse = lse.astype(dtype)
+    fill = jnp.full_like(lse, large_negative(dtype))
+    top = fill if top is None else jnp.maximum(top.astype(dtype), fill)
     if sigmoid:
-        return State(jnp.full_like(lse, large_negative(dtype)), jnp.exp(lse), out.astype(dtype))
+        return State(fill, jnp.exp(lse), out.astype(dtype), top)
     row_max = jnp.where(jnp.isfinite(lse), lse, large_negative(dtype))
-    return State(row_max, jnp.ones_like(lse), out.astype(dtype))
+    return State(row_max, jnp.ones_like(lse), out.astype(dtype), top)
+
+
+def max_scores(state: State) -> Array:
+    """Each row's largest allowed score, −∞ for a row that met none (not differentiated)."""
+    return lax.stop_gradient(jnp.where(has_key(state.top), state.top, -jnp.inf))
 
 
 def merge(a: State, b: State) -> State:
@@ -197,7 +212,7 @@ def combine(states: State) -> State:
     # The shift does not change the result (as the softmax's row max): no gradient through it.
     row_max = lax.stop_gradient(states.row_max.max(axis=0))
     denom, acc = _shifted(states, row_max[None])
-    return State(row_max, denom.sum(axis=0), acc.sum(axis=0))
+    return State(row_max, denom.sum(axis=0), acc.sum(axis=0), states.top.max(axis=0))
 
 
 def merge_attention(

@@ -44,6 +44,7 @@ def paged_attention(
     normalizer: Literal["softmax", "sigmoid"] = "softmax",
     sigmoid_bias: ArrayLike | float | None = None,
     return_residual: bool = False,
+    return_max_scores: bool = False,
     implementation: Paged | None = None,
 ):
     r"""Attention of new queries to the keys and values of a paged cache.
@@ -76,6 +77,8 @@ def paged_attention(
         normalizer: As in :func:`dot_product_attention` (``S`` is each sequence's ``lengths``).
         sigmoid_bias: As in :func:`dot_product_attention`.
         return_residual: Also return the log-sum-exp ``(B, T, N)``.
+        return_max_scores: Also return each row's largest logit ``(B, T, N)``, as in
+            :func:`dot_product_attention`.
         implementation: :class:`~jax_sdpa.Paged` (its chunk of keys), or None for its defaults.
 
     Returns:
@@ -115,9 +118,9 @@ def paged_attention(
         sinks=sinks,
         normalizer=normalizer,
         sigmoid_bias=sigmoid_bias,
+        return_max_scores=return_max_scores,
     )
-    out, lse, _ = run(inputs, config=config)
-    return (out, lse) if return_residual else out
+    return run(inputs, config=config).returned(return_residual, return_max_scores)
 
 
 def update_cache(

@@ -28,8 +28,8 @@ def _fused(tiles: Tiles, options: Pallas, query, key, value, arrays: CallArrays,
 
 
 def _fused_fwd(tiles: Tiles, options: Pallas, query, key, value, arrays: CallArrays, lists):
-    out, lse = forward(tiles, options, query, key, value, arrays, lists=lists)
-    return (out, lse), (query, key, value, arrays, lists, out, lse)
+    out, lse, top = forward(tiles, options, query, key, value, arrays, lists=lists)
+    return (out, lse, top), (query, key, value, arrays, lists, out, lse)
 
 
 def _fused_bwd(tiles: Tiles, options: Pallas, residuals: tuple, cotangents: tuple) -> tuple:
@@ -64,5 +64,5 @@ def pallas_sequence(
     if arrays.rule is not None and arrays.rule.opaque:
         rule = blocked(tiles, arrays, seq_q, key.shape[0])
         arrays, lists = dataclasses.replace(arrays, rule=rule), BlockLists.of(rule)
-    out, lse = _fused(tiles, options, query, key, value, arrays, lists)
-    return Result(out[:seq_q, :, :value_width], lse[:seq_q], None)
+    out, lse, top = _fused(tiles, options, query, key, value, arrays, lists)
+    return Result(out[:seq_q, :, :value_width], lse[:seq_q], None, top[:seq_q])

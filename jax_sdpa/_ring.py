@@ -30,7 +30,7 @@ from jax_sdpa import _kernel_calls as kernels
 from jax_sdpa._formula import CallArrays, Formula, block_of
 from jax_sdpa._heads import Result
 from jax_sdpa._kernels import Pallas
-from jax_sdpa._online_softmax import finish, from_result, init, merge
+from jax_sdpa._online_softmax import finish, from_result, init, max_scores, merge
 from jax_sdpa._tiles import (
     DEFAULT_BLOCK_KV,
     DEFAULT_BLOCK_Q,
@@ -155,9 +155,9 @@ def _kernel_forward(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, s
     The kernel gives ``(out, lse)`` of these queries over these keys, merged into ``state``.
     """
     fitted, (q, _, v), padded = _on_kernel(kernel, tiles, queries, key, value, arrays, offsets[1])
-    out, lse = kernels.forward(fitted, kernel, *padded, offsets, out_dtype=state.acc.dtype)
+    out, lse, top = kernels.forward(fitted, kernel, *padded, offsets, out_dtype=state.acc.dtype)
     rows, heads, width = q.shape[0], q.shape[1], v.shape[-1]
-    part = from_result(out[:rows, :, :width], lse[:rows], tiles.formula.sigmoid)
+    part = from_result(out[:rows, :, :width], lse[:rows], tiles.formula.sigmoid, top[:rows])
     merged = merge(state._replace(acc=_heads(state.acc, heads)), part)
     return merged._replace(acc=merged.acc.reshape(rows, -1))
 
@@ -226,7 +226,7 @@ def _around_ring_fwd(
     state, _, _ = loop(0, ring.shards, step, (state, flat(key), flat(value)))
     state = state._replace(acc=state.acc.reshape(*shape, -1))
     out, lse = finish(state, value.dtype, tiles.formula.sigmoid)
-    return (out, lse), (query, key, value, arrays, out, lse)
+    return (out, lse, max_scores(state)), (query, key, value, arrays, out, lse)
 
 
 def _around_ring_bwd(tiles: Tiles, ring: RingSpec, kernel: Pallas | None, residuals, cotangents):
@@ -304,8 +304,8 @@ def ring_sequence(
         _largest_divisor(seq_kv // runs, options.block_kv),
         (kv_heads, heads // kv_heads),
     )
-    out, lse = _around_ring(tiles, ring, options.kernel, query, key, value, arrays)
-    return Result(out, lse, None)
+    out, lse, top = _around_ring(tiles, ring, options.kernel, query, key, value, arrays)
+    return Result(out, lse, None, top)
 
 
 def _largest_divisor(n: int, cap: int) -> int:

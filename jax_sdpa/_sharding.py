@@ -131,7 +131,8 @@ def _ring_specs(
     batch_axis: str | None,
     head_axis: str | None,
     return_residual: bool,
-) -> tuple[tuple[P, ...], P | tuple[P, P]]:
+    return_max_scores: bool,
+) -> tuple[tuple[P, ...], P | tuple[P, ...]]:
     """``shard_map``'s ``in_specs`` for query, key, value and ``named``, and its ``out_specs``."""
 
     def spec(name: str, x: Array) -> P:
@@ -144,8 +145,8 @@ def _ring_specs(
 
     seq_spec = P(batch_axis, seq_axis, head_axis, None)
     in_specs = (seq_spec,) * 3 + tuple(spec(name, x) for name, x in named.items())
-    out_specs = (seq_spec, P(batch_axis, seq_axis, head_axis)) if return_residual else seq_spec
-    return in_specs, out_specs
+    rows = (P(batch_axis, seq_axis, head_axis),) * (return_residual + return_max_scores)
+    return in_specs, ((seq_spec, *rows) if rows else seq_spec)
 
 
 def _on_each_device(
@@ -186,6 +187,7 @@ def ring_dot_product_attention(
     mask: ArrayLike | None = None,
     *,
     return_residual: Literal[False] = False,
+    return_max_scores: Literal[False] = False,
     mesh: jax.sharding.Mesh,
     seq_axis: str,
     batch_axis: str | None = None,
@@ -206,6 +208,7 @@ def ring_dot_product_attention(
     mask: ArrayLike | None = None,
     *,
     return_residual: Literal[True],
+    return_max_scores: Literal[False] = False,
     mesh: jax.sharding.Mesh,
     seq_axis: str,
     batch_axis: str | None = None,
@@ -215,6 +218,27 @@ def ring_dot_product_attention(
     key_value_seq_lengths: ArrayLike | None = None,
     **options: Unpack[RingOptions],
 ) -> tuple[Array, Array]: ...
+
+
+@overload
+def ring_dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    return_residual: bool = False,
+    return_max_scores: Literal[True],
+    mesh: jax.sharding.Mesh,
+    seq_axis: str,
+    batch_axis: str | None = None,
+    head_axis: str | None = None,
+    layout: Layout = "contiguous",
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    **options: Unpack[RingOptions],
+) -> tuple[Array, ...]: ...
 
 
 def ring_dot_product_attention(
@@ -232,8 +256,9 @@ def ring_dot_product_attention(
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
     return_residual: bool = False,
+    return_max_scores: bool = False,
     **options: Unpack[RingOptions],
-) -> Array | tuple[Array, Array]:
+) -> Array | tuple[Array, ...]:
     """:func:`jax_sdpa.dot_product_attention` on a mesh, the sequence split over ``seq_axis``.
 
     Arguments are whole ``(B, T, N, H)`` arrays (``bias`` and ``mask`` rank 4, broadcastable to
@@ -246,7 +271,8 @@ def ring_dot_product_attention(
     keywords.
 
     Returns:
-        The output ``(B, T, N, V)`` sharded over the mesh, or ``(out, logsumexp)``.
+        The output ``(B, T, N, V)`` sharded over the mesh, or with the statistics asked for, as
+        :func:`jax_sdpa.dot_product_attention` returns them.
 
     Examples:
         >>> import jax, numpy as np
@@ -268,7 +294,8 @@ def ring_dot_product_attention(
         sinks=options.pop("sinks", None),  # one per head: each device gets its heads'
         sigmoid_bias=options.pop("sigmoid_bias", None),
     )
-    in_specs, out_specs = _ring_specs(named, **axes, return_residual=return_residual)
+    returned = dict(return_residual=return_residual, return_max_scores=return_max_scores)
+    in_specs, out_specs = _ring_specs(named, **axes, **returned)
     local = functools.partial(
         _on_each_device,
         names=tuple(named),
@@ -277,7 +304,7 @@ def ring_dot_product_attention(
         layout=layout,
         batch_axis=batch_axis,
         head_axis=head_axis,
-        return_residual=return_residual,
+        **returned,
         **options,
     )
     args = (query, key, value, *named.values())

@@ -178,6 +178,12 @@ def has_key(row_max: Float[Array, "*q"]) -> Bool[Array, "*q"]:
     return row_max > large_negative(row_max.dtype)
 
 
+def max_allowed(scores: Float[Array, "*q kv"], mask: Bool[Array, "*#q #kv"] | None):
+    """Each row's largest allowed score, −∞ for a row with none (not differentiated)."""
+    row_max = lax.stop_gradient(masked_scores(scores, mask).max(axis=-1))
+    return jnp.where(has_key(row_max), row_max, -jnp.inf)
+
+
 def normalize(
     x: Float[Array, "q ..."], denom: Float[Array, " q"], row_max: Float[Array, " q"]
 ) -> Float[Array, "q ..."]:

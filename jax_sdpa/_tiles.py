@@ -317,6 +317,7 @@ def forward_sweep(
             tiles.queries(state.row_max, i, vector=True),
             tiles.queries(state.denom, i, vector=True),
             tiles.queries(state.acc, i),
+            tiles.queries(state.top, i, vector=True),
         )
         q_i = tiles.queries(query, i)
         state_i = sweep_keys(tiles, q_i, key, value, arrays, state_i, i, q_offset, kv_offset)

@@ -154,7 +154,7 @@ def sinks_grad(
 def backward_rows(out, lse, cotangents, sigmoid: bool = False) -> BackwardRows:
     r"""The :class:`BackwardRows` of ``(T, N, V)`` outputs and their ``(T, N)`` log-sum-exp.
 
-    ``cotangents = (d_out, d_lse)``. As :math:`\partial\,\mathrm{lse}_i / \partial s_{ij} =
+    ``cotangents = (d_out, d_lse, …)``. As :math:`\partial\,\mathrm{lse}_i / \partial s_{ij} =
     P_{ij}`, the log-sum-exp's cotangent joins the scores' gradient as
     :math:`dS = P \circ (dP - D + d\mathrm{lse})`: it is subtracted from :math:`D`.
 
@@ -164,7 +164,7 @@ def backward_rows(out, lse, cotangents, sigmoid: bool = False) -> BackwardRows:
     :math:`D = -d\mathrm{lse}\, e^{-\mathrm{lse}}`
     (:func:`~jax_sdpa._online_softmax.score_gradient`).
     """
-    d_out, d_lse = cotangents
+    d_out, d_lse = cotangents[:2]  # the max scores' (a third output) are not differentiated
     d_out = d_out.astype(accumulation_dtype(out.dtype))
     rows = d_out.reshape(d_out.shape[0], -1)
     seen = jnp.isfinite(lse)

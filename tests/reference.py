@@ -84,7 +84,8 @@ def attention(
     ``sigmoid_bias`` (a scalar or (N,)) or −log of each sequence's key count (its ``kv_lengths``,
     at least 1); ``lse`` is then the log of each row's total weight.
 
-    Returns a dict with ``out`` (B,T,N,V), ``lse`` (B,T,N), ``weights`` (B,N,T,S), ``allowed``
+    Returns a dict with ``out`` (B,T,N,V), ``lse`` (B,T,N), ``max_scores`` (B,T,N), the largest
+    allowed score of each row (−∞ for none), ``weights`` (B,N,T,S), ``allowed``
     and, with ``d_out`` (and optionally ``d_lse``, the log-sum-exp's cotangent, 0 where it is
     −∞), the gradients ``dq``, ``dk``, ``dv``, ``dbias``, ``dsinks``, and ``d_scores``, the
     gradient of the scores the score_mod returns (for the arrays it closes over).
@@ -134,7 +135,14 @@ def attention(
     out = np.einsum("bnts,bsnv->btnv", weights, vf)
     with np.errstate(divide="ignore"):
         lse = np.where(denom[..., 0] > 0, row_max[..., 0] + np.log(denom[..., 0]), -np.inf)
-    result = {"out": out, "lse": lse.transpose(0, 2, 1), "weights": weights, "allowed": allowed}
+    top = np.where(allowed, scores, -np.inf).max(axis=-1, initial=-np.inf)  # the keys', not sinks'
+    result = {
+        "out": out,
+        "lse": lse.transpose(0, 2, 1),
+        "weights": weights,
+        "allowed": allowed,
+        "max_scores": top.transpose(0, 2, 1),
+    }
     if d_out is None:
         return result
     d_out = np.asarray(d_out, np.float64)

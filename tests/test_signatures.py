@@ -27,7 +27,8 @@ PARAMETERS = {
         "dropout_rate dropout_rng dtype force_fp32_for_softmax implementation is_causal key "
         "key_value_segment_ids key_value_seq_lengths local_window_size logits_soft_cap mask "
         "mask_mod module precision qk_attn_weights_einsum query query_segment_ids "
-        "query_seq_lengths return_residual scale score_mod sinks value normalizer sigmoid_bias".split()
+        "query_seq_lengths return_residual scale score_mod sinks value normalizer sigmoid_bias "
+        "return_max_scores".split()
     ),
     "dot_product_attention_weights": set(
         "bias broadcast_dropout causal_alignment deterministic dropout_rate dropout_rng dtype "
@@ -39,11 +40,11 @@ PARAMETERS = {
         "axis_name batch_axis bias causal_alignment head_axis implementation is_causal key "
         "key_value_seq_lengths layout local_window_size logits_soft_cap mask mask_mod precision "
         "query query_seq_lengths return_residual scale score_mod sinks value normalizer "
-        "sigmoid_bias".split()
+        "sigmoid_bias return_max_scores".split()
     ),
     "ring_dot_product_attention": set(
         "batch_axis bias head_axis key key_value_seq_lengths layout mask mesh options query "
-        "query_seq_lengths return_residual seq_axis value".split()
+        "query_seq_lengths return_residual return_max_scores seq_axis value".split()
     ),
 }
 POSITIONAL = {
@@ -55,13 +56,14 @@ POSITIONAL = {
 # Each TypedDict and the function whose keywords it holds, but for those the function names itself
 # in its overloads.
 GROUPS = [
-    (js.dot_product_attention, Options, {"return_residual", "implementation"}),
+    (js.dot_product_attention, Options, {"return_residual", "return_max_scores", "implementation"}),
     (js.dot_product_attention_weights, WeightsOptions, set()),
     (
         js.ring_attention,
         RingOptions,
         {
             "return_residual",
+            "return_max_scores",
             "axis_name",
             "layout",
             "batch_axis",
@@ -121,7 +123,8 @@ def test_a_typed_dict_gives_each_keyword_its_functions_type(fn, options, named):
 @pytest.mark.parametrize("fn", OVERLOADED, ids=lambda fn: fn.__name__)
 def test_the_overloads_take_what_the_function_takes(fn):
     overloads = typing.get_overloads(fn)
-    assert len(overloads) == 2  # return_residual: Literal[False], Literal[True]
+    # return_residual: Literal[False], Literal[True]; return_max_scores: Literal[True]
+    assert len(overloads) == 3
     for overload in overloads:
         assert _positional(overload) == _positional(fn)
         assert _accepted(overload) == _accepted(fn)

@@ -311,6 +311,50 @@ def test_mods_and_sinks_see_the_whole_batch_and_all_heads_when_both_are_split(
     check(ring, dense, (q, k, v, slopes, per_sequence, sinks), argnums=(0, 1, 2, 3, 4, 5))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "striped"])
+@pytest.mark.parametrize(
+    "implementation",
+    [js.Ring(block_q=4, block_kv=4), js.Pallas(block_q=16, block_kv=16, interpret=True)],
+    ids=["ring", "kernel"],
+)
+def test_sigmoid_attention_and_max_scores_on_the_ring_match_a_single_device(layout, implementation):
+    # The sigmoid's default bias counts the whole sequence's keys; each row's max score is over
+    # the whole ring's. (The kernel's interpreter needs check_vma=False on JAX 0.10.)
+    m = mesh((8,), ("seq",))
+    spec, rows = P(None, "seq", None, None), P(None, "seq", None)
+    q, k, v = inputs(11)
+    options = dict(is_causal=True, normalizer="sigmoid", return_residual=True)
+
+    def local(q, k, v):
+        return js.ring_attention(
+            q,
+            k,
+            v,
+            axis_name="seq",
+            layout=layout,
+            implementation=implementation,
+            return_max_scores=True,
+            **options,
+        )
+
+    checked = not isinstance(implementation, js.Pallas)
+    sharded = jax.shard_map(
+        local, mesh=m, in_specs=(spec,) * 3, out_specs=(spec, rows, rows), check_vma=checked
+    )
+    striped = layout == "striped"
+    order = (lambda x: js.to_striped(x, 8)) if striped else (lambda x: x)
+    unorder = (lambda x: js.from_striped(x, 8)) if striped else (lambda x: x)
+
+    def ring(q, k, v):
+        return tuple(map(unorder, sharded(order(q), order(k), order(v))))
+
+    def dense(q, k, v):
+        return js.dot_product_attention(q, k, v, return_max_scores=True, **options)
+
+    out, lse, top = check(ring, dense, (q, k, v))
+    assert bool(jnp.isfinite(top).all())
+
+
 def _kernel_options(slopes, sinks, documents):
     return dict(
         score_mod=lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j).astype(s.dtype),
