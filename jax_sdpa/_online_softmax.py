@@ -110,7 +110,8 @@ def update(
     masked = masked_scores(scores, allowed)
     top = jnp.maximum(state.top, masked.max(axis=-1))
     if sigmoid_bias is not None:
-        w = sigmoid_parts(scores, allowed, sigmoid_bias)
+        # σ(fill + b) is exactly 0 (e^{−fill} overflows to ∞): the masked scores mask the weights.
+        w = sigmoid_parts(masked, None, sigmoid_bias)
         return State(
             state.row_max,
             state.denom + w.sum(axis=-1),

@@ -286,6 +286,8 @@ def test_config_refuses_steps_not_a_multiple_of_log_every():
         ({"noise": -0.5}, "`noise` must be at least 0; got -0.5."),
         ({"d_ks": ()}, "`d_ks` must be a non-empty tuple of positive integers; got ()."),
         ({"d_ks": [16]}, "`d_ks` must be a non-empty tuple of positive integers; got [16]."),
+        ({"normalizer": "tanh"}, "`normalizer` must be 'softmax' or 'sigmoid'; got 'tanh'."),
+        ({"qk_clip": 0.0}, "`qk_clip` must be positive or None; got 0.0."),
     ],
 )
 def test_config_refuses_sizes_it_cannot_run(change, message):

@@ -38,7 +38,7 @@ def site(tmp_path_factory):
     return html
 
 
-def test_the_six_notebooks_are_there():
+def test_the_seven_notebooks_are_there():
     assert NOTEBOOKS == [
         "01_the_four_steps",
         "02_why_sqrt_dk",
@@ -46,6 +46,7 @@ def test_the_six_notebooks_are_there():
         "04_jit_and_vmap",
         "05_your_own_attention",
         "06_decoding_with_a_kv_cache",
+        "07_beyond_softmax",
     ]
 
 

@@ -26,6 +26,11 @@ class DemoConfig:
         learning_rate: Adam's learning rate.
         eval_batches: Held-out batches on which the trained models are scored.
         init_queries: Queries (each with its own keys) measured at initialisation.
+        normalizer: How scores become weights in training: ``"softmax"`` (the lesson), or
+            ``"sigmoid"``, :func:`jax_sdpa.sigmoid_weights` with its default bias ``−log n_items``
+            (notebook 07).
+        qk_clip: If set, QK-Clip's threshold τ: after each step the projections are rescaled
+            so that the step's largest logit would be at most τ (:func:`jax_sdpa.qk_clip`).
     """
 
     d_ks: tuple[int, ...] = (16, 64, 256, 1024)
@@ -40,6 +45,8 @@ class DemoConfig:
     learning_rate: float = 1e-3
     eval_batches: int = 8
     init_queries: int = 512
+    normalizer: str = "softmax"
+    qk_clip: float | None = None
 
     def __post_init__(self):
         if not (
@@ -52,8 +59,16 @@ class DemoConfig:
             )
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name not in ("d_ks", "noise") and not value > 0:
+            if field.name in ("d_ks", "noise", "normalizer", "qk_clip"):
+                continue
+            if not value > 0:
                 raise ValueError(f"`{field.name}` must be positive; got {value}.")
+        if self.normalizer not in ("softmax", "sigmoid"):
+            raise ValueError(
+                f"`normalizer` must be 'softmax' or 'sigmoid'; got {self.normalizer!r}."
+            )
+        if self.qk_clip is not None and not self.qk_clip > 0:
+            raise ValueError(f"`qk_clip` must be positive or None; got {self.qk_clip}.")
         if self.noise < 0:
             raise ValueError(f"`noise` must be at least 0; got {self.noise}.")
         if self.steps % self.log_every:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
 import jax_sdpa
 
@@ -98,8 +99,8 @@ def batch_order(seed: int, config: DemoConfig) -> np.ndarray:
     return np.random.default_rng([_ORDER, seed]).permutation(config.steps)
 
 
-def _attend(params, query_input, items, values, scale):
-    """One example through jax_sdpa's steps: its output row and its weights ``(n_items,)``.
+def _attend(params, query_input, items, values, scale, normalizer: str):
+    """One example through jax_sdpa's steps: its output row, weights ``(n_items,)``, top logit.
 
     The raw scores are ``raw_scores(x W_q W_kᵀ, X)``, where the textbook writes
     ``raw_scores(x W_q, X W_k)``: the same numbers, as (x W_q)·(x_j W_k) = (x W_q W_kᵀ)·x_j,
@@ -107,17 +108,30 @@ def _attend(params, query_input, items, values, scale):
     which at d_k = 1024 was most of the training's time.
     """
     query = query_input @ params["w_q"]
-    scores = jax_sdpa.raw_scores((query @ params["w_k"].T)[None, :], items)
-    weights = jax_sdpa.softmax_weights(jax_sdpa.scale_scores(scores, scale))
-    return jax_sdpa.weighted_sum(weights, values)[0], weights[0]
-
-
-def _loss(params, batch: Batches, scale):
-    """Mean squared error of the retrieved values, and the attention weights ``(batch, items)``."""
-    out, weights = jax.vmap(_attend, in_axes=(None, 0, 0, 0, None))(
-        params, batch.queries, batch.items, batch.values, scale
+    scores = jax_sdpa.scale_scores(
+        jax_sdpa.raw_scores((query @ params["w_k"].T)[None, :], items), scale
     )
-    return jnp.mean((out - batch.targets) ** 2), weights
+    if normalizer == "sigmoid":
+        weights = jax_sdpa.sigmoid_weights(scores)
+    else:
+        weights = jax_sdpa.softmax_weights(scores)
+    return jax_sdpa.weighted_sum(weights, values)[0], weights[0], scores.max()
+
+
+def _loss(params, batch: Batches, scale, normalizer: str = "softmax"):
+    """Mean squared error of the retrieved values, the weights ``(batch, items)``, the top logit."""
+    out, weights, top = jax.vmap(_attend, in_axes=(None, 0, 0, 0, None, None))(
+        params, batch.queries, batch.items, batch.values, scale, normalizer
+    )
+    return jnp.mean((out - batch.targets) ** 2), (weights, lax.stop_gradient(top.max()))
+
+
+def _clipped(params, top, threshold):
+    """QK-Clip of the single head's projections, ``(d_model, d_k)`` each."""
+    w_q, w_k = jax_sdpa.qk_clip(
+        params["w_q"][:, None], params["w_k"][:, None], top[None], threshold=threshold
+    )
+    return {"w_q": w_q[:, 0], "w_k": w_k[:, 0]}
 
 
 def train_model(
@@ -144,27 +158,37 @@ def train_model(
     Returns:
         ``loss``, ``entropy`` (mean row entropy of the weights) and
         ``grad_norm_wq``/``grad_norm_wk``, each averaged over every ``log_every`` steps (shape
-        ``(steps // log_every,)``), and ``eval_loss``, the mean loss of the trained model on the
-        ``held_out`` batches.
+        ``(steps // log_every,)``), ``max_logit`` (the largest logit of each stretch), and
+        ``eval_loss``, the mean loss of the trained model on the ``held_out`` batches.
     """
     optimizer = optax.adam(config.learning_rate)
 
     def step(carry, index):
         params, opt_state = carry
         batch = jax.tree.map(lambda x: x[index], batches)
-        (loss, weights), grads = jax.value_and_grad(_loss, has_aux=True)(params, batch, scale)
+        (loss, (weights, top)), grads = jax.value_and_grad(_loss, has_aux=True)(
+            params, batch, scale, config.normalizer
+        )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         logs = {
             "loss": loss,
             "entropy": jnp.mean(_entropy(weights)),
             "grad_norm_wq": jnp.linalg.norm(grads["w_q"]),
             "grad_norm_wk": jnp.linalg.norm(grads["w_k"]),
+            "max_logit": top,
         }
-        return (optax.apply_updates(params, updates), opt_state), logs
+        params = optax.apply_updates(params, updates)
+        if config.qk_clip is not None:  # MuonClip: the step's largest logit, after its update
+            params = _clipped(params, top, config.qk_clip)
+        return (params, opt_state), logs
 
     (params, _), logs = jax.lax.scan(step, (params, optimizer.init(params)), order)
-    logs = jax.tree.map(lambda x: x.reshape(-1, config.log_every).mean(axis=1), logs)
-    held_out_losses = jax.vmap(lambda batch: _loss(params, batch, scale)[0])(held_out)
+    stretches = jax.tree.map(lambda x: x.reshape(-1, config.log_every), logs)
+    logs = jax.tree.map(lambda x: x.mean(axis=1), stretches)
+    logs["max_logit"] = stretches["max_logit"].max(axis=1)
+    held_out_losses = jax.vmap(lambda batch: _loss(params, batch, scale, config.normalizer)[0])(
+        held_out
+    )
     return logs | {"eval_loss": jnp.mean(held_out_losses)}
 
 
