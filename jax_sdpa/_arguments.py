@@ -103,7 +103,7 @@ def bind(
         ),
         score_consts=score_consts,
         sinks=_sinks(shapes, **keywords),
-        sigmoid_bias=_sigmoid_bias(shapes, formula, **keywords),
+        sigmoid_bias=_sigmoid_bias(shapes, formula, accumulation_dtype(query.dtype), **keywords),
     )
     inputs = _varying_together(Inputs(query, key, value, arrays, page_table), ring)
     config = Config(formula, output, ring=ring, max_scores=bool(return_max_scores))
@@ -416,6 +416,7 @@ def _sinks(shapes: _Shapes, sinks=None, **_) -> jax.Array | None:
 def _sigmoid_bias(
     shapes: _Shapes,
     formula: Formula,
+    scores_dtype,
     sigmoid_bias=None,
     sinks=None,
     key_value_seq_lengths=None,
@@ -425,7 +426,7 @@ def _sigmoid_bias(
 
     ``S`` is the sequence's number of keys: its ``key_value_seq_lengths`` entry if given, else
     all the keys (on a ring, of the whole sequence); masks do not change it. A constant of the
-    call: no gradient reaches it.
+    call (no gradient reaches it), in the scores' dtype.
     """
     if not formula.sigmoid:
         if sigmoid_bias is not None:
@@ -436,7 +437,6 @@ def _sigmoid_bias(
             "`sinks` have no meaning with `normalizer='sigmoid'` (a sink only takes weight from a "
             "row's softmax); got sinks."
         )
-    dtype = jnp.float32
     if sigmoid_bias is not None:
         bias = jnp.asarray(sigmoid_bias)
         _checks.check_float("sigmoid_bias", bias)
@@ -448,10 +448,10 @@ def _sigmoid_bias(
         bias = jnp.broadcast_to(bias.astype(accumulation_dtype(bias.dtype)), (shapes.heads,))
         return lax.stop_gradient(shared(bias, shapes.batch))
     if key_value_seq_lengths is None:
-        count = jnp.full((1,) * len(shapes.batch), shapes.seq_kv * shapes.shards, dtype)
+        count = jnp.full((1,) * len(shapes.batch), shapes.seq_kv * shapes.shards, scores_dtype)
     else:
         lengths = _per_batch("key_value_seq_lengths", key_value_seq_lengths, shapes)
-        count = jnp.maximum(lengths, 1).astype(dtype)
+        count = jnp.maximum(lengths, 1).astype(scores_dtype)
     return jnp.broadcast_to(-jnp.log(count)[..., None], (*count.shape, shapes.heads))
 
 

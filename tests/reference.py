@@ -73,6 +73,7 @@ def attention(
     sinks=None,
     normalizer="softmax",
     sigmoid_bias=None,
+    kv_counts=None,
     **rules,
 ):
     """Forward (and, given ``d_out``, backward) of BTNH attention in float64.
@@ -81,8 +82,8 @@ def attention(
     (B, N, T, S) grid at once, by broadcasting index arrays; ``sinks`` (N,) add a key without a
     value to every row. A −∞ bias masks its key whatever the score_mod makes of it, as a −∞ the
     score_mod returns does. ``normalizer="sigmoid"``: weights σ(s + b), ``b`` the
-    ``sigmoid_bias`` (a scalar or (N,)) or −log of each sequence's key count (its ``kv_lengths``,
-    at least 1); ``lse`` is then the log of each row's total weight.
+    ``sigmoid_bias`` (a scalar or (N,)) or −log of each sequence's key count (``kv_counts``, or
+    its ``kv_lengths``, at least 1); ``lse`` is then the log of each row's total weight.
 
     Returns a dict with ``out`` (B,T,N,V), ``lse`` (B,T,N), ``max_scores`` (B,T,N), the largest
     allowed score of each row (−∞ for none), ``weights`` (B,N,T,S), ``allowed``
@@ -115,7 +116,7 @@ def attention(
     sigmoid = normalizer == "sigmoid"
     if sigmoid:
         if sigmoid_bias is None:
-            counts = rules.get("kv_lengths")
+            counts = rules.get("kv_lengths") if kv_counts is None else kv_counts
             counts = np.full(b, s) if counts is None else np.maximum(np.asarray(counts), 1)
             offset = -np.log(counts.astype(np.float64))[:, None, None, None]
         else:

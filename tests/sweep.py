@@ -68,6 +68,7 @@ class Structure:
     mask_mod: str | None = None
     block_mask: tuple | None = None  # (block_q, block_kv) of a BlockMask of the mask_mod
     residual: bool = False
+    sigmoid: bool = False  # normalizer="sigmoid" (never with sinks)
     x64: bool = False
     float64: bool = False
     page_size: int = 0  # paged: the pages of each sequence, in a pool with spare pages
@@ -119,7 +120,7 @@ def draw_structure(implementation: str, seed: int, x64: bool | None = None) -> S
     if implementation == "paged":
         page_size, pages = int(gen.integers(1, 9)), int(gen.integers(1, 7))
         # paged_attention has no bias, mask, lengths of its own kind or segment ids.
-        return Structure(
+        structure = Structure(
             **base,
             seq_q=int(gen.integers(1, 5)),
             seq_kv=page_size * pages,
@@ -129,6 +130,7 @@ def draw_structure(implementation: str, seed: int, x64: bool | None = None) -> S
             page_size=page_size,
             pages=pages,
         )
+        return _normalized(structure, chance)
     if implementation == "ring":
         mesh = pick((("seq", 2),), (("seq", 4),), (("seq", 8),), (("batch", 2), ("seq", 4)))
         if kv_heads == 2:
@@ -153,7 +155,7 @@ def draw_structure(implementation: str, seed: int, x64: bool | None = None) -> S
     arrays = implementation != "pallas"  # the kernel takes no mask or bias array
     if not arrays:
         blocks = (pick(16, 32), pick(16, 32))  # Triton's tiles: powers of two ≥ 16
-    return Structure(
+    structure = Structure(
         **base,
         **extra,
         block_q=blocks[0] if implementation != "ring" else int(gen.integers(1, 17)),
@@ -170,6 +172,12 @@ def draw_structure(implementation: str, seed: int, x64: bool | None = None) -> S
         if mask_mod and chance(0.4)
         else None,
     )
+    return _normalized(structure, chance)
+
+
+def _normalized(s: Structure, chance) -> Structure:
+    """The structure with its normaliser drawn, last: the other draws are as they were before."""
+    return dataclasses.replace(s, sigmoid=chance(0.3) and not s.sinks)
 
 
 # --- the mods, written once for NumPy (the reference, on whole grids) and jax.numpy (scalars) --
@@ -301,8 +309,14 @@ def _mods(s: Structure, xp, arrays: dict) -> dict:
 
 
 def _ours(s: Structure, arrays: dict):
-    """``(out, lse)`` of our call of ``s`` on ``arrays`` (jax arrays, possibly traced)."""
-    mods = dict(_mods(s, jnp, arrays), logits_soft_cap=s.soft_cap, return_residual=True)
+    """``(out, lse, max_scores)`` of our call of ``s`` on ``arrays`` (jax arrays, maybe traced)."""
+    mods = dict(
+        _mods(s, jnp, arrays),
+        logits_soft_cap=s.soft_cap,
+        normalizer="sigmoid" if s.sigmoid else "softmax",
+        return_residual=True,
+        return_max_scores=True,
+    )
     if s.block_mask is not None:
         batch = s.batch if s.mask_mod in ("prefix", "document") else None
         heads = s.heads if s.mask_mod == "by_head" else None
@@ -360,19 +374,19 @@ def _ours(s: Structure, arrays: dict):
 
 @functools.lru_cache(maxsize=4)  # a structure's draws run one after another
 def program(s: Structure):
-    """``arrays → (out, lse, gradients)``, jitted: compiled once per structure."""
+    """``arrays → (out, lse, max_scores, gradients)``, jitted: compiled once per structure."""
 
     def run(arrays):
         def loss(diff):
-            out, lse = _ours(s, {**arrays, **diff})
+            out, lse, top = _ours(s, {**arrays, **diff})
             finite = jnp.isfinite(lse)
             d_lse = jnp.where(finite, arrays["d_lse"].astype(lse.dtype), 0)
             total = jnp.sum(out.astype(lse.dtype) * arrays["d_out"].astype(lse.dtype))
-            return total + jnp.sum(jnp.where(finite, lse, 0) * d_lse), (out, lse)
+            return total + jnp.sum(jnp.where(finite, lse, 0) * d_lse), (out, lse, top)
 
         diff = {name: arrays[name] for name in differentiable(s)}
-        grads, (out, lse) = jax.grad(loss, has_aux=True)(diff)
-        return out, lse, grads
+        grads, (out, lse, top) = jax.grad(loss, has_aux=True)(diff)
+        return out, lse, top, grads
 
     return jax.jit(run)
 
@@ -406,11 +420,18 @@ def reference(s: Structure, data: dict, **cotangents) -> dict:
         for name, x in {**data, **cotangents}.items()
     }
     mods = dict(
-        _mods(s, np, arrays), soft_cap=s.soft_cap, d_out=arrays["d_out"], d_lse=arrays["d_lse"]
+        _mods(s, np, arrays),
+        soft_cap=s.soft_cap,
+        normalizer="sigmoid" if s.sigmoid else "softmax",
+        d_out=arrays["d_out"],
+        d_lse=arrays["d_lse"],
     )
     if s.implementation == "paged":
         keys, values, allowed = _paged_keys(arrays, s)
-        result = ref.attention(arrays["query"], keys, values, mask=allowed, **mods)
+        counts = arrays["lengths"]  # the sigmoid's S: each sequence's keys
+        result = ref.attention(
+            arrays["query"], keys, values, mask=allowed, kv_counts=counts, **mods
+        )
         table = arrays["page_table"]
         for name, grad in (("key_pages", result["dk"]), ("value_pages", result["dv"])):
             pages = np.zeros_like(arrays[name])  # each page gets its sequence's gradient
@@ -477,7 +498,7 @@ def check_case(
         f"tests.sweep {implementation} {structure_seed} {data_seed}{' --x64' * s.x64}): {s}"
     )
     with enable_x64() if s.x64 else contextlib.nullcontext():
-        out, lse, grads = program(s)(jax.tree.map(jnp.asarray, data))
+        out, lse, top, grads = program(s)(jax.tree.map(jnp.asarray, data))
         want = reference(s, data)
         has_key = want["allowed"].any(-1).transpose(0, 2, 1)  # (B, T, N)
         theirs = _jax_nn(s, data, has_key)
@@ -496,6 +517,10 @@ def check_case(
     for name, grad in grads.items():
         error = _error(grad, want[name])
         assert error <= 2 * tolerance, f"gradient of {name} off by {error:.1e}; {where}"
+    top, finite = np.asarray(top, np.float64), np.isfinite(want["max_scores"])
+    assert (np.isfinite(top) == finite).all(), f"−∞ max-score rows differ; {where}"
+    error = _error(np.where(finite, top, 0), np.where(finite, want["max_scores"], 0))
+    assert error <= 10 * tolerance, f"max scores off by {error:.1e}; {where}"
     if theirs is not None:
         theirs_out, theirs_grads = theirs
         error = _error(out, np.where(has_key[..., None], np.asarray(theirs_out, np.float64), 0))
@@ -519,7 +544,7 @@ def _error(x, want) -> float:
 def _jax_nn(s: Structure, data: dict, has_key: np.ndarray):
     """``jax.nn.dot_product_attention``'s output of the case and its gradients of ``⟨out, d_out⟩``
     on the rows with a key, where it takes the call meaning the same; else None."""
-    beyond = (s.bottom_right, s.soft_cap, s.sinks, s.score_mod, s.mask_mod, s.segments)
+    beyond = (s.bottom_right, s.soft_cap, s.sinks, s.score_mod, s.mask_mod, s.segments, s.sigmoid)
     beyond += (s.d_v != s.d_k,)  # jax.nn asks for values as wide as the keys
     if s.implementation not in ("xla", "chunked") or any(beyond):
         return None

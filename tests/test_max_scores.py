@@ -86,7 +86,7 @@ def test_cudnn_is_not_asked_for_max_scores(rng, monkeypatch):
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["MHA", "GQA"])
 def test_qk_clip_brings_each_head_s_largest_logit_to_the_threshold(rng, kv_heads):
     x = jnp.asarray(rng.normal(size=(2, 9, 16)), jnp.float32)
-    spread = jnp.array([4.0, 0.2, 3.0, 0.3])[None, :, None]  # heads far apart
+    spread = jnp.array([4.0, 0.2, 3.0, 0.3], jnp.float32)[None, :, None]  # heads far apart
     w_q = jnp.asarray(rng.normal(size=(16, 4, 8)), jnp.float32) * spread
     w_k = jnp.asarray(rng.normal(size=(16, kv_heads, 8)), jnp.float32)
 
