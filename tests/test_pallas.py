@@ -190,6 +190,7 @@ CASES = {
     ),
     "block mask": "built when used",
     "band": dict(mask_mod=lambda b, h, i, j: (j <= i) & (i - j < 1000)),
+    "sigmoid": dict(is_causal=True, normalizer="sigmoid"),
     "band block mask": "built when used",
 }
 
