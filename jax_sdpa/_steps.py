@@ -304,8 +304,8 @@ def sigmoid_weights(
 ) -> Float[Array, "q_seq kv_seq"]:
     r"""Turns scores into attention weights one by one: no normalisation over the row.
 
-    .. math:: w_{ij} = m_{ij}\, \sigma(s_{ij} + b) = rac{m_{ij}}{1 + e^{-(s_{ij} + b)}},
-        \qquad b = -\log S 	ext{ by default}
+    .. math:: w_{ij} = m_{ij}\, \sigma(s_{ij} + b) = \frac{m_{ij}}{1 + e^{-(s_{ij} + b)}},
+        \qquad b = -\log S \text{ by default}
 
     With :math:`b = -\log S` a row of near-zero scores (as at initialisation) has weights
     :math:`1/(1+S)` and sums to about 1, as a softmax row does; the weights of a row are
