@@ -19,6 +19,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from jax_sdpa._kernel_reads import evaluate
 
+# Under x64 the kernels' reads run in test_pallas.py and the pallas sweep.
+pytestmark = pytest.mark.x64_sampled
+
 X = jnp.arange(8, dtype=jnp.float32) * 1.5 - 2.0
 TABLE = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) ** 2
 IDX = jnp.array([[0, 3, 7], [-1, 9, 2]], jnp.int32)  # negative and past the end, too
@@ -109,7 +112,15 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("array", [DOCS, FLAGS, SIGNS], ids=["ids", "booleans", "−0 and NaN"])
+@pytest.mark.parametrize(  # the inner loop reads ids; CI also booleans, −0 and NaN
+    "array",
+    [
+        DOCS,
+        pytest.param(FLAGS, marks=pytest.mark.slow),
+        pytest.param(SIGNS, marks=pytest.mark.slow),
+    ],
+    ids=["ids", "booleans", "−0 and NaN"],
+)
 @pytest.mark.parametrize("start", [0, 9, 24, 30, 39, -6], ids=lambda s: f"start {s}")
 @pytest.mark.parametrize("case", RUNS)
 def test_a_run_of_positions_reads_what_the_function_reads(case, start, array):
