@@ -35,12 +35,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize(  # the x64 pass runs one case (and the sweep checks every call's)
-    "case",
-    [
-        pytest.param(c, marks=[] if c == "lengths and sinks" else [pytest.mark.x64_sampled])
-        for c in CASES
-    ],
+OTHERS = [pytest.mark.x64_sampled, pytest.mark.slow]  # CI runs them; the sweep checks every call
+
+
+@pytest.mark.parametrize(  # the inner loop and the x64 pass run one case
+    "case", [pytest.param(c, marks=[] if c == "lengths and sinks" else OTHERS) for c in CASES]
 )
 @each_implementation()
 def test_max_scores_match_the_reference(rng, impl, case):
