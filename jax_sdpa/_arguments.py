@@ -32,7 +32,7 @@ from jax_sdpa._masks import (
     with_batch,
 )
 from jax_sdpa._ring import RingSpec
-from jax_sdpa._steps import accumulation_dtype, default_scale
+from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._user_functions import (
     INDEX_ARGUMENT,
     convert,
@@ -90,7 +90,7 @@ def bind(
         keywords = dict(keywords, key_value_seq_lengths=lengths)
         diagonal = (0, lengths - shapes.seq_q)  # each sequence's queries are its last positions
     score_mod, score_consts = _score_mod(shapes, query.dtype, **keywords)
-    formula = dataclasses.replace(_check_formula(query.shape[-1], **keywords), score_mod=score_mod)
+    formula = dataclasses.replace(Formula.of(query.shape[-1], **keywords), score_mod=score_mod)
     first_sequence = _first(ring, "batch_axis", math.prod(shapes.batch))
     arrays = CallArrays(
         bias=_per_logit("bias", bias, shapes),
@@ -490,40 +490,3 @@ def _dropout_rng(
         return jnp.reshape(dropout_rng, (1,) * (len(shapes.batch) + 1) + jnp.shape(dropout_rng))
     split = jax.random.split(dropout_rng, math.prod(shapes.batch) * shapes.heads)
     return split.reshape(*shapes.batch, shapes.heads, *split.shape[1:])
-
-
-def _check_formula(
-    d_k: int,
-    scale=None,
-    logits_soft_cap=None,
-    dropout_rate=0.0,
-    precision=None,
-    normalizer="softmax",
-    **_,
-):
-    """The static formula: scale (``1/√d_k`` by default), cap, dropout, precision, normaliser."""
-    _checks.check_range("dropout_rate", dropout_rate, 0.0, 1.0)
-    _checks.check_choice("normalizer", normalizer, ("softmax", "sigmoid"))
-    if logits_soft_cap is not None:
-        logits_soft_cap = _static_float("logits_soft_cap", logits_soft_cap)
-        if not logits_soft_cap > 0:
-            raise ValueError(f"`logits_soft_cap` must be positive; got {logits_soft_cap}.")
-    return Formula(
-        scale=default_scale(d_k) if scale is None else _static_float("scale", scale),
-        soft_cap=logits_soft_cap,
-        dropout_rate=float(dropout_rate),
-        precision=precision,
-        normalizer=normalizer,
-    )
-
-
-def _static_float(name: str, value) -> float:
-    """A Python number (static under ``jax.jit``), e.g. ``scale``."""
-    if isinstance(value, (bool, str)):
-        raise TypeError(f"`{name}` must be a Python float; got {type(value).__name__}.")
-    try:
-        return float(value)
-    except TypeError:
-        raise TypeError(
-            f"`{name}` must be a Python float (a static value); got {type(value).__name__}."
-        ) from None

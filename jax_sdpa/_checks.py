@@ -111,3 +111,15 @@ def check_heads(heads: int, kv_heads: int) -> None:
             f"The number of query heads must be a multiple of the key/value heads; got "
             f"{heads} query heads and {kv_heads} key/value heads."
         )
+
+
+def static_float(name: str, value) -> float:
+    """A Python number (static under ``jax.jit``), e.g. ``scale``."""
+    if isinstance(value, (bool, str)):
+        raise TypeError(f"`{name}` must be a Python float; got {type(value).__name__}.")
+    try:
+        return float(value)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` must be a Python float (a static value); got {type(value).__name__}."
+        ) from None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import jax.numpy as jnp
 from jax import lax
@@ -38,86 +38,18 @@ from jax_sdpa._decode import Decode
 from jax_sdpa._implementations import Implementation, check_implementation, run
 from jax_sdpa._kernels import Pallas
 from jax_sdpa._masks import MaskRule
+from jax_sdpa._options import (
+    CausalAlignment,
+    Normalizer,
+    Options,
+    RingOptions,
+)
 from jax_sdpa._ring import Layout, Ring
 
 if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no dependency
     from typing_extensions import Unpack
 
 __all__ = ["dot_product_attention", "dot_product_attention_weights", "ring_attention"]
-
-CausalAlignment = Literal["top_left", "bottom_right"]
-Normalizer = Literal["softmax", "sigmoid"]
-
-
-# The keyword vocabulary, in groups, written once for the overloads and **options. The functions
-# themselves still spell their keywords out: flax linen passes an `attention_fn` only the
-# keywords `inspect.signature` shows, and tests/test_signatures.py keeps both in step.
-class _Formula(TypedDict, total=False):
-    """What each score becomes before the softmax, and the precision of the two products."""
-
-    scale: float | None
-    logits_soft_cap: float | None
-    score_mod: Callable | None
-    mask_mod: Callable | MaskRule | None
-    sinks: ArrayLike | None
-    normalizer: Normalizer
-    sigmoid_bias: ArrayLike | float | None
-    precision: lax.PrecisionLike
-
-
-class _Masks(TypedDict, total=False):
-    """The built-in masks that need no array."""
-
-    is_causal: bool
-    causal_alignment: CausalAlignment
-    local_window_size: int | tuple[int, int] | None
-
-
-class _Lengths(TypedDict, total=False):
-    """Each sequence's lengths (the ring's are global, and its sharded call places them)."""
-
-    query_seq_lengths: ArrayLike | None
-    key_value_seq_lengths: ArrayLike | None
-
-
-class _Segments(TypedDict, total=False):
-    """Packed sequences (not on the ring)."""
-
-    query_segment_ids: ArrayLike | None
-    key_value_segment_ids: ArrayLike | None
-
-
-class _Flax(TypedDict, total=False):
-    """Flax's ``attention_fn`` keywords: dropout, the inputs' dtype, the module to sow into."""
-
-    broadcast_dropout: bool
-    dropout_rng: ArrayLike | None
-    dropout_rate: float
-    deterministic: bool
-    dtype: Any
-    module: Any
-
-
-class _FlaxAccepted(TypedDict, total=False):
-    """Flax keywords that only :func:`dot_product_attention` takes, so that linen passes them."""
-
-    force_fp32_for_softmax: bool
-    qk_attn_weights_einsum: Callable | None
-    attn_weights_value_einsum: Callable | None
-
-
-class WeightsOptions(_Formula, _Masks, _Lengths, _Segments, _Flax):
-    """The keywords of :func:`dot_product_attention_weights`."""
-
-
-class Options(WeightsOptions, _FlaxAccepted):
-    """:func:`dot_product_attention`'s keywords but ``return_residual`` and ``implementation``."""
-
-
-class RingOptions(_Formula, _Masks, total=False):
-    """What :func:`jax_sdpa.ring_dot_product_attention` passes on to :func:`ring_attention`."""
-
-    implementation: Ring | Pallas | Literal["pallas"] | None
 
 
 @overload

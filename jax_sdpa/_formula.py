@@ -22,9 +22,16 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float
 
+from jax_sdpa import _checks
 from jax_sdpa._indices import Index, indices, positions
 from jax_sdpa._masks import MaskRule
-from jax_sdpa._steps import dropout_weights, raw_scores, scale_scores, soft_cap_scores
+from jax_sdpa._steps import (
+    default_scale,
+    dropout_weights,
+    raw_scores,
+    scale_scores,
+    soft_cap_scores,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,32 @@ class Formula:
     precision: Any = None
     score_mod: Callable | None = None
     normalizer: str = "softmax"
+
+    @classmethod
+    def of(
+        cls,
+        d_k: int,
+        scale=None,
+        logits_soft_cap=None,
+        dropout_rate=0.0,
+        precision=None,
+        normalizer="softmax",
+        **_,
+    ) -> "Formula":
+        """A call's formula from its keywords, checked: the scale is ``1/√d_k`` by default."""
+        _checks.check_range("dropout_rate", dropout_rate, 0.0, 1.0)
+        _checks.check_choice("normalizer", normalizer, ("softmax", "sigmoid"))
+        if logits_soft_cap is not None:
+            logits_soft_cap = _checks.static_float("logits_soft_cap", logits_soft_cap)
+            if not logits_soft_cap > 0:
+                raise ValueError(f"`logits_soft_cap` must be positive; got {logits_soft_cap}.")
+        return cls(
+            scale=default_scale(d_k) if scale is None else _checks.static_float("scale", scale),
+            soft_cap=logits_soft_cap,
+            dropout_rate=float(dropout_rate),
+            precision=precision,
+            normalizer=normalizer,
+        )
 
     @property
     def sigmoid(self) -> bool:

@@ -1,7 +1,7 @@
 r"""The engine's kernels as functions of arrays: layouts, block specs, padding.
 
 :func:`forward` and :func:`backward` call the kernels of :mod:`jax_sdpa._kernels` on
-``(T, N, ·)`` queries and ``(S, K, ·)`` keys and values (heads first inside, one program per
+``(T, N, ·)`` queries and ``(S, K, ·)`` keys and values (heads first in_bounds, one program per
 head and block), for queries and keys at any global position; :func:`fitted` and
 :func:`padded` fit the tiles to the sequences and the sequences to the tiles.
 """
@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._indices import INDEX
-from jax_sdpa._kernel_reads import ONE_HOT_MAX
+from jax_sdpa._kernel_scatters import ONE_HOT_MAX
 from jax_sdpa._kernels import (
     MIN_SIDE,
     BlockLists,

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike
 
 from jax_sdpa import _checks
-from jax_sdpa._dot_product import RingOptions, ring_attention
+from jax_sdpa._dot_product import ring_attention
+from jax_sdpa._options import RingOptions
 from jax_sdpa._ring import Layout
 
 if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no dependency

@@ -17,8 +17,8 @@ import pytest
 from flax import linen
 
 import jax_sdpa as js
-from jax_sdpa import _dot_product
-from jax_sdpa._dot_product import Options, RingOptions, WeightsOptions
+from jax_sdpa import _options
+from jax_sdpa._options import Options, RingOptions, WeightsOptions
 
 # Every parameter of each public function, written out: a keyword must not vanish silently.
 PARAMETERS = {
@@ -93,7 +93,7 @@ def _accepted(fn) -> set[str]:
     for p in inspect.signature(fn).parameters.values():
         if p.kind is p.VAR_KEYWORD:
             (typed_dict,) = re.fullmatch(r"Unpack\[(\w+)\]", p.annotation).groups()
-            keys = getattr(_dot_product, typed_dict).__optional_keys__
+            keys = getattr(_options, typed_dict).__optional_keys__
             assert not names & keys, f"`{p.name}` repeats named keywords"  # PEP 692
             names |= keys
     return names

@@ -1,0 +1,165 @@
+"""Positions in a kernel's rewritten program: a run ``start + iota`` read as one window.
+
+A tile's positions are followed from their ``iota`` (:class:`Run`) through adds, reshapes and
+the ``jnp`` negative-index wrap, so that a read at them (``documents[q_idx]``) is one load of a
+contiguous window, which is all a TPU loads (:mod:`jax_sdpa._kernel_reads`).
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+from jax import lax
+
+from jax_sdpa._indices import INDEX
+from jax_sdpa._kernel_values import Lazy, Unread, fill_value, in_bounds, is_zero
+
+
+@dataclasses.dataclass(frozen=True)
+class Run(Lazy):
+    """``base + shift + iota`` along ``axis`` of ``shape``, whose other axes are 1: positions.
+
+    ``shift`` is the part known when traced (a literal), ``base`` the traced rest. ``wrap`` is
+    ``n`` once a ``jnp`` index's wrap (``x + n`` where ``x < 0``) has been applied to it.
+    """
+
+    base: Any
+    shift: int
+    shape: tuple
+    axis: int
+    wrap: int | None = None
+
+    @property
+    def size(self) -> int:
+        return self.shape[self.axis]
+
+    @property
+    def start(self):
+        return self.base + self.shift
+
+    def read(self):
+        run = self.start + lax.broadcasted_iota(self.base.dtype, self.shape, self.axis)
+        return run if self.wrap is None else jnp.where(run < 0, run + self.wrap, run)
+
+    def reshaped(self, shape: tuple) -> "Run | None":
+        """The run as ``shape`` (axes of 1 added or dropped), or None if that is not all."""
+        if math.prod(shape) != self.size or self.size not in shape:
+            return None
+        axis = next((n for n, size in enumerate(shape) if size == self.size), 0)
+        return dataclasses.replace(self, shape=tuple(shape), axis=axis)
+
+    def shifted(self, x, sign: int) -> "Run | None":
+        """The run plus (``sign`` 1) or minus (−1) a scalar ``x``, or None if ``x`` is not one."""
+        if self.wrap is not None or isinstance(x, Lazy) or jnp.ndim(x) != 0:
+            return None
+        if isinstance(x, jax.core.Tracer):
+            return dataclasses.replace(self, base=self.base + sign * x)
+        return dataclasses.replace(self, shift=self.shift + sign * int(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class Negative(Lazy):
+    """``run < 0``, kept until it is seen to choose a ``jnp`` index's wrap."""
+
+    run: Run
+
+    def read(self):
+        return self.run.read() < 0
+
+
+# The most entries a scatter is read as one-hot products for: they hold this many per entry of
+# the tile. A larger array (a table per position) is read as a scatter, which only the
+# interpreter runs; a kernel adds it into memory instead (``Kernel.in_memory``).
+
+
+def read_run(operand: Unread, run: Run, params):
+    """``operand[run]`` of a 1-D part: one load of a contiguous window where the run lies inside.
+
+    That is what a TPU loads (it has no load at a vector of indices) and the common case: the
+    positions of a tile. A run that leaves the part (a tile past the end of a sequence) is read
+    by :func:`_windowed`, equal to the gather's clamped or filled values.
+    """
+    (length,), count = operand.shape, run.size
+    start = run.start
+
+    def outside():
+        points = run.read().reshape(count)
+        value = _windowed(operand, jnp.clip(points, 0, length - 1))
+        if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+            fill = fill_value(params["fill_value"], value.dtype)
+            value = jnp.where(in_bounds([points], operand.shape), value, fill)
+        return value
+
+    within = (start >= 0) & (start <= length - count)
+    value = lax.cond(within, lambda: operand.narrowed([start], [count]).read(), outside)
+    return value.reshape(run.shape[:-1])
+
+
+def _windowed(operand: Unread, points):
+    """``operand[points]`` of a 1-D part, points inside it: picked from windows of loads.
+
+    Each point lies in one window: its entry is picked by a max over the window (the others at
+    the dtype's least), which keeps every value as it is (−0, NaN, ∞).
+    """
+    (length,), count = operand.shape, points.size
+    wide = jnp.int32 if operand.ref.dtype == jnp.bool_ else operand.ref.dtype
+    floating = jnp.issubdtype(wide, jnp.floating)
+    least = jnp.asarray(-jnp.inf if floating else jnp.iinfo(wide).min, wide)
+
+    def window(c, value):
+        lo = jnp.minimum(c * count, length - count)  # the last window overlaps the one before
+        entries = operand.narrowed([lo], [count]).read().astype(wide)
+        at = lo + lax.broadcasted_iota(points.dtype, (1, count), 1)
+        hits = (points[:, None] == at) & (at >= c * count)
+        picked = jnp.where(hits, entries[None, :], least).max(axis=1)
+        found = hits.astype(jnp.int32).max(axis=1) > 0  # (Triton reduces no booleans)
+        return jnp.where(found, picked, value)
+
+    windows = INDEX(-(-length // count))  # int32 under x64 too: Mosaic has no int64
+    value = lax.fori_loop(INDEX(0), windows, window, jnp.full(count, least))
+    return value.astype(operand.ref.dtype)
+
+
+def on_runs(eqn, invals: list):
+    """What an equation makes of positions, if it keeps them a :class:`Run`; else None.
+
+    Those that do: an integer iota, plus or minus a scalar, axes of 1 added or dropped, and a
+    ``jnp`` index's wrap (``select_n(x < 0, x, x + n)``).
+    """
+    name, params = eqn.primitive.name, eqn.params
+    if name == "iota" and jnp.issubdtype(params["dtype"], jnp.integer):
+        shape, axis = tuple(params["shape"]), params["dimension"]
+        if math.prod(shape) == shape[axis]:
+            return Run(jnp.zeros((), params["dtype"]), 0, shape, axis)
+        return None
+    first = invals[0] if invals else None
+    if name == "select_n" and isinstance(first, Negative) and len(invals) == 3:
+        run, (kept, wrapped) = first.run, invals[1:]
+        if (
+            kept is run
+            and isinstance(wrapped, Run)
+            and wrapped.base is run.base
+            and (wrapped.shape, wrapped.axis, wrapped.wrap) == (run.shape, run.axis, None)
+        ):
+            return dataclasses.replace(run, wrap=wrapped.shift - run.shift)
+        return None
+    if not isinstance(first, Run) and not (name == "add" and isinstance(invals[1], Run)):
+        return None
+    shape = tuple(eqn.outvars[0].aval.shape)
+    if name in ("broadcast_in_dim", "squeeze") or (
+        name == "reshape" and params.get("dimensions") is None
+    ):
+        return first.reshaped(shape)
+    if name == "convert_element_type" and params["new_dtype"] == first.base.dtype:
+        return first
+    if name == "add":
+        run, other = (first, invals[1]) if isinstance(first, Run) else (invals[1], first)
+        return run.shifted(other, 1)
+    if name == "sub":
+        return first.shifted(invals[1], -1)
+    if name == "lt" and is_zero(invals[1]) and first.wrap is None:
+        return Negative(first)
+    return None

@@ -1,0 +1,217 @@
+"""Scatters in a kernel's rewritten program: the gradients of the arrays a ``score_mod`` reads.
+
+A point ``scatter-add`` (a point gather's transpose) is kept as a :class:`Scatter` of points
+and updates until it is read (one-hot sums, or a scatter-add only the interpreter runs) or
+added into memory by a kernel's ``atomic_add`` at its points (:mod:`jax_sdpa._kernel_reads`).
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jax_sdpa._indices import INDEX
+from jax_sdpa._kernel_values import Lazy, all_of, bind, in_bounds, index_arrays, value
+
+ONE_HOT_MAX = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Zeros(Lazy):
+    """A broadcast zero, kept until read: a scatter into it needs no dense add."""
+
+    shape: tuple
+    dtype: Any
+
+    def read(self):
+        return jnp.zeros(self.shape, self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scatter(Lazy):
+    """``base`` (zeros if None) plus point scatter-adds not yet done: ``((points, updates), …)``.
+
+    Points are inside the array (clamped, or their updates 0 where the scatter drops them).
+    Added to memory by ``atomic_add``, each part is an atomic add at its points; read, a sum of
+    one-hot products (up to :data:`ONE_HOT_MAX` entries) or a scatter-add.
+    """
+
+    shape: tuple
+    dtype: Any
+    base: Any
+    parts: tuple
+
+    def read(self):
+        value = jnp.zeros(self.shape, self.dtype) if self.base is None else self.base
+        for points, updates in self.parts:
+            if math.prod(self.shape) <= ONE_HOT_MAX:
+                value = value + _one_hot_sum(points, updates, self.shape).astype(self.dtype)
+            else:
+                value = value.at[tuple(points)].add(updates, mode="promise_in_bounds")
+        return value
+
+    def widened(self, dtype) -> "Scatter | None":
+        """The scatter cast to a float ``dtype`` at least as wide (its sums then in ``dtype``)."""
+        if (
+            not jnp.issubdtype(dtype, jnp.floating)
+            or jnp.finfo(dtype).bits < jnp.finfo(self.dtype).bits
+        ):
+            return None
+        cast = lambda x: None if x is None else x.astype(dtype)  # noqa: E731
+        parts = tuple((points, cast(updates)) for points, updates in self.parts)
+        return Scatter(self.shape, jnp.dtype(dtype), cast(self.base), parts)
+
+    def expanded(self, shape: tuple, dimensions: tuple) -> "Scatter | None":
+        """The scatter with axes of 1 added (a ``broadcast_in_dim`` that copies nothing)."""
+        if math.prod(shape) != math.prod(self.shape) or any(
+            shape[d] != n for d, n in zip(dimensions, self.shape, strict=True)
+        ):
+            return None
+        zero = jnp.zeros((), INDEX)
+
+        def points_of(points):
+            at = dict(zip(dimensions, points, strict=True))
+            return [at.get(axis, zero) + jnp.zeros_like(points[0]) for axis in range(len(shape))]
+
+        parts = tuple((points_of(points), updates) for points, updates in self.parts)
+        base = None if self.base is None else lax.broadcast_in_dim(self.base, shape, dimensions)
+        return Scatter(shape, self.dtype, base, parts)
+
+    def reshaped(self, shape: tuple) -> "Scatter":
+        """The scatter reshaped: each point's row-major position, in the new shape's axes."""
+
+        def points_of(points):
+            linear = jnp.zeros_like(points[0])
+            for point, size in zip(points, self.shape, strict=True):
+                linear = linear * size + point
+            new = []
+            for size in reversed(shape):  # nonnegative: lax's div and rem, no floor's signs
+                new.append(lax.rem(linear, jnp.asarray(size, linear.dtype)))
+                linear = lax.div(linear, jnp.asarray(size, linear.dtype))
+            return new[::-1]
+
+        parts = tuple((points_of(points), updates) for points, updates in self.parts)
+        base = None if self.base is None else self.base.reshape(shape)
+        return Scatter(shape, self.dtype, base, parts)
+
+    def placed(self, shape: tuple, starts) -> "Scatter":
+        """The scatter written into zeros of ``shape`` at ``starts`` (clamped as ``lax``'s)."""
+        starts = [
+            jnp.clip(value(s), 0, n - size).astype(INDEX)
+            for s, n, size in zip(starts, shape, self.shape, strict=True)
+        ]
+        parts = tuple(
+            ([p + s for p, s in zip(points, starts, strict=True)], updates)
+            for points, updates in self.parts
+        )
+        base = None
+        if self.base is not None:
+            base = lax.dynamic_update_slice(jnp.zeros(shape, self.dtype), self.base, starts)
+        return Scatter(shape, self.dtype, base, parts)
+
+    def plus(self, other) -> "Scatter | None":
+        """This plus ``other`` (an array, zeros or another scatter of the same dtype), or None."""
+        if isinstance(other, Zeros):
+            return self
+        if isinstance(other, Scatter):
+            base = other.base if self.base is None else self.base
+            if None not in (self.base, other.base):
+                base = self.base + other.base
+            return dataclasses.replace(self, base=base, parts=self.parts + other.parts)
+        if isinstance(other, Lazy) or jnp.shape(other) != self.shape:
+            return None
+        return dataclasses.replace(self, base=other if self.base is None else self.base + other)
+
+
+class NotKept(Lazy):
+    """An ``atomic_add``'s old values, which the rewritten adds do not return."""
+
+    def read(self):
+        raise NotImplementedError("the old values of an atomic add of a scatter are not kept")
+
+
+def scatter_add(eqn, operand, indices, updates):
+    """A point ``scatter-add`` (a point gather's transpose), kept as a :class:`Scatter`."""
+    numbers = eqn.params["dimension_numbers"]
+    given = updates = value(updates)
+    rank = len(eqn.invars[0].aval.shape)
+    point = (
+        tuple(numbers.scatter_dims_to_operand_dims) == tuple(range(rank))
+        and tuple(numbers.inserted_window_dims) in ((), tuple(range(rank)))  # as the gathers
+        and not numbers.operand_batching_dims
+        and updates.size * rank == eqn.invars[1].aval.size
+    )
+    if not point:
+        return bind(eqn, [value(operand), value(indices), given])
+    shape = eqn.invars[0].aval.shape
+    points = index_arrays(indices, rank)
+    updates = updates.reshape(points[0].shape)
+    if eqn.params["mode"] != lax.GatherScatterMode.CLIP:  # XLA drops what is out of bounds
+        updates = jnp.where(in_bounds(points, shape), updates, 0)
+    points = [jnp.clip(p, 0, n - 1) for p, n in zip(points, shape, strict=True)]
+    scatter = Scatter(tuple(shape), updates.dtype, None, ((points, updates),))
+    return scatter.plus(operand if isinstance(operand, (Zeros, Scatter)) else value(operand))
+
+
+def _one_hot_sum(points: list, updates, shape: tuple):
+    """``zeros(shape).at[points].add(updates)`` as one-hot products: ``Σ_e u_e [p_e = m]``."""
+    rank, entries = len(shape), points[0].ndim
+    hits = all_of(
+        point[(...,) + (None,) * rank]
+        == lax.broadcasted_iota(point.dtype, (1,) * entries + tuple(shape), entries + axis)
+        for axis, point in enumerate(points)
+    )
+    values = updates[(...,) + (None,) * rank]
+    return jnp.where(hits, values, 0).sum(axis=tuple(range(entries)))
+
+
+def on_scatters(eqn, invals: list):
+    """What an equation makes of a :class:`Scatter`, if it keeps it one; else None.
+
+    Those that do: sums, widening casts, reshapes, axes of 1 added, placement in zeros (a row
+    of a table: ``table[h][idx]``'s transpose) and an ``atomic_add``.
+    """
+    name, params = eqn.primitive.name, eqn.params
+    first = invals[0] if invals else None
+    if name in ("add", "add_any"):
+        second = invals[1]
+        if isinstance(second, Scatter):
+            first, second = second, first
+        return first.plus(second) if isinstance(first, Scatter) else None
+    if name == "atomic_rmw":
+        return _atomic_add(eqn, invals)
+    if name == "dynamic_update_slice" and isinstance(first, Zeros):
+        update = invals[1]
+        return update.placed(first.shape, invals[2:]) if isinstance(update, Scatter) else None
+    if not isinstance(first, Scatter):
+        return None
+    if name == "convert_element_type":
+        return first.widened(params["new_dtype"])
+    if name == "broadcast_in_dim":
+        return first.expanded(tuple(params["shape"]), tuple(params["broadcast_dimensions"]))
+    if name == "reshape" and params.get("dimensions") is None:
+        return first.reshaped(tuple(params["new_sizes"]))
+    return None
+
+
+def _atomic_add(eqn, invals: list):
+    """``atomic_add(ref, index, scatter)``: the scatter's base, then each part at its points."""
+    ref, transforms, value, mask = eqn.params["args_tree"].unflatten(invals)
+    if not isinstance(value, Scatter) or len(transforms) != 1 or mask is not None:
+        return None
+    (index,) = transforms
+    kept = [i for i in index.indices if isinstance(i, pl.Slice)]
+    adds = eqn.params["atomic_type"].name == "ADD"  # (its enum is private to Pallas)
+    if not adds or len(kept) != len(value.shape):
+        return None
+    if value.base is not None:
+        pltriton.atomic_add(ref, index.indices, value.base)
+    for points, updates in value.parts:
+        points = iter(points)
+        at = [next(points) + i.start if isinstance(i, pl.Slice) else i for i in index.indices]
+        pltriton.atomic_add(ref, tuple(at), updates)
+    return NotKept()

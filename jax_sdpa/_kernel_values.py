@@ -1,0 +1,134 @@
+"""Values of a kernel's rewritten program (:mod:`jax_sdpa._kernel_reads`) not arrays yet.
+
+A :class:`Lazy` value stands for an array the program has not needed whole: part of a ref not
+yet read (:class:`Unread`), the parts of a gather's indices (:class:`Joined`), positions
+(:mod:`jax_sdpa._kernel_positions`), a scatter not yet done (:mod:`jax_sdpa._kernel_scatters`).
+:func:`value` reads one where an array is needed. Here too the helpers every rewrite shares.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+
+class Lazy:
+    """A value kept unread until :meth:`read` is needed (:func:`value`)."""
+
+    def read(self):
+        raise NotImplementedError
+
+
+def value(x):
+    """``x`` as an array: read if it is :class:`Lazy`."""
+    return x.read() if isinstance(x, Lazy) else x
+
+
+@dataclasses.dataclass(frozen=True)
+class Unread(Lazy):
+    """Part of a ref not yet read: one index per axis, a ``pl.ds`` or a scalar (dropped axis)."""
+
+    ref: Any
+    index: tuple
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(i.size for i in self.index if isinstance(i, pl.Slice))
+
+    def read(self):
+        return self.ref[self.index]
+
+    def kept(self) -> list[int]:
+        """The ref's axes this part still has, in order."""
+        return [n for n, i in enumerate(self.index) if isinstance(i, pl.Slice)]
+
+    def narrowed(self, starts, sizes) -> "Unread":
+        """The part ``[starts : starts + sizes]`` of this one, starts clamped as ``lax``'s."""
+        index = list(self.index)
+        for axis, start, size, length in zip(self.kept(), starts, sizes, self.shape, strict=True):
+            start = jnp.clip(value(start), 0, length - size)
+            index[axis] = pl.ds(index[axis].start + start, size)
+        return Unread(self.ref, tuple(index))
+
+    def dropped(self, dimensions) -> "Unread":
+        """This part without its axes ``dimensions`` (each of size 1): they become scalars."""
+        index = list(self.index)
+        for position in dimensions:
+            axis = self.kept()[position]
+            index[axis] = index[axis].start
+        return Unread(self.ref, tuple(index))
+
+    def at_points(self, points: list):
+        """``part[points[0], points[1], …]`` of equal-shape index arrays, one per kept axis.
+
+        Each is clamped into the part (as a ``CLIP`` gather): no read leaves it.
+        """
+        index = list(self.index)
+        for axis, point, length in zip(self.kept(), points, self.shape, strict=True):
+            index[axis] = index[axis].start + jnp.clip(point, 0, length - 1)
+        return self.ref[tuple(index)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined(Lazy):
+    """``concatenate(parts, axis=-1)`` of gather indices, kept apart until the gather reads them."""
+
+    parts: list
+
+    def read(self):
+        return jnp.concatenate(self.parts, axis=-1)
+
+
+def is_zero(x) -> bool:
+    """Whether ``x`` is a known (not traced) scalar ``+0``: a literal or a constant."""
+    if isinstance(x, (jax.core.Tracer, Lazy)):
+        return False
+    x = np.asarray(x)
+    return x.ndim == 0 and bool(x == 0) and not np.signbit(x)
+
+
+def in_bounds(points: list, shape: tuple):
+    return all_of((p >= 0) & (p < n) for p, n in zip(points, shape, strict=True))
+
+
+def fill_value(fill, dtype):
+    """``lax.gather``'s fill for out-of-bounds points: given, or its default for ``dtype``."""
+    if fill is not None:
+        return jnp.asarray(fill, dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.asarray(jnp.nan, dtype)
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return jnp.asarray(True)
+    info = jnp.iinfo(dtype)
+    return jnp.asarray(info.min if jnp.issubdtype(dtype, jnp.signedinteger) else info.max, dtype)
+
+
+def index_arrays(indices, rank: int) -> list:
+    """The ``rank`` index arrays of a point gather's ``(..., rank)`` indices.
+
+    Where the program built them by concatenation, its parts: a kernel reshapes, it does not
+    slice.
+    """
+    parts = indices.parts if isinstance(indices, Joined) else [value(indices)]
+    if len(parts) == rank and all(part.shape[-1] == 1 for part in parts):
+        return [part.reshape(part.shape[:-1]) for part in parts]
+    indices = value(indices)
+    return [indices[..., n] for n in range(rank)]
+
+
+def all_of(conditions):
+    conditions = list(conditions)
+    result = conditions[0]
+    for condition in conditions[1:]:
+        result = result & condition
+    return result
+
+
+def bind(eqn, invals: list):
+    """The equation's own primitive on ``invals``, as ``jax.core.eval_jaxpr`` binds it."""
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
