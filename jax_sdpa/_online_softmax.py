@@ -108,7 +108,8 @@ def update(
     With a ``sigmoid_bias``, the weights are the sigmoid's (no shift: they simply add).
     """
     masked = masked_scores(scores, allowed)
-    top = jnp.maximum(state.top, masked.max(axis=-1))
+    tile_max = masked.max(axis=-1)
+    top = jnp.maximum(state.top, tile_max)  # dead, and dropped by XLA, unless it is returned
     if sigmoid_bias is not None:
         # σ(fill + b) is exactly 0 (e^{−fill} overflows to ∞): the masked scores mask the weights.
         w = sigmoid_parts(masked, None, sigmoid_bias)
@@ -118,7 +119,8 @@ def update(
             state.acc + product(drop(w), value, precision=precision),
             top,
         )
-    new_max = jnp.maximum(state.row_max, top)
+    # max(row max, top), as top is at least the fill, without reading top (so that it can drop).
+    new_max = jnp.maximum(state.row_max, jnp.maximum(tile_max, large_negative(tile_max.dtype)))
     # Until a row meets its first allowed key, its max stays at the fill and p counts masked
     # entries as 1; the correction e^{fill − real max} = 0 erases them when it does.
     p = exp_scores(masked, new_max)
