@@ -32,6 +32,8 @@ from jax_sdpa._paged import paged_attention as paged_attention
 from jax_sdpa._paged import update_cache as update_cache
 from jax_sdpa._paged import update_paged_cache as update_paged_cache
 from jax_sdpa._qk_clip import qk_clip as qk_clip
+from jax_sdpa._quantized import Quantized as Quantized
+from jax_sdpa._quantized import quantize as quantize
 from jax_sdpa._ring import Ring as Ring
 from jax_sdpa._sharding import from_striped as from_striped
 from jax_sdpa._sharding import ring_dot_product_attention as ring_dot_product_attention
@@ -59,6 +61,7 @@ __all__ = (
     "OrMask",
     "Paged",
     "Pallas",
+    "Quantized",
     "Ring",
     "SegmentMask",
     "attention",
@@ -73,6 +76,7 @@ __all__ = (
     "mods",
     "paged_attention",
     "qk_clip",
+    "quantize",
     "raw_scores",
     "ring_attention",
     "ring_dot_product_attention",

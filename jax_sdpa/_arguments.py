@@ -31,6 +31,7 @@ from jax_sdpa._masks import (
     shared,
     with_batch,
 )
+from jax_sdpa._quantized import Quantized, scale_shape
 from jax_sdpa._ring import RingSpec
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._user_functions import (
@@ -184,9 +185,8 @@ def _axis_size(name: str, axis) -> int:
 
 def _query_key_value(query, key, value, ring: RingSpec | None, dtype=None, **_):
     """The three arrays (cast to ``dtype`` if given), checked against each other, and the sizes."""
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    if dtype is not None:
-        query, key, value = query.astype(dtype), key.astype(dtype), value.astype(dtype)
+    query = jnp.asarray(query) if dtype is None else jnp.asarray(query).astype(dtype)
+    key, value = _cache("key", key, dtype), _cache("value", value, dtype)
     layout = {
         "query": "(batch, q_seq, heads, d_k)",
         "key": "(batch, kv_seq, kv_heads, d_k)",
@@ -220,8 +220,9 @@ def _pages(query, key_pages, value_pages, page_table, key_value_seq_lengths=None
     leading 1 (shared by the batch), the lengths clamped to the pages (as they are under
     ``jit``, where they are not checked).
     """
-    arrays = [jnp.asarray(x) for x in (query, key_pages, value_pages, page_table)]
-    query, key_pages, value_pages, page_table = arrays
+    query, page_table = jnp.asarray(query), jnp.asarray(page_table)
+    key_pages, value_pages = _cache("key_pages", key_pages), _cache("value_pages", value_pages)
+    arrays = [query, key_pages, value_pages, page_table]
     lengths = jnp.asarray(key_value_seq_lengths)
     layouts = {
         "query": "(batch, q_seq, heads, d_k)",
@@ -263,7 +264,27 @@ def _pages(query, key_pages, value_pages, page_table, key_value_seq_lengths=None
         )
     lengths = jnp.minimum(lengths, capacity).astype(INDEX)
     shapes = _Shapes((batch,), seq_q, heads, capacity, kv_heads)
-    return query, key_pages[None], value_pages[None], page_table, lengths, shapes
+    pools = (jax.tree.map(lambda x: x[None], x) for x in (key_pages, value_pages))
+    return query, *pools, page_table, lengths, shapes
+
+
+def _cache(name: str, x, dtype=None):
+    """A key or value cache: an array (cast to ``dtype`` if given) or a checked quantized one."""
+    if not isinstance(x, Quantized):
+        x = jnp.asarray(x)
+        return x if dtype is None else x.astype(dtype)
+    if x.values.dtype not in (jnp.int8, jnp.float8_e4m3fn):
+        raise TypeError(
+            f"`{name}.values` must have dtype int8 or float8_e4m3fn; got {x.values.dtype}."
+        )
+    _checks.check_float(f"{name}.scale", x.scale)
+    shapes = [scale_shape(x.shape, per_token) for per_token in (True, False)]
+    if x.scale.shape not in shapes:
+        raise ValueError(
+            f"`{name}.scale` must have shape {shapes[0]} (one per token and head) or {shapes[1]} "
+            f"(one per head) for values of shape {x.shape}; got {x.scale.shape}."
+        )
+    return x if dtype is None else Quantized(x.values, x.scale.astype(dtype))
 
 
 def _squeeze_leading_ones(x: jax.Array, ndim: int) -> jax.Array:

@@ -34,6 +34,7 @@ from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_heads
 from jax_sdpa._indices import positions
+from jax_sdpa._quantized import Quantized
 from jax_sdpa._steps import accumulation_dtype, raw_scores, weighted_sum
 from jax_sdpa._tiles import DEFAULT_BLOCK_KV, Tiles, check_sizes, pad_keys
 from jax_sdpa._tiles_backward import backward
@@ -73,8 +74,15 @@ class Paged:
         check_sizes(self)
 
 
+def _per_key(scale):
+    """A quantized chunk's scales ``(L, K, 1)`` as ``(K, 1, 1, L)``, to meet the scores."""
+    return jnp.moveaxis(scale, 0, -1)[:, None]
+
+
 def _scores(query, key, precision=None):
     """``q · k`` for every head, query and key: ``(K, G, T, H) × (L, K, H) → (K, G, T, L)``."""
+    if isinstance(key, Quantized):  # q · (s k) = s (q · k): the 8-bit keys in the product
+        return _scores(query, key.values.astype(query.dtype), precision) * _per_key(key.scale)
     dtype = accumulation_dtype(query.dtype)
     kv_heads, _, _, features = query.shape
     query_rows = query[0].size // features  # G·T rows per key/value head
@@ -102,6 +110,9 @@ def _blend(weights, value, *, precision=None):
     :func:`~jax_sdpa.weighted_sum`'s sum, formed as :func:`_scores` forms its products; as
     there, the weights are cast to the value dtype and the sum is accumulated in float32.
     """
+    if isinstance(value, Quantized):  # Σ w (s v) = Σ (w s) v: the 8-bit values in the sum
+        scaled = weights * _per_key(value.scale)
+        return _blend(scaled, value.values.astype(value.dtype), precision=precision)
     dtype = accumulation_dtype(value.dtype)
     weights = weights.astype(value.dtype)
     kv_heads, group, seq_q, size = weights.shape
@@ -172,6 +183,11 @@ def split_keys(formula: Formula, query, keys, values, arrays: CallArrays) -> Res
     return Result(out, rows[0], None, rows[1])
 
 
+def _chunks(size: int, *caches) -> list:
+    """Each cache ``(C·size, K, ·)``, an array or :class:`~jax_sdpa.Quantized`, in ``C`` chunks."""
+    return [jax.tree.map(lambda x: x.reshape(-1, size, *x.shape[1:]), c) for c in caches]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _split_attention(tiles: Tiles, query, key, value, arrays: CallArrays):
     return _split_attention_fwd(tiles, query, key, value, arrays)[0]
@@ -179,7 +195,7 @@ def _split_attention(tiles: Tiles, query, key, value, arrays: CallArrays):
 
 def _split_attention_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
     """The keys and values, whole chunks of ``tiles.block_kv``, split and their states merged."""
-    keys, values = (x.reshape(-1, tiles.block_kv, *x.shape[1:]) for x in (key, value))
+    keys, values = _chunks(tiles.block_kv, key, value)
     out, lse, _, top = split_keys(tiles.formula, query, keys, values, arrays)
     return (out, lse, top), (query, key, value, arrays, out, lse)
 
@@ -197,6 +213,10 @@ def decode_sequence(
     """
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
     tiles = Tiles(formula, seq_q, min(options.block_kv, seq_kv), (kv_heads, heads // kv_heads))
+    if isinstance(key, Quantized):  # JAX's gradient (of the queries), through split_keys
+        key, value = key.per_token(), value.per_token()
+        key, value, arrays = pad_keys(key, value, arrays, tiles.block_kv)
+        return split_keys(formula, query, *_chunks(tiles.block_kv, key, value), arrays)
     key, value, arrays = pad_keys(key, value, arrays, tiles.block_kv)
     out, lse, top = _split_attention(tiles, query, key, value, arrays)
     return Result(out, lse, None, top)
@@ -220,10 +240,13 @@ def paged_sequence(
     # take would count it from the end) reads zeros, never another sequence's page.
     chunks = jnp.pad(table, (0, count * per_chunk - pages), mode="edge").reshape(count, per_chunk)
     chunks = jnp.where(chunks >= 0, chunks, key_pages.shape[0])
+
+    def gather(x):
+        pages = jnp.take(x, chunks, axis=0, mode="fill", fill_value=0)
+        return pages.reshape(count, per_chunk * page_size, *x.shape[2:])
+
     keys, values = (
-        jnp.take(x, chunks, axis=0, mode="fill", fill_value=0).reshape(
-            count, per_chunk * page_size, *x.shape[2:]
-        )
+        jax.tree.map(gather, x.per_token() if isinstance(x, Quantized) else x)
         for x in (key_pages, value_pages)
     )
     return split_keys(formula, query, keys, values, arrays)

@@ -38,6 +38,7 @@ from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._kernels import Pallas
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
 from jax_sdpa._pallas import pallas_sequence
+from jax_sdpa._quantized import Quantized
 from jax_sdpa._ring import Ring, RingSpec, ring_sequence
 from jax_sdpa._steps import accumulation_dtype
 
@@ -86,6 +87,11 @@ class Inputs:
         return over_batch(sequence, batch_shape, *args, sequential=sequential)
 
     @property
+    def quantized(self) -> bool:
+        """Whether the keys or values are a quantized cache (:class:`~jax_sdpa.Quantized`)."""
+        return any(isinstance(x, Quantized) for x in (self.key, self.value))
+
+    @property
     def tiles_classified(self) -> bool:
         """Whether the tiled paths read each tile's class of the rule (which depends on data).
 
@@ -116,6 +122,7 @@ class Entry:
     ``asked_as``: how a user asks for it, for messages (``implementation=...`` by default).
     ``options``: the class of its tunables (``Chunked``), whose instance the call's ``run``
     finds in ``config.options``; ``None`` where it has none.
+    ``quantized``: whether it reads quantized caches (:class:`~jax_sdpa.Quantized`).
     """
 
     run: Callable[[Inputs, Config], Result]
@@ -123,6 +130,17 @@ class Entry:
     jvp: bool = False
     asked_as: str | None = None
     options: type | None = None
+    quantized: bool = False
+
+    def refuses(self, name: str, inputs: Inputs, config: Config) -> str | None:
+        """Why this entry (``name`` in the table) cannot run the call, or None."""
+        if inputs.quantized and not self.quantized:
+            how = self.asked_as or f"`implementation={name!r}`"
+            return (
+                f"{how} reads float caches, not quantized ones (jax_sdpa.quantize): the decode "
+                "path reads those, implementation=None or 'decode' (or `paged_attention`)."
+            )
+        return self.unsupported(inputs, config)
 
 
 def _run_dense(inputs: Inputs, config: Config) -> Result:
@@ -299,9 +317,14 @@ def _run_cudnn(inputs: Inputs, config: Config) -> Result:
 IMPLEMENTATIONS: dict[str, Entry] = {
     "xla": Entry(_run_dense, jvp=True),
     "chunked": Entry(_tiled(chunked_sequence), _chunked_unsupported, options=Chunked),
-    "decode": Entry(_run_decode, _decode_unsupported, options=Decode),
+    "decode": Entry(_run_decode, _decode_unsupported, options=Decode, quantized=True),
     "paged": Entry(
-        _run_paged, _paged_unsupported, jvp=True, asked_as="`paged_attention`", options=Paged
+        _run_paged,
+        _paged_unsupported,
+        jvp=True,
+        asked_as="`paged_attention`",
+        options=Paged,
+        quantized=True,
     ),
     "cudnn": Entry(_run_cudnn, _cudnn_unsupported),
     "ring": Entry(_run_ring, _ring_unsupported, asked_as="`ring_attention`", options=Ring),
@@ -315,6 +338,8 @@ def _preference(inputs: Inputs) -> tuple[str, ...]:
     seq_q, seq_kv = inputs.query.shape[-3], inputs.key.shape[-3]
     scores = batch_heads * seq_q * seq_kv
     query_rows = seq_q * inputs.query.shape[-2]
+    if inputs.quantized:
+        return ("decode",)
     if query_rows <= BLOCK_DIAGONAL_COLUMNS and seq_kv >= _DECODE_MIN_KEYS:
         return ("decode", "chunked", "xla")
     if jax.default_backend() == "cpu" or scores > _DENSE_MAX_SCORES:
@@ -411,7 +436,9 @@ def choose(inputs: Inputs, config: Config, implementation) -> Config:
         for name in names
         if takes(name)
     ]
-    reasons = [IMPLEMENTATIONS[c.implementation].unsupported(inputs, c) for c in configs]
+    reasons = [
+        IMPLEMENTATIONS[c.implementation].refuses(c.implementation, inputs, c) for c in configs
+    ]
     for chosen, reason in zip(configs, reasons, strict=True):
         if reason is None:
             return chosen

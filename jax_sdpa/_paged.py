@@ -23,6 +23,7 @@ from jax_sdpa._arguments import bind
 from jax_sdpa._decode import Paged
 from jax_sdpa._implementations import check_implementation, run
 from jax_sdpa._indices import indices
+from jax_sdpa._quantized import Quantized, quantize_like
 
 __all__ = ["paged_attention", "update_cache", "update_paged_cache"]
 
@@ -147,11 +148,11 @@ def update_cache(
 
     def write(cache, new, position):
         start = indices(position, *(0,) * (cache.ndim - 1))
-        return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
+        return jax.lax.dynamic_update_slice(cache, new, start)
 
     positions = jnp.asarray(positions)
     return tuple(
-        jax.vmap(write)(cache, jnp.asarray(new), positions)
+        _written(cache, new, lambda cache, new: jax.vmap(write)(cache, new, positions))
         for cache, new in ((key_cache, key), (value_cache, value))
     )
 
@@ -184,16 +185,32 @@ def update_paged_cache(
     """
     page_size = key_pages.shape[1]
     page_table, positions = jnp.asarray(page_table), jnp.asarray(positions)
-    key, value = jnp.asarray(key), jnp.asarray(value)
+    key = jnp.asarray(key)
     seq = positions[:, None] + jnp.arange(key.shape[1], dtype=positions.dtype)[None, :]  # (B, T)
     pages = jnp.take_along_axis(page_table, seq // page_size, axis=1, mode="fill", fill_value=-1)
     # A position past the sequence's pages, or on a page number outside the pool (say −1 for
     # "none"), is not written: it would land on another position or another sequence's page.
     pages = jnp.where((pages >= 0) & (seq >= 0), pages, key_pages.shape[0])
     count = math.prod(seq.shape)
+    where = (pages.reshape(count), (seq % page_size).reshape(count))
+
+    def write(cache, new):
+        return cache.at[where].set(new.reshape(count, *new.shape[2:]), mode="drop")
+
     return tuple(
-        cache.at[pages.reshape(count), (seq % page_size).reshape(count)].set(
-            new.reshape(count, *new.shape[2:]).astype(cache.dtype), mode="drop"
-        )
-        for cache, new in ((key_pages, key), (value_pages, value))
+        _written(cache, new, write) for cache, new in ((key_pages, key), (value_pages, value))
     )
+
+
+def _written(cache, new, write):
+    """``write(cache, new)``, ``new`` cast to the cache's dtype or quantized in its format.
+
+    A quantized cache's values and (one per token) scales are written alike; a scale per head
+    was fixed when the cache was made (:func:`~jax_sdpa.quantize`).
+    """
+    if not isinstance(cache, Quantized):
+        return write(cache, jnp.asarray(new).astype(cache.dtype))
+    new = quantize_like(cache, new)
+    per_head = cache.scale.shape[-3] == 1  # fixed when the cache was made
+    scale = cache.scale if per_head else write(cache.scale, new.scale)
+    return Quantized(write(cache.values, new.values), scale)

@@ -346,6 +346,9 @@ def pad_to(x: jax.Array | None, axis: int, multiple: int, value=0) -> jax.Array 
 def pad_keys(key, value, arrays: CallArrays, block: int, offset=0) -> tuple:
     """``(key, value, arrays)`` with the keys padded to whole blocks, the padding masked.
 
+    ``key`` and ``value`` are arrays or pytrees of them (a :class:`~jax_sdpa.Quantized` cache
+    whose scale is one per token), padded alike.
+
     The padded keys are masked by a length rule (at global positions: the keys start at
     ``offset``); the bias and mask gain their columns.
     """
@@ -359,7 +362,8 @@ def pad_keys(key, value, arrays: CallArrays, block: int, offset=0) -> tuple:
         bias=pad_to(arrays.bias, -1, block),
         mask=pad_to(arrays.mask, -1, block, False),
     )
-    return pad_to(key, 0, block), pad_to(value, 0, block), arrays
+    key, value = (jax.tree.map(lambda x: pad_to(x, 0, block), x) for x in (key, value))
+    return key, value, arrays
 
 
 def flat(x: jax.Array) -> jax.Array:
