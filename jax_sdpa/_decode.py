@@ -74,15 +74,16 @@ class Paged:
         check_sizes(self)
 
 
-def _per_key(scale):
-    """A quantized chunk's scales ``(L, K, 1)`` as ``(K, 1, 1, L)``, to meet the scores."""
-    return jnp.moveaxis(scale, 0, -1)[:, None]
+def _per_key(scale, dtype):
+    """A quantized chunk's scales ``(L, K, 1)`` as ``(K, 1, 1, L)`` in ``dtype``, for the scores."""
+    return jnp.moveaxis(scale, 0, -1)[:, None].astype(dtype)
 
 
 def _scores(query, key, precision=None):
     """``q · k`` for every head, query and key: ``(K, G, T, H) × (L, K, H) → (K, G, T, L)``."""
     if isinstance(key, Quantized):  # q · (s k) = s (q · k): the 8-bit keys in the product
-        return _scores(query, key.values.astype(query.dtype), precision) * _per_key(key.scale)
+        raw = _scores(query, key.values.astype(query.dtype), precision)
+        return raw * _per_key(key.scale, raw.dtype)
     dtype = accumulation_dtype(query.dtype)
     kv_heads, _, _, features = query.shape
     query_rows = query[0].size // features  # G·T rows per key/value head
@@ -111,7 +112,7 @@ def _blend(weights, value, *, precision=None):
     there, the weights are cast to the value dtype and the sum is accumulated in float32.
     """
     if isinstance(value, Quantized):  # Σ w (s v) = Σ (w s) v: the 8-bit values in the sum
-        scaled = weights * _per_key(value.scale)
+        scaled = weights * _per_key(value.scale, weights.dtype)
         return _blend(scaled, value.values.astype(value.dtype), precision=precision)
     dtype = accumulation_dtype(value.dtype)
     weights = weights.astype(value.dtype)

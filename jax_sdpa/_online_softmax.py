@@ -23,7 +23,7 @@ prefix, or the shards of a ring. The arithmetic is the dense softmax's own
 block.
 """
 
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -93,7 +93,7 @@ def update(
     state: State,
     scores: Float[Array, "*q kv"],
     allowed: Bool[Array, "*#q #kv"] | None,
-    value: Float[Array, "..."],
+    value: Any,
     *,
     precision=None,
     drop=lambda p: p,
@@ -104,7 +104,8 @@ def update(
 
     ``drop`` is applied to the block's un-normalised weights before they meet the values
     (dropout: the denominator counts every weight, as the dense softmax does); ``product`` is
-    how they meet them, :func:`~jax_sdpa._steps.weighted_sum` or the same sum formed otherwise.
+    how they meet them, :func:`~jax_sdpa._steps.weighted_sum` or the same sum formed otherwise
+    (``value`` is what ``product`` reads: an array, or a :class:`~jax_sdpa.Quantized` cache).
     With a ``sigmoid_bias``, the weights are the sigmoid's (no shift: they simply add).
     """
     masked = masked_scores(scores, allowed)

@@ -59,7 +59,8 @@ def paged_attention(
 
     Args:
         query: ``(B, T, N, H)``.
-        key_pages: The pool of key pages, ``(P, page_size, K, H)``.
+        key_pages: The pool of key pages, ``(P, page_size, K, H)``, an array or quantized
+            (:func:`~jax_sdpa.quantize`).
         value_pages: The pool of value pages, ``(P, page_size, K, V)``, the same dtype.
         page_table: ``(B, pages_per_sequence)`` int32: sequence ``b``'s pages, in order.
         lengths: ``(B,)``: valid positions per sequence, at most ``pages_per_sequence ·
@@ -135,7 +136,8 @@ def update_cache(
 
     Pure: it returns the new caches. Under ``jax.jit(..., donate_argnums=(0, 1))`` XLA updates
     the donated caches in place. Positions are clamped so that the ``T`` rows fit (as
-    ``lax.dynamic_update_slice`` does).
+    ``lax.dynamic_update_slice`` does). A quantized cache (:func:`~jax_sdpa.quantize`) gets the
+    new rows quantized in its format: int8 with their own scales, float8 with the cache's.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -170,7 +172,7 @@ def update_paged_cache(
     Position ``p`` of sequence ``b`` is slot ``p % page_size`` of page
     ``page_table[b, p // page_size]``; positions past the sequence's pages, and page numbers
     outside the pool, are not written. Pure, like :func:`update_cache`: donate the pages to
-    ``jax.jit`` to write in place.
+    ``jax.jit`` to write in place. Quantized pools are written as in :func:`update_cache`.
 
     Examples:
         >>> import jax.numpy as jnp
