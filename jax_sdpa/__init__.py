@@ -19,6 +19,7 @@ from jax_sdpa._dot_product import dot_product_attention as dot_product_attention
 from jax_sdpa._dot_product import dot_product_attention_weights as dot_product_attention_weights
 from jax_sdpa._dot_product import ring_attention as ring_attention
 from jax_sdpa._kernels import Pallas as Pallas
+from jax_sdpa._latent import LatentValues as LatentValues
 from jax_sdpa._masks import AndMask as AndMask
 from jax_sdpa._masks import CausalMask as CausalMask
 from jax_sdpa._masks import LengthMask as LengthMask
@@ -55,6 +56,7 @@ __all__ = (
     "CausalMask",
     "Chunked",
     "Decode",
+    "LatentValues",
     "LengthMask",
     "LocalWindowMask",
     "MaskRule",

@@ -21,6 +21,7 @@ from jax_sdpa._block_mask import BlockMask
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._implementations import Config, Inputs, Output, choose
 from jax_sdpa._indices import INDEX, Index, positions
+from jax_sdpa._latent import LatentValues
 from jax_sdpa._masks import (
     AndMask,
     CausalMask,
@@ -187,6 +188,7 @@ def _query_key_value(query, key, value, ring: RingSpec | None, dtype=None, **_):
     """The three arrays (cast to ``dtype`` if given), checked against each other, and the sizes."""
     query = jnp.asarray(query) if dtype is None else jnp.asarray(query).astype(dtype)
     key, value = _cache("key", key, dtype), _cache("value", value, dtype)
+    latent, value = value, _latent("key", key, value)
     layout = {
         "query": "(batch, q_seq, heads, d_k)",
         "key": "(batch, kv_seq, kv_heads, d_k)",
@@ -210,7 +212,8 @@ def _query_key_value(query, key, value, ring: RingSpec | None, dtype=None, **_):
     _checks.check_equal("number of heads kv_heads", ("key", "value"), (kv_heads, value.shape[-2]))
     _checks.check_heads(heads, kv_heads)
     shards = (1, 1, 1) if ring is None else (ring.shards, ring.batch_shards, ring.head_shards)
-    return query, key, value, _Shapes(batch_shape, seq_q, heads, seq_kv, kv_heads, *shards)
+    shapes = _Shapes(batch_shape, seq_q, heads, seq_kv, kv_heads, *shards)
+    return query, key, latent, shapes
 
 
 def _pages(query, key_pages, value_pages, page_table, key_value_seq_lengths=None, **_):
@@ -222,6 +225,7 @@ def _pages(query, key_pages, value_pages, page_table, key_value_seq_lengths=None
     """
     query, page_table = jnp.asarray(query), jnp.asarray(page_table)
     key_pages, value_pages = _cache("key_pages", key_pages), _cache("value_pages", value_pages)
+    latent, value_pages = value_pages, _latent("key_pages", key_pages, value_pages)
     arrays = [query, key_pages, value_pages, page_table]
     lengths = jnp.asarray(key_value_seq_lengths)
     layouts = {
@@ -264,12 +268,27 @@ def _pages(query, key_pages, value_pages, page_table, key_value_seq_lengths=None
         )
     lengths = jnp.minimum(lengths, capacity).astype(INDEX)
     shapes = _Shapes((batch,), seq_q, heads, capacity, kv_heads)
-    pools = (jax.tree.map(lambda x: x[None], x) for x in (key_pages, value_pages))
+    pools = (jax.tree.map(lambda x: x[None], x) for x in (key_pages, latent))
     return query, *pools, page_table, lengths, shapes
+
+
+def _latent(key_name: str, key, value):
+    """``value``, or for :class:`~jax_sdpa.LatentValues` the shape and dtype it stands for."""
+    if not isinstance(value, LatentValues):
+        return value
+    features = value.features
+    if not isinstance(features, int) or not 0 < features <= key.shape[-1]:
+        raise ValueError(
+            f"`value` is LatentValues(features): features must be an int in [1, {key.shape[-1]}], "
+            f"the `{key_name}` features; got {features!r}."
+        )
+    return value.like(key)
 
 
 def _cache(name: str, x, dtype=None):
     """A key or value cache: an array (cast to ``dtype`` if given) or a checked quantized one."""
+    if isinstance(x, LatentValues):
+        return x
     if not isinstance(x, Quantized):
         x = jnp.asarray(x)
         return x if dtype is None else x.astype(dtype)

@@ -34,6 +34,7 @@ from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_heads
 from jax_sdpa._indices import positions
+from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized
 from jax_sdpa._steps import accumulation_dtype, raw_scores, weighted_sum
 from jax_sdpa._tiles import DEFAULT_BLOCK_KV, Tiles, check_sizes, pad_keys
@@ -157,11 +158,15 @@ def split_keys(formula: Formula, query, keys, values, arrays: CallArrays) -> Res
 
     ``keys`` ``(C, L, K, H)`` and ``values`` ``(C, L, K, V)``: ``C`` chunks of ``L`` keys, each
     attended on its own (``jax.vmap``) and the ``C`` states combined. ``arrays`` cover the
-    ``C·L`` keys: positions past the sequence must be masked by its rule.
+    ``C·L`` keys: positions past the sequence must be masked by its rule. ``values`` may be
+    :class:`~jax_sdpa.LatentValues`: the keys' leading features, read with the keys.
     """
     seq_q, heads, _ = query.shape
     count, size, kv_heads, _ = keys.shape
     groups = (kv_heads, heads // kv_heads)
+    features = None
+    if isinstance(values, LatentValues):  # blend the whole latent rows, keep the first features
+        values, features = keys, values.features
     query, formula = formula.scaled_queries(query)
     per_query = jnp.moveaxis(query.reshape(seq_q, *groups, -1), 0, 2)  # (K, G, T, H)
 
@@ -177,7 +182,7 @@ def split_keys(formula: Formula, query, keys, values, arrays: CallArrays) -> Res
             state, online_softmax.init(per_query, state.denom.shape, state.acc.shape, sink)
         )
     out, lse = online_softmax.finish(state, values.dtype, formula.sigmoid)  # (K, G, T, ·)
-    out = jnp.moveaxis(out, 2, 0).reshape(seq_q, heads, -1)
+    out = jnp.moveaxis(out[..., :features], 2, 0).reshape(seq_q, heads, -1)
     rows = [
         jnp.moveaxis(x, 2, 0).reshape(seq_q, heads) for x in (lse, online_softmax.max_scores(state))
     ]
@@ -214,8 +219,8 @@ def decode_sequence(
     """
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
     tiles = Tiles(formula, seq_q, min(options.block_kv, seq_kv), (kv_heads, heads // kv_heads))
-    if isinstance(key, Quantized):  # JAX's gradient (of the queries), through split_keys
-        key, value = key.per_token(), value.per_token()
+    if isinstance(key, Quantized) or isinstance(value, LatentValues):  # JAX's own gradient
+        key, value = (x.per_token() if isinstance(x, Quantized) else x for x in (key, value))
         key, value, arrays = pad_keys(key, value, arrays, tiles.block_kv)
         return split_keys(formula, query, *_chunks(tiles.block_kv, key, value), arrays)
     key, value, arrays = pad_keys(key, value, arrays, tiles.block_kv)

@@ -36,6 +36,7 @@ from jax_sdpa._decode import BLOCK_DIAGONAL_COLUMNS, Decode, Paged, decode_seque
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._kernels import Pallas
+from jax_sdpa._latent import LatentValues
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
 from jax_sdpa._pallas import pallas_sequence
 from jax_sdpa._quantized import Quantized
@@ -92,6 +93,11 @@ class Inputs:
         return any(isinstance(x, Quantized) for x in (self.key, self.value))
 
     @property
+    def values_like(self):
+        """The values, or the shape and dtype that :class:`~jax_sdpa.LatentValues` stand for."""
+        return self.value.like(self.key) if isinstance(self.value, LatentValues) else self.value
+
+    @property
     def tiles_classified(self) -> bool:
         """Whether the tiled paths read each tile's class of the rule (which depends on data).
 
@@ -122,7 +128,9 @@ class Entry:
     ``asked_as``: how a user asks for it, for messages (``implementation=...`` by default).
     ``options``: the class of its tunables (``Chunked``), whose instance the call's ``run``
     finds in ``config.options``; ``None`` where it has none.
-    ``quantized``: whether it reads quantized caches (:class:`~jax_sdpa.Quantized`).
+    ``serving_caches``: whether it reads quantized caches (:class:`~jax_sdpa.Quantized`; the
+    others refuse them) and :class:`~jax_sdpa.LatentValues` as they are (the others attend to
+    the keys' slice).
     """
 
     run: Callable[[Inputs, Config], Result]
@@ -130,11 +138,11 @@ class Entry:
     jvp: bool = False
     asked_as: str | None = None
     options: type | None = None
-    quantized: bool = False
+    serving_caches: bool = False
 
     def refuses(self, name: str, inputs: Inputs, config: Config) -> str | None:
         """Why this entry (``name`` in the table) cannot run the call, or None."""
-        if inputs.quantized and not self.quantized:
+        if inputs.quantized and not self.serving_caches:
             how = self.asked_as or f"`implementation={name!r}`"
             return (
                 f"{how} reads float caches, not quantized ones (jax_sdpa.quantize): the decode "
@@ -317,14 +325,14 @@ def _run_cudnn(inputs: Inputs, config: Config) -> Result:
 IMPLEMENTATIONS: dict[str, Entry] = {
     "xla": Entry(_run_dense, jvp=True),
     "chunked": Entry(_tiled(chunked_sequence), _chunked_unsupported, options=Chunked),
-    "decode": Entry(_run_decode, _decode_unsupported, options=Decode, quantized=True),
+    "decode": Entry(_run_decode, _decode_unsupported, options=Decode, serving_caches=True),
     "paged": Entry(
         _run_paged,
         _paged_unsupported,
         jvp=True,
         asked_as="`paged_attention`",
         options=Paged,
-        quantized=True,
+        serving_caches=True,
     ),
     "cudnn": Entry(_run_cudnn, _cudnn_unsupported),
     "ring": Entry(_run_ring, _ring_unsupported, asked_as="`ring_attention`", options=Ring),
@@ -453,7 +461,8 @@ def without_positions(inputs: Inputs) -> Result:
     *batch, seq_q, heads, _ = inputs.query.shape
     dtype = accumulation_dtype(inputs.query.dtype)
     weights = jnp.zeros((*batch, heads, seq_q, inputs.seq_kv), dtype)
-    out = jnp.zeros((*batch, seq_q, heads, inputs.value.shape[-1]), inputs.value.dtype)
+    value = inputs.values_like
+    out = jnp.zeros((*batch, seq_q, heads, value.shape[-1]), value.dtype)
     sinks = inputs.arrays.sinks
     per_head = jnp.full((heads,), -jnp.inf, dtype) if sinks is None else sinks.astype(dtype)
     lse = jnp.broadcast_to(per_head[..., None, :], (*batch, seq_q, heads))
@@ -463,9 +472,12 @@ def without_positions(inputs: Inputs) -> Result:
 @functools.partial(jax.jit, static_argnames=("config",))
 def run(inputs: Inputs, *, config: Config) -> Result:
     """The jitted batched computation of a bound call; the weights only where asked for."""
+    entry = IMPLEMENTATIONS[config.implementation]
+    if isinstance(inputs.value, LatentValues) and not entry.serving_caches:
+        inputs = dataclasses.replace(inputs, value=inputs.value.of(inputs.key))
     if 0 in (inputs.query.shape[-3], inputs.seq_kv):
         result = without_positions(inputs)
     else:
-        result = IMPLEMENTATIONS[config.implementation].run(inputs, config)
+        result = entry.run(inputs, config)
     weights = None if config.output == "attention" else result.weights
     return result._replace(weights=weights)

@@ -23,6 +23,7 @@ from jax_sdpa._arguments import bind
 from jax_sdpa._decode import Paged
 from jax_sdpa._implementations import check_implementation, run
 from jax_sdpa._indices import indices
+from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized, quantize_like
 
 __all__ = ["paged_attention", "update_cache", "update_paged_cache"]
@@ -30,8 +31,8 @@ __all__ = ["paged_attention", "update_cache", "update_paged_cache"]
 
 def paged_attention(
     query: Float[ArrayLike, "B T N H"],
-    key_pages: Float[ArrayLike, "P page K H"],
-    value_pages: Float[ArrayLike, "P page K V"],
+    key_pages: Float[ArrayLike, "P page K H"] | Quantized,
+    value_pages: Float[ArrayLike, "P page K V"] | Quantized | LatentValues,
     page_table: Integer[ArrayLike, "B pages"],
     lengths: Integer[ArrayLike, " B"],
     *,
@@ -126,10 +127,10 @@ def paged_attention(
 
 
 def update_cache(
-    key_cache: Float[Array, "B S K H"],
-    value_cache: Float[Array, "B S K V"],
+    key_cache: Float[Array, "B S K H"] | Quantized,
+    value_cache: Float[Array, "B S K V"] | Quantized | LatentValues,
     key: Float[ArrayLike, "B T K H"],
-    value: Float[ArrayLike, "B T K V"],
+    value: Float[ArrayLike, "B T K V"] | None,
     positions: Integer[ArrayLike, " B"],
 ) -> tuple[Array, Array]:
     """Writes each sequence's ``T`` new keys and values at ``positions[b]`` of a contiguous cache.
@@ -137,7 +138,9 @@ def update_cache(
     Pure: it returns the new caches. Under ``jax.jit(..., donate_argnums=(0, 1))`` XLA updates
     the donated caches in place. Positions are clamped so that the ``T`` rows fit (as
     ``lax.dynamic_update_slice`` does). A quantized cache (:func:`~jax_sdpa.quantize`) gets the
-    new rows quantized in its format: int8 with their own scales, float8 with the cache's.
+    new rows quantized in its format: int8 with their own scales, float8 with the cache's. A
+    shared-latent cache (``value_cache`` a :class:`~jax_sdpa.LatentValues`, ``value`` None)
+    has only its keys written.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -160,10 +163,10 @@ def update_cache(
 
 
 def update_paged_cache(
-    key_pages: Float[Array, "P page K H"],
-    value_pages: Float[Array, "P page K V"],
+    key_pages: Float[Array, "P page K H"] | Quantized,
+    value_pages: Float[Array, "P page K V"] | Quantized | LatentValues,
     key: Float[ArrayLike, "B T K H"],
-    value: Float[ArrayLike, "B T K V"],
+    value: Float[ArrayLike, "B T K V"] | None,
     page_table: Integer[ArrayLike, "B pages"],
     positions: Integer[ArrayLike, " B"],
 ) -> tuple[Array, Array]:
@@ -210,6 +213,8 @@ def _written(cache, new, write):
     A quantized cache's values and (one per token) scales are written alike; a scale per head
     was fixed when the cache was made (:func:`~jax_sdpa.quantize`).
     """
+    if isinstance(cache, LatentValues):  # the values are the keys': written with them
+        return cache
     if not isinstance(cache, Quantized):
         return write(cache, jnp.asarray(new).astype(cache.dtype))
     new = quantize_like(cache, new)
