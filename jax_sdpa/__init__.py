@@ -36,6 +36,7 @@ from jax_sdpa._qk_clip import qk_clip as qk_clip
 from jax_sdpa._quantized import Quantized as Quantized
 from jax_sdpa._quantized import quantize as quantize
 from jax_sdpa._ring import Ring as Ring
+from jax_sdpa._selected import Selected as Selected
 from jax_sdpa._sharding import from_striped as from_striped
 from jax_sdpa._sharding import ring_dot_product_attention as ring_dot_product_attention
 from jax_sdpa._sharding import to_striped as to_striped
@@ -66,6 +67,7 @@ __all__ = (
     "Quantized",
     "Ring",
     "SegmentMask",
+    "Selected",
     "attention",
     "create_block_mask",
     "default_scale",

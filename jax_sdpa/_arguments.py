@@ -107,7 +107,8 @@ def bind(
         sinks=_sinks(shapes, **keywords),
         sigmoid_bias=_sigmoid_bias(shapes, formula, accumulation_dtype(query.dtype), **keywords),
     )
-    inputs = _varying_together(Inputs(query, key, value, arrays, page_table), ring)
+    key_indices = _key_indices(shapes, **keywords)
+    inputs = _varying_together(Inputs(query, key, value, arrays, page_table, key_indices), ring)
     config = Config(formula, output, ring=ring, max_scores=bool(return_max_scores))
     return inputs, choose(inputs, config, implementation)
 
@@ -304,6 +305,28 @@ def _cache(name: str, x, dtype=None):
             f"(one per head) for values of shape {x.shape}; got {x.scale.shape}."
         )
     return x if dtype is None else Quantized(x.values, x.scale.astype(dtype))
+
+
+def _key_indices(shapes: _Shapes, key_indices=None, **_) -> jax.Array | None:
+    """Each query's keys ``(*batch, q_seq, k)``, integers in ``[0, kv_seq)`` where concrete."""
+    if key_indices is None:
+        return None
+    key_indices = jnp.asarray(key_indices)
+    _checks.check_integer("key_indices", key_indices)
+    count = key_indices.shape[-1] if key_indices.ndim else 0
+    expected = (*shapes.batch, shapes.seq_q, count)
+    _checks.check_shape("key_indices", key_indices, expected, "(batch, q_seq, k)")
+    if count == 0:
+        raise ValueError("`key_indices` must list at least one key per query; got k = 0.")
+    try:
+        lo, hi = int(jnp.min(key_indices)), int(jnp.max(key_indices))
+    except jax.errors.ConcretizationTypeError:  # under jit: read as masked where out of range
+        lo, hi = 0, 0
+    if lo < 0 or hi >= shapes.seq_kv:
+        raise ValueError(
+            f"`key_indices` must hold key positions in [0, {shapes.seq_kv}); got {lo} to {hi}."
+        )
+    return key_indices.astype(INDEX)
 
 
 def _squeeze_leading_ones(x: jax.Array, ndim: int) -> jax.Array:

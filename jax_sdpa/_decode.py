@@ -127,16 +127,17 @@ def _blend(weights, value, *, precision=None):
     return out.reshape(kv_heads, group, seq_q, -1)
 
 
-def _chunk_state(formula: Formula, query, keys, values, arrays: CallArrays, start):
-    """All heads' online-softmax state after one chunk of keys that starts at ``start``.
+def _chunk_state(formula: Formula, query, keys, values, arrays: CallArrays, q_offset, at):
+    """All heads' online-softmax state after one chunk of keys.
 
-    ``query`` is ``(K, G, T, H)`` and ``arrays`` are the chunk's, per head; the formula's
-    logits are taken head by head, on the ``(T, L)`` products.
+    ``query`` is ``(K, G, T, H)``, its first row at position ``q_offset``; ``at`` is the
+    chunk's first key position, or each key's ``(L,)``; ``arrays`` are the chunk's, per head.
+    The formula's logits are taken head by head, on the ``(T, L)`` products.
     """
 
     def head(per_query, _):
         raw, arrays = per_query
-        return formula.logits(raw, arrays, 0, start)
+        return formula.logits(raw, arrays, q_offset, at)
 
     raw = _scores(query, keys, formula.precision)
     scores, allowed = over_heads(head, raw.shape[:2], (raw, arrays))
@@ -153,13 +154,17 @@ def _chunk_state(formula: Formula, query, keys, values, arrays: CallArrays, star
     )
 
 
-def split_keys(formula: Formula, query, keys, values, arrays: CallArrays) -> Result:
+def split_keys(
+    formula: Formula, query, keys, values, arrays: CallArrays, *, q_offset=0, key_positions=None
+) -> Result:
     """Attention of ``(T, N, H)`` queries to keys in chunks, all heads, in jax.nn's layout.
 
     ``keys`` ``(C, L, K, H)`` and ``values`` ``(C, L, K, V)``: ``C`` chunks of ``L`` keys, each
     attended on its own (``jax.vmap``) and the ``C`` states combined. ``arrays`` cover the
     ``C·L`` keys: positions past the sequence must be masked by its rule. ``values`` may be
-    :class:`~jax_sdpa.LatentValues`: the keys' leading features, read with the keys.
+    :class:`~jax_sdpa.LatentValues`: the keys' leading features, read with the keys. The
+    queries sit at positions ``q_offset`` onwards; the keys at ``key_positions`` ``(C, L)``,
+    if given (keys gathered from the sequence), else ``0 … C·L − 1``.
     """
     seq_q, heads, _ = query.shape
     count, size, kv_heads, _ = keys.shape
@@ -173,7 +178,8 @@ def split_keys(formula: Formula, query, keys, values, arrays: CallArrays) -> Res
     def one_chunk(n, keys, values):
         start = n * size
         tile = arrays.block((0, seq_q), (start, size)).by_head(groups)
-        return _chunk_state(formula, per_query, keys, values, tile, start)
+        at = start if key_positions is None else key_positions[n]
+        return _chunk_state(formula, per_query, keys, values, tile, q_offset, at)
 
     state = online_softmax.combine(jax.vmap(one_chunk)(positions(0, count), keys, values))
     if arrays.sinks is not None:

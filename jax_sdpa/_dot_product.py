@@ -45,6 +45,7 @@ from jax_sdpa._options import (
     RingOptions,
 )
 from jax_sdpa._ring import Layout, Ring
+from jax_sdpa._selected import Selected
 
 if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no dependency
     from typing_extensions import Unpack
@@ -62,7 +63,7 @@ def dot_product_attention(
     *,
     return_residual: Literal[False] = False,
     return_max_scores: Literal[False] = False,
-    implementation: Implementation | Chunked | Decode | Pallas | None = None,
+    implementation: Implementation | Chunked | Decode | Selected | Pallas | None = None,
     **options: Unpack[Options],
 ) -> Array: ...
 
@@ -77,7 +78,7 @@ def dot_product_attention(
     *,
     return_residual: Literal[True],
     return_max_scores: Literal[False] = False,
-    implementation: Implementation | Chunked | Decode | Pallas | None = None,
+    implementation: Implementation | Chunked | Decode | Selected | Pallas | None = None,
     **options: Unpack[Options],
 ) -> tuple[Array, Array]: ...
 
@@ -92,7 +93,7 @@ def dot_product_attention(
     *,
     return_residual: bool = False,
     return_max_scores: Literal[True],
-    implementation: Implementation | Chunked | Decode | Pallas | None = None,
+    implementation: Implementation | Chunked | Decode | Selected | Pallas | None = None,
     **options: Unpack[Options],
 ) -> tuple[Array, ...]: ...
 
@@ -109,7 +110,7 @@ def dot_product_attention(
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
-    implementation: Implementation | Chunked | Decode | Pallas | None = None,
+    implementation: Implementation | Chunked | Decode | Selected | Pallas | None = None,
     return_residual: bool = False,
     return_max_scores: bool = False,
     causal_alignment: CausalAlignment = "top_left",
@@ -119,6 +120,7 @@ def dot_product_attention(
     sinks: ArrayLike | None = None,
     normalizer: Normalizer = "softmax",
     sigmoid_bias: ArrayLike | float | None = None,
+    key_indices: ArrayLike | None = None,
     query_segment_ids: ArrayLike | None = None,
     key_value_segment_ids: ArrayLike | None = None,
     broadcast_dropout: bool = True,
@@ -204,6 +206,11 @@ def dot_product_attention(
             default :math:`-\log S`, ``S`` the sequence's keys (its ``key_value_seq_lengths``
             if given; masks do not change it), so that a row of near-zero scores sums to about
             1. A constant: no gradient reaches it.
+        key_indices: ``(B, T, k)`` integers: query ``t`` attends only to the keys it lists
+            (DeepSeek Sparse Attention's top-k), gathered, not masked: its cost is that of
+            ``k`` keys (``implementation="selected"``; :class:`~jax_sdpa.Selected`). Shared by
+            the heads; repeats count once; the call's masks and mods still apply. Refused out
+            of ``[0, S)`` when concrete; under ``jit`` such an index is masked.
         query_segment_ids: ``(B, T)`` integers for packed sequences: a query sees only keys with
             the same id.
         key_value_segment_ids: ``(B, S)``; defaults to ``query_segment_ids`` when ``S == T``.

@@ -113,7 +113,11 @@ class Formula:
         q_offset: Index = 0,
         kv_offset: Index = 0,
     ) -> tuple[Float[Array, "q kv"], Bool[Array, "#q #kv"] | None]:
-        """:meth:`scores` from the raw products ``q · k`` of the block, however they were formed."""
+        """:meth:`scores` from the raw products ``q · k`` of the block, however they were formed.
+
+        ``kv_offset`` is the block's first key position, or every key's (``(kv,)``: keys
+        gathered from anywhere in the sequence, :mod:`jax_sdpa._selected`).
+        """
         scores = scale_scores(raw, self.scale)
         if self.soft_cap is not None:
             scores = soft_cap_scores(scores, self.soft_cap)
@@ -122,7 +126,8 @@ class Formula:
             scores = scores + arrays.bias.astype(scores.dtype)
             finite = scores != -jnp.inf  # a −∞ bias masks its key exactly
             mask = finite if mask is None else mask & finite
-        q_idx, kv_idx = positions(q_offset, raw.shape[0]), positions(kv_offset, raw.shape[1])
+        q_idx = positions(q_offset, raw.shape[0])
+        kv_idx = kv_offset if jnp.ndim(kv_offset) else positions(kv_offset, raw.shape[1])
         if self.score_mod is not None:
             # The mod sees 0, not −∞, where the bias masked (no NaN in its gradient there), and
             # a −∞ it returns masks too.

@@ -4,6 +4,7 @@
 ``xla``    the dense composition per head: materialises the ``(T, S)`` scores and weights
 ``chunked`` the online softmax over key tiles, its own backward, memory linear in ``T``
 ``decode`` few queries against many keys: split keys, one pass over the cache in its layout
+``selected`` each query's listed keys (``key_indices``) gathered and attended as one chunk
 ``ring``   the chunked tiles with the keys passed round a ring of devices (``ring_attention``)
 ``cudnn``  ``jax.nn``'s fused cuDNN kernel on a GPU, for the calls that ``jax.nn`` accepts
 ``pallas`` the chunked tiles as one fused Pallas kernel: Triton on GPUs, Mosaic on TPUs
@@ -41,12 +42,13 @@ from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, Ma
 from jax_sdpa._pallas import pallas_sequence
 from jax_sdpa._quantized import Quantized
 from jax_sdpa._ring import Ring, RingSpec, ring_sequence
+from jax_sdpa._selected import Selected, selected_sequence
 from jax_sdpa._steps import accumulation_dtype
 
 Output = Literal["attention", "attention_and_weights", "weights"]
 #: The implementations :func:`~jax_sdpa.dot_product_attention` takes by name: the table's entries
 #: but those of the ring and paged functions (tests/test_signatures.py holds the two together).
-Implementation = Literal["xla", "chunked", "decode", "cudnn", "pallas"]
+Implementation = Literal["xla", "chunked", "decode", "selected", "cudnn", "pallas"]
 # implementation=None: on CPU the chunked path was measured at least as fast as the dense one at
 # every benchmark size, forward and backward (BENCHMARKS.md), so it is the default there. On
 # accelerators (not measured here) fused dense kernels are fast while the scores of the call,
@@ -74,6 +76,7 @@ class Inputs:
     value: Array
     arrays: CallArrays
     page_table: Array | None = None
+    key_indices: Array | None = None  # (*batch, T, k): the keys each query attends (selected)
 
     @property
     def seq_kv(self) -> int:
@@ -142,6 +145,12 @@ class Entry:
 
     def refuses(self, name: str, inputs: Inputs, config: Config) -> str | None:
         """Why this entry (``name`` in the table) cannot run the call, or None."""
+        if inputs.key_indices is not None and name != "selected":
+            how = self.asked_as or f"`implementation={name!r}`"
+            return (
+                f"{how} attends to every key; `key_indices` are read by implementation=None "
+                "or 'selected'."
+            )
         if inputs.quantized and not self.serving_caches:
             how = self.asked_as or f"`implementation={name!r}`"
             return (
@@ -196,6 +205,19 @@ def _decode_unsupported(inputs: Inputs, config: Config) -> str | None:
     if inputs.arrays.dropout_rng is not None:
         return "`implementation='decode'` has no dropout (decoding is inference); use 'chunked'."
     return None
+
+
+def _run_selected(inputs: Inputs, config: Config) -> Result:
+    sequence = functools.partial(selected_sequence, config.formula, config.options)
+    args = (inputs.query, inputs.key, inputs.value, inputs.arrays, inputs.key_indices)
+    return over_batch(sequence, inputs.query.shape[:-3], *args)
+
+
+def _selected_unsupported(inputs: Inputs, config: Config) -> str | None:
+    if inputs.key_indices is None:
+        return "`implementation='selected'` attends to listed keys: pass `key_indices`."
+    lacks = _kernel_lacks(inputs, "`key_indices`", "a mask array without `key_indices`")
+    return lacks or _no_weights("selected", config)
 
 
 def _run_paged(inputs: Inputs, config: Config) -> Result:
@@ -326,6 +348,7 @@ IMPLEMENTATIONS: dict[str, Entry] = {
     "xla": Entry(_run_dense, jvp=True),
     "chunked": Entry(_tiled(chunked_sequence), _chunked_unsupported, options=Chunked),
     "decode": Entry(_run_decode, _decode_unsupported, options=Decode, serving_caches=True),
+    "selected": Entry(_run_selected, _selected_unsupported, options=Selected, serving_caches=True),
     "paged": Entry(
         _run_paged,
         _paged_unsupported,
@@ -346,6 +369,8 @@ def _preference(inputs: Inputs) -> tuple[str, ...]:
     seq_q, seq_kv = inputs.query.shape[-3], inputs.key.shape[-3]
     scores = batch_heads * seq_q * seq_kv
     query_rows = seq_q * inputs.query.shape[-2]
+    if inputs.key_indices is not None:
+        return ("selected",)
     if inputs.quantized:
         return ("decode",)
     if query_rows <= BLOCK_DIAGONAL_COLUMNS and seq_kv >= _DECODE_MIN_KEYS:

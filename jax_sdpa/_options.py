@@ -81,7 +81,13 @@ class WeightsOptions(_Formula, _Masks, _Lengths, _Segments, _Flax):
     """The keywords of :func:`dot_product_attention_weights`."""
 
 
-class Options(WeightsOptions, _FlaxAccepted):
+class _Selection(TypedDict, total=False):
+    """The keys each query attends to, gathered (only :func:`dot_product_attention`)."""
+
+    key_indices: ArrayLike | None
+
+
+class Options(WeightsOptions, _FlaxAccepted, _Selection):
     """:func:`dot_product_attention`'s keywords but ``return_residual`` and ``implementation``."""
 
 

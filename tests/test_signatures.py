@@ -28,7 +28,7 @@ PARAMETERS = {
         "key_value_segment_ids key_value_seq_lengths local_window_size logits_soft_cap mask "
         "mask_mod module precision qk_attn_weights_einsum query query_segment_ids "
         "query_seq_lengths return_residual scale score_mod sinks value normalizer sigmoid_bias "
-        "return_max_scores".split()
+        "return_max_scores key_indices".split()
     ),
     "dot_product_attention_weights": set(
         "bias broadcast_dropout causal_alignment deterministic dropout_rate dropout_rng dtype "
