@@ -11,7 +11,7 @@ that share the mask, as PyTorch FlexAttention's ``create_block_mask`` does.
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Integer
+from jaxtyping import Array, ArrayLike, Integer
 
 from jax_sdpa import _checks
 from jax_sdpa._formula import CallArrays
@@ -41,6 +41,107 @@ class BlockMask(MaskRule):
     q_len: int = static_field()
     kv_len: int = static_field()
 
+    @classmethod
+    def from_kv_blocks(
+        cls,
+        kv_num_blocks: Integer[ArrayLike, "batch heads q_blocks"],
+        kv_indices: Integer[ArrayLike, "batch heads q_blocks listed"],
+        *,
+        q_len: int,
+        kv_len: int,
+        block_q: int = DEFAULT_BLOCK_Q,
+        block_kv: int = DEFAULT_BLOCK_KV,
+        mask_mod=None,
+    ) -> "BlockMask":
+        """The mask that allows, for each query block, exactly the key blocks it lists.
+
+        FlexAttention's ``BlockMask.from_kv_blocks``: query block ``i`` of sequence ``b`` and
+        head ``h`` attends the key blocks ``kv_indices[b, h, i, :kv_num_blocks[b, h, i]]``
+        (repeats count once); with a ``mask_mod``, only the entries of those blocks it allows.
+        The chunked path then loops over each query block's list, so its cost is that of the
+        blocks listed (NSA's selected blocks, MoBA's chosen chunks).
+
+        Args:
+            kv_num_blocks: ``(batch or 1, heads or 1, q_blocks)`` integers in ``[0, listed]``.
+            kv_indices: ``(batch or 1, heads or 1, q_blocks, listed)`` key block numbers, in
+                ``[0, kv_blocks)`` where counted (refused otherwise when concrete; under ``jit``
+                such an entry lists nothing).
+            q_len: The calls' queries per sequence.
+            kv_len: The calls' keys per sequence.
+            block_q: Queries per block; give the chunked path the same tiles (its defaults
+                are these defaults).
+            block_kv: Keys per block.
+            mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` within the listed blocks,
+                or a :class:`~jax_sdpa.MaskRule` (a block mask's ``rule``).
+
+        Raises:
+            ValueError: On shapes that do not fit the blocks, or listed blocks out of range.
+            TypeError: On non-integer lists.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> counts = jnp.array([[[1, 2]]])  # query block 0 lists one key block, 1 two
+            >>> lists = jnp.array([[[[1, 0], [0, 1]]]])
+            >>> mask = BlockMask.from_kv_blocks(counts, lists, q_len=4, kv_len=4,
+            ...                                 block_q=2, block_kv=2)
+            >>> mask.classes[0, 0]
+            Array([[0, 2],
+                   [2, 2]], dtype=int8)
+        """
+        counts, lists = jnp.asarray(kv_num_blocks), jnp.asarray(kv_indices)
+        for name, x in (("kv_num_blocks", counts), ("kv_indices", lists)):
+            _checks.check_integer(name, x)
+        for name, size in dict(
+            q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv
+        ).items():
+            _checks.check_positive_int(name, size)
+        q_blocks, kv_blocks = -(-q_len // block_q), -(-kv_len // block_kv)
+        _checks.check_ndim("kv_indices", lists, (4,), "(batch, heads, q_blocks, listed)")
+        _checks.check_shape(
+            "kv_indices",
+            lists,
+            (*lists.shape[:2], q_blocks, lists.shape[3]),
+            "(batch, heads, q_blocks, listed)",
+        )
+        _checks.check_shape("kv_num_blocks", counts, lists.shape[:3], "(batch, heads, q_blocks)")
+        counted = jnp.arange(lists.shape[3]).reshape(1, 1, 1, -1) < counts[..., None]
+        try:
+            stray = bool(jnp.any(counted & ((lists < 0) | (lists >= kv_blocks))))
+        except jax.errors.ConcretizationTypeError:  # under jit: such entries list nothing
+            stray = False
+        if stray:
+            raise ValueError(
+                f"`kv_indices` must hold key blocks in [0, {kv_blocks}) where counted by "
+                "`kv_num_blocks`; got one outside."
+            )
+        # A stray entry lands in the extra last column, dropped.
+        column = jnp.where(counted & (lists >= 0) & (lists < kv_blocks), lists, kv_blocks)
+        grid = jnp.zeros((*lists.shape[:3], kv_blocks + 1), bool)
+        places = tuple(jnp.indices(lists.shape)[:3]) + (column,)
+        listed = grid.at[places].set(True)[..., :kv_blocks]
+
+        def allowed(batch, head, q_idx, kv_idx):
+            table = listed[batch if listed.shape[0] > 1 else 0, head if listed.shape[1] > 1 else 0]
+            inside = table[q_idx // block_q, kv_idx // block_kv]
+            if mask_mod is None:
+                return inside
+            if isinstance(mask_mod, MaskRule):
+                return inside & mask_mod.at(q_idx, kv_idx, batch, head)
+            return inside & mask_mod(batch, head, q_idx, kv_idx)
+
+        classes = jnp.where(listed, FULL if mask_mod is None else PARTIAL, EMPTY).astype(jnp.int8)
+        return cls(function_mask(allowed), classes, block_q, block_kv, q_len, kv_len)
+
+    def to_kv_blocks(self) -> tuple[Array, Array]:
+        """``(kv_num_blocks, kv_indices)``: each query block's key blocks that are not empty.
+
+        ``kv_indices[..., i, :kv_num_blocks[..., i]]`` lists them in order; the rest of the row
+        holds the others. :meth:`from_kv_blocks` of these and the mask's rule is this mask.
+        """
+        visited = self.classes != EMPTY
+        order = jnp.argsort(~visited, axis=-1, stable=True)
+        return visited.sum(axis=-1).astype(jnp.int32), order.astype(jnp.int32)
+
     @property
     def opaque(self) -> bool:
         return True
@@ -68,14 +169,26 @@ class BlockMask(MaskRule):
     def q_full_range(self, kv_lo, kv_hi):
         return self.rule.q_full_range(kv_lo, kv_hi)
 
+    def visited(self, axis, index, sizes, batch, heads):
+        blocks = (self.block_q, self.block_kv)
+        if sizes != (blocks if axis == "kv" else blocks[::-1]):
+            return None
+        classes = self._classes(batch, heads)
+        along = classes[:, index, :] if axis == "kv" else classes[:, :, index]
+        return (along != EMPTY).any(axis=0)
+
+    def _classes(self, batch, heads):
+        """``classes[batch]`` (or ``[0]``, shared) of ``heads`` (or the one for all heads)."""
+        classes = self.classes[batch if self.classes.shape[0] > 1 else 0]
+        return classes if classes.shape[0] == 1 else classes[heads]
+
     def tile_class(self, q_idx, kv_idx, batch, heads):
         """Read from ``classes[batch]`` (or ``[0]``, shared): ``(heads, q_blocks, kv_blocks)``.
 
         The tile may cover several blocks, or parts of them: it is empty (full) if every block
         it touches is.
         """
-        classes = self.classes[batch if self.classes.shape[0] > 1 else 0]
-        classes = classes if classes.shape[0] == 1 else classes[heads]
+        classes = self._classes(batch, heads)
         first_q, q_seen = _touched(q_idx, self.block_q, classes.shape[1])
         first_kv, kv_seen = _touched(kv_idx, self.block_kv, classes.shape[2])
         size = (classes.shape[0], q_seen.size, kv_seen.size)

@@ -125,6 +125,15 @@ class MaskRule:
         """A half-open range of queries that may see every key in ``[kv_lo, kv_hi)``."""
         return 0, 0
 
+    def visited(self, axis: str, index, sizes: tuple[int, int], batch: Index, heads):
+        """The blocks along ``axis`` the rule may allow for block ``index`` of the other axis.
+
+        A boolean ``(blocks,)`` for blocks of ``sizes = (other axis's, this axis's)``, any of
+        ``heads``, read from a list the rule keeps (a :class:`~jax_sdpa.BlockMask` of those
+        blocks); ``None`` where it keeps none: the loops then run between the rule's ranges.
+        """
+        return None
+
     def tile_class(self, q_idx, kv_idx, batch: Index, heads) -> tuple[Bool[Array, ""], ...]:
         """``(empty, full)``: whether no entry, or every entry, of a tile is allowed, all heads.
 
@@ -335,6 +344,11 @@ class AndMask(_Combination):
     def tile_class(self, q_idx, kv_idx, batch, heads):
         empty, full = self._part_classes(q_idx, kv_idx, batch, heads)
         return empty.any(), full.all()
+
+    def visited(self, axis, index, sizes, batch, heads):
+        lists = [rule.visited(axis, index, sizes, batch, heads) for rule in self.rules]
+        lists = [x for x in lists if x is not None]
+        return functools.reduce(jnp.logical_and, lists) if lists else None
 
     def kv_range(self, q_lo, q_hi):
         return _intersect(rule.kv_range(q_lo, q_hi) for rule in self.rules)

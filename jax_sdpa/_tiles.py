@@ -216,8 +216,12 @@ def sweep(
     block: int,
     count: int,
     carry,
+    visited=None,
 ):
     """``carry = step(n, carry, tile_rule)`` over the ``axis`` blocks ``n`` that ``rule`` may allow.
+
+    ``visited`` ``(count,)``, a block mask's list (:func:`visited_blocks`), if there is one: the
+    loop then runs over the blocks it lists, no others, each with the rule.
 
     ``span`` is the global ``(lo, hi)`` of the other axis's block: the rule's
     ``kv_range(*span)`` (or ``q_range``) is where it may allow anything, its ``kv_full_range``
@@ -227,6 +231,9 @@ def sweep(
     """
     if rule is None:
         return loop(0, count, lambda n, c: step(n, c, None), carry)
+    if visited is not None:  # the listed blocks first, in order
+        order = jnp.argsort(~visited, stable=True).astype(INDEX)
+        return loop(0, visited.sum(), lambda m, c: step(order[m], c, rule), carry)
     reach, full_reach = {
         "kv": (rule.kv_range, rule.kv_full_range),
         "q": (rule.q_range, rule.q_full_range),
@@ -240,6 +247,20 @@ def sweep(
     for start, stop, tile_rule in runs:
         carry = loop(start, stop, functools.partial(step, rule=tile_rule), carry)
     return carry
+
+
+def visited_blocks(tiles: Tiles, arrays: CallArrays, axis: str, block, offsets, count: int):
+    """The ``axis`` blocks a block mask lists for ``block`` of the other axis, or None.
+
+    Read where the sweep's tiles are the mask's blocks and both axes start at position 0 (the
+    chunked and decode paths; a ring's shards start elsewhere and keep the ranges' loops).
+    """
+    if arrays.rule is None or any(not isinstance(x, int) or x != 0 for x in offsets):
+        return None
+    sizes = (tiles.block_q, tiles.block_kv) if axis == "kv" else (tiles.block_kv, tiles.block_q)
+    batch, heads = arrays.indices()
+    visited = arrays.rule.visited(axis, block, sizes, batch, jnp.atleast_1d(heads))
+    return None if visited is None or visited.shape[0] != count else visited
 
 
 def classified(tile, classify, skip):
@@ -299,7 +320,8 @@ def sweep_keys(
     guarded = classified(step, classify, skip=lambda j, state: state)
     span = (tile_q, tile_q + tiles.block_q)
     count = key.shape[0] // tiles.block_kv
-    return sweep(guarded, arrays.rule, "kv", span, kv_offset, tiles.block_kv, count, state)
+    visited = visited_blocks(tiles, arrays, "kv", i, (q_offset, kv_offset), count)
+    return sweep(guarded, arrays.rule, "kv", span, kv_offset, tiles.block_kv, count, state, visited)
 
 
 def forward_sweep(

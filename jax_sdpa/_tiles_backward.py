@@ -29,6 +29,7 @@ from jax_sdpa._tiles import (
     rows_first,
     sweep,
     tile_class,
+    visited_blocks,
 )
 
 
@@ -103,7 +104,8 @@ def backward_sweep(
 
         span = (tile_kv, tile_kv + tiles.block_kv)
         count = query.shape[0] // tiles.block_q
-        return sweep(step, arrays.rule, "q", span, q_offset, tiles.block_q, count, grads)
+        visited = visited_blocks(tiles, arrays, "q", j, (q_offset, kv_offset), count)
+        return sweep(step, arrays.rule, "q", span, q_offset, tiles.block_q, count, grads, visited)
 
     return loop(0, key.shape[0] // tiles.block_kv, key_block, grads)
 
