@@ -1,6 +1,6 @@
 """Generating text with a KV cache, contiguous and paged, checked against the full forward.
 
-    python examples/generate.py [--tokens 64] [--batch 4] [--short]
+    python examples/generate.py [--tokens 64] [--batch 4] [--cache int8] [--short]
 
 A tiny decoder-only transformer in plain JAX (random weights: the tokens are noise, the point is
 the cache) prefills a prompt, then generates greedily one token at a time. Each step writes its
@@ -10,6 +10,11 @@ jitted with the cache donated) and attends only with the new query
 ``jax_sdpa.paged_attention``). At every step the logits must equal those of the whole
 sequence run through the model from scratch with causal attention; the tokens per second of
 each cache are printed. ``--short`` is the test suite's run.
+
+``--cache int8`` (or ``float8_e4m3fn``) stores the caches quantized (``jax_sdpa.quantize``; the
+writers quantize each new token's keys and values). The full forward then rounds its keys and
+values the same way, so the logits still match, within one rounding step of the format
+(``tolerance``); how far they moved from the float32 model's is printed.
 """
 
 import argparse
@@ -33,6 +38,7 @@ class Config(NamedTuple):
     kv_heads: int = 2  # grouped-query attention: 4 query heads per key/value head
     head_dim: int = 32
     max_len: int = 1024
+    cache: str = "float32"  # or a jax_sdpa.quantize format
 
 
 def init(rng, config: Config) -> dict:
@@ -84,11 +90,31 @@ def full_forward(params, tokens, config: Config):
     x = params["embed"][tokens] + params["positions"][: tokens.shape[1]]
 
     def attend(q, k, v):
+        if config.cache != "float32":  # as the cache stores them (float8: with the cache's scale)
+            k, v = (rounded(x, config) for x in (k, v))
         return jax_sdpa.dot_product_attention(q, k, v, is_causal=True)
 
     for layer in params["layers"]:
         x = _block(layer, x, attend, config)
     return _logits(params, x)
+
+
+def rounded(x, config: Config):
+    """``x`` as a cache of ``config.cache`` stores it: quantized and back."""
+    scale = None if config.cache == "int8" else FLOAT8_SCALE
+    return jax_sdpa.quantize(x, config.cache, scale=scale).dequantize()
+
+
+# A float8 cache's scale is fixed when it is made: one that covers this model's keys and values.
+FLOAT8_SCALE = 8 / 448
+
+
+def empty_cache(shape, config: Config):
+    """A cache of zeros in ``config.cache``'s format."""
+    if config.cache == "float32":
+        return jnp.zeros(shape)
+    scale = None if config.cache == "int8" else FLOAT8_SCALE
+    return jax_sdpa.quantize(jnp.zeros(shape), config.cache, scale=scale)
 
 
 def contiguous_step(params, cache, tokens, lengths, config: Config):
@@ -133,6 +159,18 @@ def paged_step(params, pages, table, tokens, lengths, config: Config):
     return _logits(params, x), new_pages
 
 
+def tolerance(full, config: Config) -> float:
+    """float32 rounding; with a quantized cache, 2^-8 of the logits' largest.
+
+    The cached step and the full forward compute each key and value in another order, so they
+    differ in the last bit; where that tips an element to the neighbouring 8-bit value, it moves
+    by one step of the format, and the logits with it (by up to 1.2e-4 of their largest, int8).
+    """
+    if config.cache == "float32":
+        return 2e-4
+    return 2.0**-8 * float(jnp.abs(full).max())
+
+
 def generate(step, state, params, prompt, steps: int, config: Config, check: bool, name: str):
     """Prefill, then greedy tokens one by one; each step's logits checked against the full run."""
     tokens = prompt
@@ -146,7 +184,7 @@ def generate(step, state, params, prompt, steps: int, config: Config, check: boo
             padded = jnp.pad(tokens, ((0, 0), (0, -tokens.shape[1] % 64)))
             full = full_forward(params, padded, config)[:, : tokens.shape[1]]
             full = full[:, -logits.shape[1] :]
-            np.testing.assert_allclose(logits, full, rtol=2e-4, atol=2e-4)
+            np.testing.assert_allclose(logits, full, rtol=2e-4, atol=tolerance(full, config))
         start = time.perf_counter()
         new = jnp.argmax(logits[:, -1], axis=-1)[:, None].astype(tokens.dtype)
         tokens = jnp.concatenate([tokens, new], axis=1)
@@ -162,21 +200,22 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=40)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--cache", default="float32", choices=["float32", "int8", "float8_e4m3fn"])
     parser.add_argument("--short", action="store_true", help="a few tokens, as the test suite")
     args = parser.parse_args(argv)
-    config = Config(max_len=128) if args.short else Config()
+    config = Config(max_len=128 if args.short else 1024, cache=args.cache)
     steps = 6 if args.short else args.tokens
     params = init(jax.random.key(0), config)
     prompt = jax.random.randint(jax.random.key(1), (args.batch, args.prompt), 0, config.vocab)
     shape = (args.batch, config.max_len, config.kv_heads, config.head_dim)
-    cache = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(config.layers)]
+    cache = [(empty_cache(shape, config), empty_cache(shape, config)) for _ in range(config.layers)]
     contiguous = jax.jit(functools.partial(contiguous_step, config=config), donate_argnums=1)
     pages_per_sequence = config.max_len // args.page_size
     pool = (args.batch * pages_per_sequence, args.page_size, config.kv_heads, config.head_dim)
     # Pages handed out in a shuffled order, as an allocator that reuses freed pages would.
     order = np.random.default_rng(0).permutation(pool[0])
     table = jnp.asarray(order.reshape(args.batch, pages_per_sequence), jnp.int32)
-    pages = [(jnp.zeros(pool), jnp.zeros(pool)) for _ in range(config.layers)]
+    pages = [(empty_cache(pool, config), empty_cache(pool, config)) for _ in range(config.layers)]
     paged = jax.jit(
         lambda params, pages, tokens, lengths: paged_step(
             params, pages, table, tokens, lengths, config
@@ -192,6 +231,17 @@ def main(argv=None):
         print(f"{name:10s}: {steps} tokens × {args.batch} sequences, {rate:.0f} tokens/s{checked}")
     np.testing.assert_array_equal(results["contiguous"], results["paged"])
     print("generated (sequence 0):", np.asarray(results["paged"][0, args.prompt :]).tolist())
+    if config.cache != "float32":
+        tokens = results["paged"]
+        padded = jnp.pad(tokens, ((0, 0), (0, -tokens.shape[1] % 64)))
+        logits = [
+            full_forward(params, padded, c)[:, : tokens.shape[1]]
+            for c in (config, config._replace(cache="float32"))
+        ]
+        moved = float(jnp.abs(logits[0] - logits[1]).max() / jnp.abs(logits[1]).max())
+        print(
+            f"{config.cache} cache: logits off the float32 model's by {moved:.1e} of their largest"
+        )
     return results
 
 

@@ -22,3 +22,15 @@ def test_generation_with_contiguous_and_paged_caches_matches_the_full_forward():
     for cache in ("contiguous", "paged"):
         line = next(line for line in lines if line.startswith(cache))
         assert "tokens/s (each step checked against the full forward)" in line
+
+
+def test_generation_with_an_int8_cache_matches_the_full_forward_on_the_same_rounding():
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--short", "--cache", "int8"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    moved = next(line for line in run.stdout.splitlines() if line.startswith("int8 cache"))
+    assert float(moved.split("by ")[1].split()[0]) < 2.0**-7  # within the format's step
