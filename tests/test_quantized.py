@@ -17,6 +17,8 @@ from tests.test_paged import expected, gathered, paged_cache
 from tests.util import qkv
 
 FORMATS = ["int8", "float8_e4m3fn"]
+# The x64 pass runs the int8 rows of the matrices: float8 differs in its values, not its indices.
+SAMPLED = ["int8", pytest.param("float8_e4m3fn", marks=pytest.mark.x64_sampled)]
 DECODE = {"implementation": js.Decode(block_kv=40)}  # chunks that divide nothing below
 
 
@@ -49,7 +51,7 @@ def test_a_given_float8_scale_saturates_what_it_does_not_cover():
     np.testing.assert_array_equal(cache.dequantize()[0, 0, 0], [1.0, -448.0, 3.0])
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", SAMPLED)
 @pytest.mark.parametrize("t, n, k", [(1, 4, 2), (3, 4, 1), (16, 8, 2)])  # 16·8: head by head
 def test_decode_equals_the_reference_on_the_dequantized_cache(rng, fmt, t, n, k):
     q, key, v = qkv(rng, 3, t, 123, n, k, 8, hv=6)
@@ -64,7 +66,7 @@ def test_decode_equals_the_reference_on_the_dequantized_cache(rng, fmt, t, n, k)
     np.testing.assert_allclose(lse, want["lse"], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", SAMPLED)
 def test_rules_mods_and_the_automatic_choice(rng, fmt):
     q, key, v = qkv(rng, 2, 5, 90, 4, 2, 8)
     slopes = rng.uniform(0.01, 0.1, size=4)
@@ -90,7 +92,7 @@ def test_rules_mods_and_the_automatic_choice(rng, fmt):
     assert ref.rel_err(out, want["out"]) < 2e-6
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", SAMPLED)
 def test_query_gradients_equal_the_dense_path_on_the_dequantized_cache(rng, fmt):
     q, key, v = qkv(rng, 2, 2, 70, 4, 2, 8)
     key, v = js.quantize(key, fmt), js.quantize(v, fmt)
@@ -158,7 +160,7 @@ def test_error_against_the_float32_cache_is_within_the_bound(rng, fmt):
     assert 0 < error <= bound
 
 
-def test_bfloat16_and_float64_caches(rng):
+def test_a_bfloat16_cache(rng):
     q, key, v = qkv(rng, 2, 1, 90, 4, 2, 16, dtype=jnp.bfloat16)
     quantized = js.quantize(key), js.quantize(v)
     assert quantized[0].dtype == jnp.bfloat16
