@@ -15,6 +15,7 @@ from jax_sdpa._block_mask import create_block_mask as create_block_mask
 from jax_sdpa._chunked import Chunked as Chunked
 from jax_sdpa._decode import Decode as Decode
 from jax_sdpa._decode import Paged as Paged
+from jax_sdpa._decode import Selected as Selected
 from jax_sdpa._dot_product import dot_product_attention as dot_product_attention
 from jax_sdpa._dot_product import dot_product_attention_weights as dot_product_attention_weights
 from jax_sdpa._dot_product import ring_attention as ring_attention
@@ -36,7 +37,6 @@ from jax_sdpa._qk_clip import qk_clip as qk_clip
 from jax_sdpa._quantized import Quantized as Quantized
 from jax_sdpa._quantized import quantize as quantize
 from jax_sdpa._ring import Ring as Ring
-from jax_sdpa._selected import Selected as Selected
 from jax_sdpa._sharding import from_striped as from_striped
 from jax_sdpa._sharding import ring_dot_product_attention as ring_dot_product_attention
 from jax_sdpa._sharding import to_striped as to_striped

@@ -22,6 +22,16 @@ soft cap, bias, ``score_mod``, mask rules at global positions) and the online so
 ``update``, ``combine`` and ``finish``. The backward pass is the tile engine's
 (:func:`jax_sdpa._tiles_backward.backward`), from the log-sum-exp this pass saves: one tile of
 all the queries against each chunk of keys.
+
+**Selected keys** (:func:`selected_sequence`; DeepSeek Sparse Attention, DeepSeek-AI 2025, picks
+each query's top-k keys with a cheap indexer): each query's listed keys and values are gathered
+and attended as one chunk, at the positions they came from, so the call's mask rules,
+``score_mod``, sinks and normaliser apply to them as to any key, and the cost is that of the keys
+listed, where a mask would still read and score them all. Repeats of an index and indices out of
+range (refused when concrete) count as masked: the result is the call with the dense mask "key
+``j`` is listed for query ``i``". Its gradients are JAX's, through the gather; queries are
+attended a block at a time, each block recomputed in the backward pass (``jax.checkpoint``), so
+no ``(T, k)`` copy of the keys is kept.
 """
 
 import dataclasses
@@ -29,6 +39,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._formula import CallArrays, Formula
@@ -262,3 +273,54 @@ def paged_sequence(
         for x in (key_pages, value_pages)
     )
     return split_keys(formula, query, keys, values, arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class Selected:
+    """The selected-keys path's tunable: ``implementation=Selected(block_q=…)``.
+
+    Attributes:
+        block_q: Queries attended together (their gathered keys held at once).
+    """
+
+    block_q: int = 16
+
+    def __post_init__(self):
+        check_sizes(self)
+
+
+def listed(indices: jax.Array, seq_kv: int) -> tuple[jax.Array, jax.Array]:
+    """``(indices, valid)`` of one query's ``(k,)`` indices: sorted, repeats and strays invalid.
+
+    The order of a query's keys does not change its attention; sorted, a repeat sits right
+    after its first occurrence.
+    """
+    indices = jnp.sort(indices)
+    repeat = jnp.concatenate([jnp.zeros((1,), bool), indices[1:] == indices[:-1]])
+    valid = (indices >= 0) & (indices < seq_kv) & ~repeat
+    return jnp.clip(indices, 0, seq_kv - 1), valid
+
+
+def selected_sequence(
+    formula: Formula, options: Selected, query, key, value, arrays: CallArrays, indices
+) -> Result:
+    """One sequence's queries ``(T, N, H)``, each attending to its ``indices[t]`` ``(k,)``."""
+    seq_kv = key.shape[0]
+    key, value = (x.per_token() if isinstance(x, Quantized) else x for x in (key, value))
+
+    def one_query(t, query, indices):
+        indices, valid = listed(indices, seq_kv)
+        keys, values = (
+            jax.tree.map(lambda x: jnp.take(x, indices, axis=0)[None], x) for x in (key, value)
+        )
+        # The listed keys' mask, in the place of the call's per-logit mask (refused with these).
+        tile = dataclasses.replace(arrays, mask=valid[None, None, :])
+        return split_keys(
+            formula, query[None], keys, values, tile, q_offset=t, key_positions=indices[None]
+        )
+
+    seq_q = query.shape[0]
+    args = (jnp.arange(seq_q, dtype=indices.dtype), query, indices)
+    one = jax.checkpoint(lambda args: one_query(*args))
+    result = lax.map(one, args, batch_size=min(options.block_q, seq_q))
+    return jax.tree.map(lambda x: x[:, 0], result)

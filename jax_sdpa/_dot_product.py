@@ -34,7 +34,7 @@ from jaxtyping import Array, ArrayLike, Float
 
 from jax_sdpa._arguments import bind
 from jax_sdpa._chunked import Chunked
-from jax_sdpa._decode import Decode
+from jax_sdpa._decode import Decode, Selected
 from jax_sdpa._implementations import Implementation, check_implementation, run
 from jax_sdpa._kernels import Pallas
 from jax_sdpa._masks import MaskRule
@@ -45,7 +45,6 @@ from jax_sdpa._options import (
     RingOptions,
 )
 from jax_sdpa._ring import Layout, Ring
-from jax_sdpa._selected import Selected
 
 if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no dependency
     from typing_extensions import Unpack

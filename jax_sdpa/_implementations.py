@@ -33,7 +33,15 @@ from jaxtyping import Array
 
 from jax_sdpa._attention import dense_sequence
 from jax_sdpa._chunked import Chunked, chunked_sequence
-from jax_sdpa._decode import BLOCK_DIAGONAL_COLUMNS, Decode, Paged, decode_sequence, paged_sequence
+from jax_sdpa._decode import (
+    BLOCK_DIAGONAL_COLUMNS,
+    Decode,
+    Paged,
+    Selected,
+    decode_sequence,
+    paged_sequence,
+    selected_sequence,
+)
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._kernels import Pallas
@@ -42,7 +50,6 @@ from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, Ma
 from jax_sdpa._pallas import pallas_sequence
 from jax_sdpa._quantized import Quantized
 from jax_sdpa._ring import Ring, RingSpec, ring_sequence
-from jax_sdpa._selected import Selected, selected_sequence
 from jax_sdpa._steps import accumulation_dtype
 
 Output = Literal["attention", "attention_and_weights", "weights"]

@@ -137,8 +137,8 @@ def call(**overrides):
         (
             dict(implementation="flash"),
             ValueError,
-            "`implementation` must be one of None, 'xla', 'chunked', 'decode', 'cudnn', 'pallas', "
-            "Chunked(...), Decode(...), Pallas(...); got 'flash'.",
+            "`implementation` must be one of None, 'xla', 'chunked', 'decode', 'selected', 'cudnn', "
+            "'pallas', Chunked(...), Decode(...), Selected(...), Pallas(...); got 'flash'.",
         ),
         (
             dict(implementation="cudnn"),
@@ -257,8 +257,8 @@ def test_single_head_attention_errors(args, kwargs, error, message):
         (
             lambda: js.dot_product_attention(*_QKV, implementation=js.Ring()),
             TypeError,
-            "`implementation` must be one of None, 'xla', 'chunked', 'decode', 'cudnn', 'pallas', "
-            "Chunked(...), Decode(...), Pallas(...); got Ring(block_q=512, block_kv=512, "
+            "`implementation` must be one of None, 'xla', 'chunked', 'decode', 'selected', 'cudnn', "
+            "'pallas', Chunked(...), Decode(...), Selected(...), Pallas(...); got Ring(block_q=512, block_kv=512, "
             "kernel=None).",
         ),
         (
