@@ -189,6 +189,7 @@ def _query_key_value(query, key, value, ring: RingSpec | None, dtype=None, **_):
     """The three arrays (cast to ``dtype`` if given), checked against each other, and the sizes."""
     query = jnp.asarray(query) if dtype is None else jnp.asarray(query).astype(dtype)
     key, value = _cache("key", key, dtype), _cache("value", value, dtype)
+    _same_form(key, value)
     latent, value = value, _latent("key", key, value)
     layout = {
         "query": "(batch, q_seq, heads, d_k)",
@@ -284,6 +285,19 @@ def _latent(key_name: str, key, value):
             f"the `{key_name}` features; got {features!r}."
         )
     return value.like(key)
+
+
+def _same_form(key, value) -> None:
+    """Keys and values both quantized, or both not (latent values follow their keys)."""
+    forms = [isinstance(x, Quantized) for x in (key, value)]
+    if forms[0] != forms[1] and not isinstance(value, LatentValues):
+        given = ", ".join(
+            f"`{n}` {'quantized' if q else 'an array'}"
+            for n, q in zip(("key", "value"), forms, strict=True)
+        )
+        raise ValueError(
+            f"`key` and `value` must both be quantized caches or both arrays; got {given}."
+        )
 
 
 def _cache(name: str, x, dtype=None):

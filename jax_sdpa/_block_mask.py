@@ -104,7 +104,9 @@ class BlockMask(MaskRule):
             "(batch, heads, q_blocks, listed)",
         )
         _checks.check_shape("kv_num_blocks", counts, lists.shape[:3], "(batch, heads, q_blocks)")
-        counted = jnp.arange(lists.shape[3]).reshape(1, 1, 1, -1) < counts[..., None]
+        counted = (
+            jnp.arange(lists.shape[3], dtype=counts.dtype).reshape(1, 1, 1, -1) < counts[..., None]
+        )
         try:
             stray = bool(jnp.any(counted & ((lists < 0) | (lists >= kv_blocks))))
         except jax.errors.ConcretizationTypeError:  # under jit: such entries list nothing

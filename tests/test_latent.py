@@ -62,7 +62,7 @@ def test_paged_latent_pools_are_written_once_and_read_for_both_products(rng):
     q = jnp.asarray(rng.normal(size=(2, 1, 8, 16)), jnp.float32)
     table = jnp.asarray(rng.permutation(12)[:10].reshape(2, 5), jnp.int32)
     pool, values = js.update_paged_cache(
-        jnp.zeros((12, 7, 1, 16)), LATENT, latent, None, table, jnp.zeros(2, jnp.int32)
+        jnp.zeros((12, 7, 1, 16), jnp.float32), LATENT, latent, None, table, jnp.zeros(2, jnp.int32)
     )
     assert values is LATENT
     np.testing.assert_array_equal(gathered(pool, table), latent)
