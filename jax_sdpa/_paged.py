@@ -218,6 +218,5 @@ def _written(cache, new, write):
     if not isinstance(cache, Quantized):
         return write(cache, jnp.asarray(new).astype(cache.dtype))
     new = quantize_like(cache, new)
-    per_head = cache.scale.shape[-3] == 1  # fixed when the cache was made
-    scale = cache.scale if per_head else write(cache.scale, new.scale)
+    scale = write(cache.scale, new.scale) if cache.per_token_scale else cache.scale
     return Quantized(write(cache.values, new.values), scale)

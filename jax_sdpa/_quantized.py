@@ -76,6 +76,11 @@ class Quantized:
         """``"int8"`` or ``"float8_e4m3fn"``, from the values' dtype."""
         return jnp.dtype(self.values.dtype).name
 
+    @property
+    def per_token_scale(self) -> bool:
+        """Whether the format keeps a scale per token (int8), not one per head (float8)."""
+        return _FORMATS[self.format][2]
+
     def dequantize(self) -> Array:
         """The float array the cache stands for, ``values · scale`` (a full copy: for checks)."""
         return self.values.astype(self.dtype) * self.scale
@@ -138,7 +143,7 @@ def scale_shape(shape: tuple[int, ...], per_token: bool) -> tuple[int, ...]:
 def quantize_like(cache: Quantized, x: ArrayLike) -> Quantized:
     """New rows ``x`` ``(..., T, K, H)`` for ``cache``, in its format (float8: with its scale)."""
     x = jnp.asarray(x).astype(cache.dtype)
-    if cache.scale.shape[-3] == 1:  # a scale per head, fixed when the cache was made
+    if not cache.per_token_scale:  # a scale per head, fixed when the cache was made
         return Quantized(_stored(x, cache.scale, *_FORMATS[cache.format][:2]), cache.scale)
     return quantize(x, cache.format)
 

@@ -203,3 +203,11 @@ def test_quantize_errors():
         js.quantize(jnp.zeros((1, 2, 1, 4), jnp.int32))
     with pytest.raises(ValueError, match="`scale` must broadcast"):
         js.quantize(jnp.zeros((1, 2, 3, 4)), "float8_e4m3fn", scale=jnp.ones(2))
+
+
+def test_writers_keep_int8_scales_per_token_even_with_one_slot_per_page():
+    pool = js.quantize(jnp.zeros((6, 1, 1, 8), jnp.float32))  # pages of one token
+    new = jnp.asarray([[[[2.0] * 8]], [[[-3.0] * 8]]], jnp.float32)  # (B, T, K, H) = (2, 1, 1, 8)
+    table = jnp.array([[0, 1, 2], [3, 4, 5]])
+    keys, _ = js.update_paged_cache(pool, pool, new, new, table, jnp.array([0, 1]))
+    np.testing.assert_allclose(keys.dequantize()[:, 0, 0, 0], [2.0, 0, 0, 0, -3.0, 0], rtol=1e-6)
