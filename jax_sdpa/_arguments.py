@@ -332,6 +332,8 @@ def _key_indices(shapes: _Shapes, key_indices=None, **_) -> jax.Array | None:
     _checks.check_shape("key_indices", key_indices, expected, "(batch, q_seq, k)")
     if count == 0:
         raise ValueError("`key_indices` must list at least one key per query; got k = 0.")
+    if key_indices.size == 0 or shapes.seq_kv == 0:  # no query, or no key: rows of zeros
+        return key_indices.astype(INDEX)
     try:
         lo, hi = int(jnp.min(key_indices)), int(jnp.max(key_indices))
     except jax.errors.ConcretizationTypeError:  # under jit: read as masked where out of range

@@ -116,7 +116,7 @@ class Formula:
         """:meth:`scores` from the raw products ``q · k`` of the block, however they were formed.
 
         ``kv_offset`` is the block's first key position, or every key's (``(kv,)``: keys
-        gathered from anywhere in the sequence, :mod:`jax_sdpa._selected`).
+        gathered from anywhere in the sequence: the selected-keys path of :mod:`jax_sdpa._decode`).
         """
         scores = scale_scores(raw, self.scale)
         if self.soft_cap is not None:

@@ -155,3 +155,11 @@ def test_selected_errors(rng, kw, message):
     q, key, v = qkv(rng, 2, 3, 20, 2, 1, 8)
     with pytest.raises((ValueError, TypeError), match=message):
         js.dot_product_attention(q, key, v, **kw)
+
+
+def test_no_query_or_no_key_gives_zeros(rng):
+    q, key, v = qkv(rng, 1, 2, 5, 2, 1, 8)
+    none = js.dot_product_attention(q[:, :0], key, v, key_indices=jnp.zeros((1, 0, 3), jnp.int32))
+    assert none.shape == (1, 0, 2, 8)
+    empty = jax.jit(lambda i: js.dot_product_attention(q, key[:, :0], v[:, :0], key_indices=i))
+    np.testing.assert_array_equal(empty(jnp.zeros((1, 2, 3), jnp.int32)), 0.0)
