@@ -46,7 +46,7 @@ from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_heads
 from jax_sdpa._indices import positions
 from jax_sdpa._latent import LatentValues
-from jax_sdpa._quantized import Quantized
+from jax_sdpa._quantized import Quantized, per_token
 from jax_sdpa._steps import accumulation_dtype, raw_scores, weighted_sum
 from jax_sdpa._tiles import DEFAULT_BLOCK_KV, Tiles, check_sizes, pad_keys
 from jax_sdpa._tiles_backward import backward
@@ -237,7 +237,7 @@ def decode_sequence(
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
     tiles = Tiles(formula, seq_q, min(options.block_kv, seq_kv), (kv_heads, heads // kv_heads))
     if isinstance(key, Quantized) or isinstance(value, LatentValues):  # JAX's own gradient
-        key, value = (x.per_token() if isinstance(x, Quantized) else x for x in (key, value))
+        key, value = per_token(key), per_token(value)
         key, value, arrays = pad_keys(key, value, arrays, tiles.block_kv)
         return split_keys(formula, query, *_chunks(tiles.block_kv, key, value), arrays)
     key, value, arrays = pad_keys(key, value, arrays, tiles.block_kv)
@@ -268,10 +268,7 @@ def paged_sequence(
         pages = jnp.take(x, chunks, axis=0, mode="fill", fill_value=0)
         return pages.reshape(count, per_chunk * page_size, *x.shape[2:])
 
-    keys, values = (
-        jax.tree.map(gather, x.per_token() if isinstance(x, Quantized) else x)
-        for x in (key_pages, value_pages)
-    )
+    keys, values = (jax.tree.map(gather, per_token(x)) for x in (key_pages, value_pages))
     return split_keys(formula, query, keys, values, arrays)
 
 
@@ -306,7 +303,7 @@ def selected_sequence(
 ) -> Result:
     """One sequence's queries ``(T, N, H)``, each attending to its ``indices[t]`` ``(k,)``."""
     seq_kv = key.shape[0]
-    key, value = (x.per_token() if isinstance(x, Quantized) else x for x in (key, value))
+    key, value = per_token(key), per_token(value)
 
     def one_query(t, query, indices):
         indices, valid = listed(indices, seq_kv)

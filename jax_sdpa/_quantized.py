@@ -135,6 +135,11 @@ def quantize(x: ArrayLike, format: Format = "int8", *, scale: ArrayLike | None =
     return Quantized(_stored(x, scale, dtype, largest), scale)
 
 
+def per_token(cache):
+    """A quantized cache with its scale broadcast to one per token; anything else as it is."""
+    return cache.per_token() if isinstance(cache, Quantized) else cache
+
+
 def scale_shape(shape: tuple[int, ...], per_token: bool) -> tuple[int, ...]:
     """The scale's shape for a cache of ``shape``: one per token and head, or one per head."""
     return (*shape[:-1], 1) if per_token else (*(1,) * (len(shape) - 2), shape[-2], 1)
