@@ -10,9 +10,10 @@
 ``pallas`` the chunked tiles as one fused Pallas kernel: Triton on GPUs, Mosaic on TPUs
 =========  ==================================================================================
 
-Every implementation takes the same :class:`Inputs` (a pytree of arrays: the batched query, key,
-value and :class:`~jax_sdpa._formula.CallArrays`) and :class:`Config` (static: the formula, what
-to return, the tiling and the ring) and returns a :class:`~jax_sdpa._heads.Result`, batched.
+Every implementation takes the same :class:`~jax_sdpa._call.Inputs` (a pytree of arrays: the
+batched query, key, value and :class:`~jax_sdpa._formula.CallArrays`) and
+:class:`~jax_sdpa._call.Config` (static: the formula, what to return, the tiling and the ring)
+and returns a :class:`~jax_sdpa._heads.Result`, batched.
 ``unsupported`` returns ``None`` or the message that a user who asked for that implementation
 sees; ``implementation=None`` takes the first in order of preference that supports the call.
 """
@@ -29,9 +30,9 @@ from jax import lax
 from jax._src import core as jax_core  # the current trace: no public API says it
 from jax._src.interpreters import batching
 from jax.interpreters import ad
-from jaxtyping import Array
 
 from jax_sdpa._attention import dense_sequence
+from jax_sdpa._call import Config, Inputs
 from jax_sdpa._chunked import Chunked, chunked_sequence
 from jax_sdpa._decode import (
     BLOCK_DIAGONAL_COLUMNS,
@@ -42,17 +43,14 @@ from jax_sdpa._decode import (
     paged_sequence,
     selected_sequence,
 )
-from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._kernels import Pallas
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
 from jax_sdpa._pallas import pallas_sequence
-from jax_sdpa._quantized import Quantized
-from jax_sdpa._ring import Ring, RingSpec, ring_sequence
+from jax_sdpa._ring import Ring, ring_sequence
 from jax_sdpa._steps import accumulation_dtype
 
-Output = Literal["attention", "attention_and_weights", "weights"]
 #: The implementations :func:`~jax_sdpa.dot_product_attention` takes by name: the table's entries
 #: but those of the ring and paged functions (tests/test_signatures.py holds the two together).
 Implementation = Literal["xla", "chunked", "decode", "selected", "cudnn", "pallas"]
@@ -65,67 +63,6 @@ _DENSE_MAX_SCORES = 2**24
 # the others while every query row of every head, N·T, fits its block-diagonal product
 # (``_decode.BLOCK_DIAGONAL_COLUMNS``), from this many keys on (BENCHMARKS.md).
 _DECODE_MIN_KEYS = 1024
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Inputs:
-    """The checked arrays of one call, in canonical form (a pytree, so it can enter ``jax.jit``).
-
-    ``query`` ``(*batch, T, N, H)``, ``key`` ``(*batch, S, K, H)``, ``value`` ``(*batch, S, K, V)``;
-    the leaves of ``arrays`` lead with the batch axes (each full or 1). A paged call's ``key`` and
-    ``value`` are the pools of pages ``(1, P, page_size, K, ·)``, shared by the batch, and
-    ``page_table`` ``(B, pages)`` says which pages each sequence's keys are.
-    """
-
-    query: Array
-    key: Array
-    value: Array
-    arrays: CallArrays
-    page_table: Array | None = None
-    key_indices: Array | None = None  # (*batch, T, k): the keys each query attends (selected)
-
-    @property
-    def seq_kv(self) -> int:
-        """``S``, the keys of each sequence (a paged sequence's pages end to end)."""
-        pages = 1 if self.page_table is None else self.page_table.shape[-1]
-        return pages * self.key.shape[-3]
-
-    def over_batch(self, sequence: Callable, *, sequential: bool = False) -> Result:
-        """``sequence(query, key, value, arrays)`` for one sequence, mapped over the batch."""
-        batch_shape = self.query.shape[:-3]
-        args = (self.query, self.key, self.value, self.arrays)
-        return over_batch(sequence, batch_shape, *args, sequential=sequential)
-
-    @property
-    def quantized(self) -> bool:
-        """Whether the keys or values are a quantized cache (:class:`~jax_sdpa.Quantized`)."""
-        return any(isinstance(x, Quantized) for x in (self.key, self.value))
-
-    @property
-    def values_like(self):
-        """The values, or the shape and dtype that :class:`~jax_sdpa.LatentValues` stand for."""
-        return self.value.like(self.key) if isinstance(self.value, LatentValues) else self.value
-
-    @property
-    def tiles_classified(self) -> bool:
-        """Whether the tiled paths read each tile's class of the rule (which depends on data).
-
-        They then map the batch sequence by sequence, so that empty tiles are still skipped.
-        """
-        return self.arrays.rule is not None and self.arrays.rule.opaque
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Everything static about one call: hashable, so it can key ``jax.jit``'s cache."""
-
-    formula: Formula
-    output: Output = "attention"
-    implementation: str = "xla"
-    options: Any = None  # the implementation's tunables (Chunked(...), ...), if it has any
-    ring: RingSpec | None = None
-    max_scores: bool = False  # whether the call returns them (cuDNN does not give them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +147,8 @@ def _decode_unsupported(inputs: Inputs, config: Config) -> str | None:
     if no_weights is not None:
         return no_weights
     if inputs.arrays.dropout_rng is not None:
-        return "`implementation='decode'` has no dropout (decoding is inference); use 'chunked'."
+        instead = "a float cache and 'chunked'" if inputs.quantized else "'chunked'"
+        return f"`implementation='decode'` has no dropout (decoding is inference); use {instead}."
     return None
 
 
