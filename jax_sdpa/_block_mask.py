@@ -109,8 +109,14 @@ class BlockMask(MaskRule):
         )
         try:
             stray = bool(jnp.any(counted & ((lists < 0) | (lists >= kv_blocks))))
+            most = (int(jnp.min(counts, initial=0)), int(jnp.max(counts, initial=0)))
         except jax.errors.ConcretizationTypeError:  # under jit: such entries list nothing
-            stray = False
+            stray, most = False, (0, 0)
+        if most[0] < 0 or most[1] > lists.shape[3]:
+            raise ValueError(
+                f"`kv_num_blocks` must count in [0, {lists.shape[3]}] (the `kv_indices` listed "
+                f"per query block); got {most[0]} to {most[1]}."
+            )
         if stray:
             raise ValueError(
                 f"`kv_indices` must hold key blocks in [0, {kv_blocks}) where counted by "
@@ -138,7 +144,8 @@ class BlockMask(MaskRule):
         """``(kv_num_blocks, kv_indices)``: each query block's key blocks that are not empty.
 
         ``kv_indices[..., i, :kv_num_blocks[..., i]]`` lists them in order; the rest of the row
-        holds the others. :meth:`from_kv_blocks` of these and the mask's rule is this mask.
+        holds the others. :meth:`from_kv_blocks` of these and the mask's rule attends as this
+        mask does; its listed blocks are all partial (which of them were full is not kept).
         """
         visited = self.classes != EMPTY
         order = jnp.argsort(~visited, axis=-1, stable=True)
@@ -172,11 +179,19 @@ class BlockMask(MaskRule):
         return self.rule.q_full_range(kv_lo, kv_hi)
 
     def visited(self, axis, index, sizes, batch, heads):
-        blocks = (self.block_q, self.block_kv)
-        if sizes != (blocks if axis == "kv" else blocks[::-1]):
+        """The listed blocks, where the ``axis`` tiles are the mask's blocks.
+
+        The other axis's tile ``index`` must lie in one block: its size divides the block's
+        (decode's few queries in one query block).
+        """
+        own, other = (
+            (self.block_kv, self.block_q) if axis == "kv" else (self.block_q, self.block_kv)
+        )
+        if sizes[1] != own or other % sizes[0]:
             return None
+        block = index * sizes[0] // other
         classes = self._classes(batch, heads)
-        along = classes[:, index, :] if axis == "kv" else classes[:, :, index]
+        along = classes[:, block, :] if axis == "kv" else classes[:, :, block]
         return (along != EMPTY).any(axis=0)
 
     def _classes(self, batch, heads):

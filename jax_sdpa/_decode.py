@@ -48,7 +48,14 @@ from jax_sdpa._indices import positions
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized, per_token
 from jax_sdpa._steps import accumulation_dtype, raw_scores, weighted_sum
-from jax_sdpa._tiles import DEFAULT_BLOCK_KV, Tiles, check_sizes, pad_keys
+from jax_sdpa._tiles import (
+    DEFAULT_BLOCK_KV,
+    Tiles,
+    check_sizes,
+    over_listed,
+    pad_keys,
+    visited_blocks,
+)
 from jax_sdpa._tiles_backward import backward
 
 # Up to this many columns (K·G·T: every query row of every head), the scores are one matrix
@@ -166,7 +173,15 @@ def _chunk_state(formula: Formula, query, keys, values, arrays: CallArrays, q_of
 
 
 def split_keys(
-    formula: Formula, query, keys, values, arrays: CallArrays, *, q_offset=0, key_positions=None
+    formula: Formula,
+    query,
+    keys,
+    values,
+    arrays: CallArrays,
+    *,
+    q_offset=0,
+    key_positions=None,
+    visited=None,
 ) -> Result:
     """Attention of ``(T, N, H)`` queries to keys in chunks, all heads, in jax.nn's layout.
 
@@ -175,7 +190,9 @@ def split_keys(
     ``C·L`` keys: positions past the sequence must be masked by its rule. ``values`` may be
     :class:`~jax_sdpa.LatentValues`: the keys' leading features, read with the keys. The
     queries sit at positions ``q_offset`` onwards; the keys at ``key_positions`` ``(C, L)``,
-    if given (keys gathered from the sequence), else ``0 … C·L − 1``.
+    if given (keys gathered from the sequence), else ``0 … C·L − 1``. With ``visited``
+    ``(C,)``, a block mask's list (:func:`~jax_sdpa._tiles.visited_blocks`), only the chunks it
+    lists are attended, one after the other (a loop: forward only, for a custom backward).
     """
     seq_q, heads, _ = query.shape
     count, size, kv_heads, _ = keys.shape
@@ -192,7 +209,14 @@ def split_keys(
         at = start if key_positions is None else key_positions[n]
         return _chunk_state(formula, per_query, keys, values, tile, q_offset, at)
 
-    state = online_softmax.combine(jax.vmap(one_chunk)(positions(0, count), keys, values))
+    if visited is None:
+        state = online_softmax.combine(jax.vmap(one_chunk)(positions(0, count), keys, values))
+    else:
+        rows = (*groups, seq_q)
+        empty = online_softmax.init(per_query, rows, (*rows, values.shape[-1]))
+        state = over_listed(
+            visited, lambda n, s: online_softmax.merge(s, one_chunk(n, keys[n], values[n])), empty
+        )
     if arrays.sinks is not None:
         sink = arrays.sinks.reshape(*groups, 1)
         state = online_softmax.merge(
@@ -219,7 +243,8 @@ def _split_attention(tiles: Tiles, query, key, value, arrays: CallArrays):
 def _split_attention_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
     """The keys and values, whole chunks of ``tiles.block_kv``, split and their states merged."""
     keys, values = _chunks(tiles.block_kv, key, value)
-    out, lse, _, top = split_keys(tiles.formula, query, keys, values, arrays)
+    visited = visited_blocks(tiles, arrays, "kv", 0, (0, 0), keys.shape[0])
+    out, lse, _, top = split_keys(tiles.formula, query, keys, values, arrays, visited=visited)
     return (out, lse, top), (query, key, value, arrays, out, lse)
 
 

@@ -231,9 +231,8 @@ def sweep(
     """
     if rule is None:
         return loop(0, count, lambda n, c: step(n, c, None), carry)
-    if visited is not None:  # the listed blocks first, in order
-        order = jnp.argsort(~visited, stable=True).astype(INDEX)
-        return loop(0, visited.sum(), lambda m, c: step(order[m], c, rule), carry)
+    if visited is not None:
+        return over_listed(visited, lambda n, c: step(n, c, rule), carry)
     reach, full_reach = {
         "kv": (rule.kv_range, rule.kv_full_range),
         "q": (rule.q_range, rule.q_full_range),
@@ -249,11 +248,18 @@ def sweep(
     return carry
 
 
+def over_listed(visited, step, carry):
+    """``carry = step(n, carry)`` over the blocks ``n`` where ``visited`` ``(count,)``, in order."""
+    order = jnp.argsort(~visited, stable=True).astype(INDEX)
+    return loop(0, visited.sum(), lambda m, c: step(order[m], c), carry)
+
+
 def visited_blocks(tiles: Tiles, arrays: CallArrays, axis: str, block, offsets, count: int):
     """The ``axis`` blocks a block mask lists for ``block`` of the other axis, or None.
 
-    Read where the sweep's tiles are the mask's blocks and both axes start at position 0 (the
-    chunked and decode paths; a ring's shards start elsewhere and keep the ranges' loops).
+    Read where the ``axis`` tiles are the mask's blocks, the other axis's tiles lie within its
+    blocks, and both axes start at position 0 (the chunked and decode paths; a ring's shards
+    start elsewhere and keep the ranges' loops).
     """
     if arrays.rule is None or any(not isinstance(x, int) or x != 0 for x in offsets):
         return None

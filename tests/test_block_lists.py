@@ -114,6 +114,11 @@ def test_stray_block_numbers_are_refused_or_under_jit_list_nothing(rng):
             jnp.zeros((1, 1, 2, 2), jnp.int32),
             "`kv_num_blocks` must have an integer dtype",
         ),
+        (
+            jnp.array([[[0, 3]]]),
+            jnp.zeros((1, 1, 2, 2), jnp.int32),
+            r"`kv_num_blocks` must count in \[0, 2\] .*got 0 to 3",
+        ),
     ],
 )
 def test_block_list_errors(counts, lists, message):
@@ -121,3 +126,37 @@ def test_block_list_errors(counts, lists, message):
         js.BlockMask.from_kv_blocks(
             counts, lists, q_len=16, kv_len=16, block_q=BLOCK, block_kv=BLOCK
         )
+
+
+@pytest.mark.parametrize(
+    "implementation, t", [(js.Decode(block_kv=BLOCK), 2), (CHUNKED, 16)], ids=["decode", "chunked"]
+)
+def test_the_loops_read_only_the_listed_blocks(rng, implementation, t):
+    # Keys and values are NaN in every block no query block lists: one read of them (even a
+    # masked product, 0 · NaN) would make the result NaN.
+    q, key, v = qkv(rng, 2, t, 64, 4, 2, 8)  # 8 key blocks
+    lists = jnp.array([[2, 5], [0, 7]], jnp.int32)  # per sequence, shared by its query blocks
+    q_blocks = -(-t // BLOCK)
+    lists = jnp.broadcast_to(lists[:, None, None], (2, 1, q_blocks, 2))
+    counts = jnp.full((2, 1, q_blocks), 2, jnp.int32)
+    block_mask = js.BlockMask.from_kv_blocks(
+        counts, lists, q_len=t, kv_len=64, block_q=BLOCK, block_kv=BLOCK
+    )
+    allowed = dense(counts, lists, t, 64)
+    poisoned = jnp.asarray(np.where(allowed.any(axis=(1, 2))[:, :, None, None], 0.0, np.nan))
+    key, v = key + poisoned.astype(key.dtype), v + poisoned.astype(v.dtype)
+    d_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+    def loss(q, key, v):
+        out = js.dot_product_attention(
+            q, key, v, mask_mod=block_mask, implementation=implementation
+        )
+        return jnp.sum(out * d_out), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, key, v)
+    clean = [jnp.nan_to_num(x, nan=0.0) for x in (key, v)]
+    want = ref.attention(q, *clean, mask=allowed, d_out=d_out)
+    assert ref.rel_err(out, want["out"]) < 2e-6
+    assert ref.rel_err(grads[0], want["dq"]) < 1e-5
+    for got, name in zip(grads[1:], ("dk", "dv"), strict=True):  # 0 on the blocks not read
+        assert ref.rel_err(got, want[name]) < 1e-5
