@@ -151,8 +151,10 @@ def dot_product_attention(
         query: ``(B, T, N, H)``, or ``(T, N, H)``, or any number of leading batch axes.
         key: ``(B, S, K, H)`` with ``N % K == 0`` (GQA: query head ``n`` uses key/value head
             ``n // (N // K)``), or a quantized cache (:func:`~jax_sdpa.quantize`), which the
-            ``"decode"`` implementation reads.
+            ``"decode"`` and ``"selected"`` implementations read.
         value: ``(B, S, K, V)``; ``V`` may differ from ``H``. Quantized, or not, as ``key``.
+            Or :class:`~jax_sdpa.LatentValues` ``(V)``: the values are ``key[..., :V]`` (MLA's
+            shared latent cache), read once with the keys on the decode paths.
         bias: Additive bias broadcastable to ``(B, N, T, S)`` (rank ≤ 4 is left-padded), added
             to the scaled scores.
         mask: Mask broadcastable to ``(B, N, T, S)``; ``True`` (or nonzero, as flax) = may attend.

@@ -62,7 +62,9 @@ def paged_attention(
         query: ``(B, T, N, H)``.
         key_pages: The pool of key pages, ``(P, page_size, K, H)``, an array or quantized
             (:func:`~jax_sdpa.quantize`).
-        value_pages: The pool of value pages, ``(P, page_size, K, V)``, the same dtype.
+        value_pages: The pool of value pages, ``(P, page_size, K, V)``, the same dtype
+            (quantized as ``key_pages`` is), or :class:`~jax_sdpa.LatentValues` ``(V)``: the
+            values are ``key_pages[..., :V]``, read once with the keys.
         page_table: ``(B, pages_per_sequence)`` int32: sequence ``b``'s pages, in order.
         lengths: ``(B,)``: valid positions per sequence, at most ``pages_per_sequence ·
             page_size``. Under ``jit`` (not checked) larger lengths are clamped to that, and
@@ -132,7 +134,7 @@ def update_cache(
     key: Float[ArrayLike, "B T K H"],
     value: Float[ArrayLike, "B T K V"] | None,
     positions: Integer[ArrayLike, " B"],
-) -> tuple[Array, Array]:
+) -> tuple[Array | Quantized, Array | Quantized | LatentValues]:
     """Writes each sequence's ``T`` new keys and values at ``positions[b]`` of a contiguous cache.
 
     Pure: it returns the new caches. Under ``jax.jit(..., donate_argnums=(0, 1))`` XLA updates
@@ -169,7 +171,7 @@ def update_paged_cache(
     value: Float[ArrayLike, "B T K V"] | None,
     page_table: Integer[ArrayLike, "B pages"],
     positions: Integer[ArrayLike, " B"],
-) -> tuple[Array, Array]:
+) -> tuple[Array | Quantized, Array | Quantized | LatentValues]:
     """Writes each sequence's ``T`` new keys and values at ``positions[b]`` onwards, in its pages.
 
     Position ``p`` of sequence ``b`` is slot ``p % page_size`` of page

@@ -119,7 +119,10 @@ def quantize(x: ArrayLike, format: Format = "int8", *, scale: ArrayLike | None =
     """
     _checks.check_choice("format", format, tuple(_FORMATS))
     x = jnp.asarray(x)
-    _checks.check_ndim("x", x, range(3, x.ndim + 4), "(..., kv_seq, kv_heads, d)")
+    if x.ndim < 3:
+        raise ValueError(
+            f"`x` must have rank 3 or more (..., kv_seq, kv_heads, d); got shape {x.shape}."
+        )
     _checks.check_float("x", x)
     dtype, largest, per_token = _FORMATS[format]
     shape = scale_shape(x.shape, per_token)

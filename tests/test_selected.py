@@ -93,7 +93,9 @@ def test_gradients_to_queries_keys_values_and_a_mods_array(rng):
 
 def test_a_row_with_no_valid_key_gives_zeros_and_zero_gradients(rng):
     q, key, v = qkv(rng, 1, 2, 30, 2, 1, 8)
-    indices = jnp.array([[[3, 5, 7], [25, 26, 27]]], jnp.int32)  # row 0's keys lie past its end
+    indices = jnp.array(
+        [[[3, 5, 7], [25, 26, 27]]], jnp.int32
+    )  # query 1's keys lie past the length
 
     def loss(q, key, v):
         out = js.dot_product_attention(
