@@ -148,12 +148,10 @@ ROWS = (
 )
 
 
-# The rows the inner loop (-m "not slow") runs every behaviour test on: the reference and the tiled
-# path. The others have test files of their own (test_decode, test_paged, test_pallas) there,
-# and run every behaviour test in CI (marked ``row``); the x64 pass runs them on the kernel's row,
-# and for decode and paged their own files and the sweep's columns (the rest ``x64_sampled``).
+# The rows the inner loop (-m "not slow") and the x64 pass run every behaviour test on: the
+# reference and the tiled path. The others (decode, paged, the kernel) have test files of their
+# own in both, and columns in the random sweep; CI runs every behaviour test on them with x64 off.
 INNER_LOOP = ("xla", "chunked")
-X64_PASS_ROWS = ("pallas",)
 
 
 def each_implementation(*needs: str):
@@ -166,9 +164,7 @@ def each_implementation(*needs: str):
         missing = [row.lacks[need] for need in needs if need in row.lacks]
         marks = [pytest.mark.skip(reason=missing[0])] if missing else []
         if row.name not in INNER_LOOP:
-            marks += [pytest.mark.slow, pytest.mark.row]
-        if row.name not in (*INNER_LOOP, *X64_PASS_ROWS):
-            marks.append(pytest.mark.x64_sampled)
+            marks += [pytest.mark.slow, pytest.mark.x64_sampled]
         return pytest.param(row, id=row.name, marks=marks)
 
     return pytest.mark.parametrize("impl", [param(row) for row in ROWS])
