@@ -93,6 +93,18 @@ def test_rules_mods_and_the_automatic_choice(rng, fmt):
 
 
 @pytest.mark.parametrize("fmt", SAMPLED)
+def test_unbatched_queries_and_caches(rng, fmt):
+    # (T, N, H) queries against (S, K, H) caches, as jax.nn takes unbatched inputs.
+    q, key, v = qkv(rng, 1, 2, 37, 4, 2, 8)
+    cache = [js.quantize(x[0], fmt) for x in (key, v)]
+    assert cache[0].values.shape == (37, 2, 8)
+    causal = {"is_causal": True, "causal_alignment": "bottom_right"}
+    out = js.dot_product_attention(q[0], *cache, **causal, **DECODE)
+    want = ref.attention(q, *(x.dequantize()[None] for x in cache), is_causal=True, offset=35)
+    assert out.shape == (2, 4, 8) and ref.rel_err(out, want["out"][0]) < 2e-6
+
+
+@pytest.mark.parametrize("fmt", SAMPLED)
 def test_query_gradients_equal_the_reference_on_the_dequantized_cache(rng, fmt):
     q, key, v = qkv(rng, 2, 2, 70, 4, 2, 8)
     key, v = js.quantize(key, fmt), js.quantize(v, fmt)

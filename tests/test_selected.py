@@ -91,6 +91,15 @@ def test_gradients_to_queries_keys_values_and_a_mods_array(rng):
         np.testing.assert_allclose(got, want, atol=3e-6)
 
 
+def test_unbatched_queries_list_their_keys_as_t_by_k(rng):
+    # (T, N, H) queries, (S, K, H) keys and values, and (T, k) indices, as jax.nn takes them.
+    q, key, v = qkv(rng, 1, 5, 33, 4, 2, 8)
+    indices = indices_for(rng, 1, 5, 33, 6)
+    out = js.dot_product_attention(q[0], key[0], v[0], key_indices=indices[0], is_causal=True)
+    want = ref.attention(q, key, v, mask=listed_mask(indices, 33), is_causal=True)
+    assert out.shape == (5, 4, 8) and ref.rel_err(out, want["out"][0]) < 2e-6
+
+
 def test_a_row_with_no_valid_key_gives_zeros_and_zero_gradients(rng):
     q, key, v = qkv(rng, 1, 2, 30, 2, 1, 8)
     indices = jnp.array(
