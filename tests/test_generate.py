@@ -1,5 +1,6 @@
 """The generation example's short run: both caches, every step checked against the full forward."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,15 @@ pytestmark = pytest.mark.slow  # end to end: -m "not slow" leaves it out
 
 def test_generation_with_contiguous_and_paged_caches_matches_the_full_forward():
     # The script asserts each step's logits against the whole sequence run from scratch, and
-    # that both caches generate the same tokens; it fails (non-zero exit) otherwise.
+    # that both caches generate the same tokens; it fails (non-zero exit) otherwise. It runs with
+    # XLA's own compiler settings, as a user runs it (the rest of the suite compiles for speed of
+    # compiling: tests/conftest.py).
     run = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--short"], capture_output=True, text=True, check=False
+        [sys.executable, str(EXAMPLE), "--short"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=dict(os.environ, XLA_FLAGS=""),
     )
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
