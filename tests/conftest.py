@@ -63,20 +63,13 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)
 
 
-def pytest_collection_finish(session):
-    """A worker of ``--dist loadgroup`` stops if the groups did not take (each worker would then
-    build the docs site and launch the processes of its own): xdist tags a grouped test's id
+def pytest_runtest_setup(item):
+    """A grouped test fails under ``--dist loadgroup`` if its group did not take (each worker would
+    then build the docs site and launch the processes of its own): xdist tags a grouped test's id
     with ``@group``, which some pytest releases silently ignore (pytest-dev/pytest-xdist#1386)."""
-    if not session.config.getoption("loadgroup", False):
-        return
-    untagged = [
-        item.nodeid
-        for item in session.items
-        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid
-    ]
-    if untagged:
-        raise pytest.UsageError(
-            f"--dist loadgroup did not group {untagged[0]} (and {len(untagged) - 1} more): "
-            "pytest-xdist cannot tag this pytest's node ids; install the pytest that "
-            "pyproject.toml names."
+    grouped = item.get_closest_marker("xdist_group") is not None
+    if grouped and item.config.getoption("loadgroup", False) and "@" not in item.nodeid:
+        pytest.fail(
+            f"--dist loadgroup did not group {item.nodeid}: pytest-xdist cannot tag this "
+            "pytest's node ids; install the pytest that pyproject.toml names."
         )
