@@ -164,7 +164,7 @@ def each_implementation(*needs: str):
         missing = [row.lacks[need] for need in needs if need in row.lacks]
         marks = [pytest.mark.skip(reason=missing[0])] if missing else []
         if row.name not in INNER_LOOP:
-            marks += [pytest.mark.slow, pytest.mark.x64_sampled]
+            marks.append(pytest.mark.slow)
         return pytest.param(row, id=row.name, marks=marks)
 
     return pytest.mark.parametrize("impl", [param(row) for row in ROWS])

@@ -35,11 +35,11 @@ CASES = {
 }
 
 
-OTHERS = [pytest.mark.x64_sampled, pytest.mark.slow]  # CI runs them; the sweep checks every call
-
-
-@pytest.mark.parametrize(  # the inner loop and the x64 pass run one case
-    "case", [pytest.param(c, marks=[] if c == "lengths and sinks" else OTHERS) for c in CASES]
+# The inner loop and the x64 pass run one case; CI runs the others (slow); the sweep checks every
+# call.
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=[] if c == "lengths and sinks" else pytest.mark.slow) for c in CASES],
 )
 @each_implementation()
 def test_max_scores_match_the_reference(rng, impl, case):

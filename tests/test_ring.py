@@ -13,9 +13,8 @@ pytestmark = pytest.mark.slow  # end to end: -m "not slow" leaves it out
 
 @pytest.mark.parametrize("x64", [False, True], ids=["x64-off", "x64-on"])
 def test_ring_attention_on_8_simulated_devices(x64):
-    env = (
-        {"JAX_SDPA_X64": "1", "JAX_SDPA_PROFILE": X64_PASS_PROFILE}
-        if x64
-        else {"JAX_SDPA_X64": "0"}
-    )
-    run_pytest("tests/multidevice", *["-m", "not x64_sampled"] * x64, devices=8, env=env)
+    if x64:
+        env = {"JAX_SDPA_X64": "1", "JAX_SDPA_PROFILE": X64_PASS_PROFILE}
+        run_pytest("tests/multidevice", "-m", "not x64_sampled", devices=8, env=env)
+    else:
+        run_pytest("tests/multidevice", devices=8, env={"JAX_SDPA_X64": "0"})

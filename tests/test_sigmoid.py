@@ -40,11 +40,10 @@ CASES = {
 # The inner loop and the x64 pass run two of the cases (every case's masks are the softmax's,
 # tested on their own); CI runs them all.
 SAMPLED = ("causal", "score_mod")
-OTHERS = [pytest.mark.x64_sampled, pytest.mark.slow]
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=[] if c in SAMPLED else OTHERS) for c in CASES]
+    "case", [pytest.param(c, marks=[] if c in SAMPLED else pytest.mark.slow) for c in CASES]
 )
 @each_implementation()
 def test_sigmoid_attention_matches_the_reference_forward_and_backward(rng, impl, case):

@@ -3,9 +3,9 @@
 Every implementation, mask, mod, block mask, decode, paged cache, the kernel and the random
 sweep, with x64 on: no index may turn int64, and float32 inputs must stay float32. (The ring's
 tests run with x64 on in ``tests/test_ring.py``; the tests marked ``x64_off`` are about the
-default, and those marked ``x64_sampled`` are cases of a matrix of which the pass runs others:
-among them the behaviour tests' decode, paged and kernel rows, whose own files and sweep columns
-it runs.)
+default, and those marked ``x64_sampled`` are cases of a matrix of which the pass runs others.
+The behaviour tests' decode, paged and kernel rows are slow, left to CI's x64-off run: their
+own files and the sweep's columns run here.)
 """
 
 import pytest
