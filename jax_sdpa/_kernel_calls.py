@@ -252,7 +252,7 @@ def fitted(formula: Formula, options: Pallas, query, key) -> Tiles:
     """
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
     block_q, block_kv = _side(seq_q, options.block_q), _side(seq_kv, options.block_kv)
-    return Tiles(formula, block_q, block_kv, (kv_heads, heads // kv_heads))
+    return Tiles(formula, block_q, block_kv, (kv_heads, heads // kv_heads), fused=True)
 
 
 def padded(tiles: Tiles, query, key, value, arrays: CallArrays, kv_offset=0) -> tuple:

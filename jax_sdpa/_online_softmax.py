@@ -99,6 +99,7 @@ def update(
     drop=lambda p: p,
     product=weighted_sum,
     sigmoid_bias: Float[Array, "..."] | None = None,
+    top_first: bool = False,
 ) -> State:
     """The state of ``(..., q)`` rows after one more block of keys: their scores and values.
 
@@ -106,20 +107,26 @@ def update(
     (dropout: the denominator counts every weight, as the dense softmax does); ``product`` is
     how they meet them, :func:`~jax_sdpa._steps.weighted_sum` or the same sum formed otherwise
     (``value`` is what ``product`` reads: an array, or a :class:`~jax_sdpa.Quantized` cache).
-    With a ``sigmoid_bias``, the weights are the sigmoid's (no shift: they simply add).
+    With a ``sigmoid_bias``, the weights are the sigmoid's (no shift: they simply add); with
+    ``top_first`` too, XLA takes the block's largest score (if it is used) before the weights.
     """
-    masked = masked_scores(scores, allowed)
-    tile_max = masked.max(axis=-1)
-    top = jnp.maximum(state.top, tile_max)  # dead, and dropped by XLA, unless it is returned
     if sigmoid_bias is not None:
-        # σ(fill + b) is exactly 0 (e^{−fill} overflows to ∞): the masked scores mask the weights.
-        w = sigmoid_parts(masked, None, sigmoid_bias)
+        # The weights need no row max: the top is a pass of its own over the tile (dead, and
+        # dropped by XLA, unless it is returned), made before the weights while the tile is in
+        # cache: XLA otherwise runs it after them, where it costs twice as much (BENCHMARKS.md).
+        tile_max = masked_scores(scores, allowed).max(axis=-1)
+        if top_first:  # not in a Pallas kernel, which has no barrier
+            scores, tile_max = lax.optimization_barrier((scores, tile_max))
+        w = sigmoid_parts(scores, allowed, sigmoid_bias)
         return State(
             state.row_max,
             state.denom + w.sum(axis=-1),
             state.acc + product(drop(w), value, precision=precision),
-            top,
+            jnp.maximum(state.top, tile_max),
         )
+    masked = masked_scores(scores, allowed)
+    tile_max = masked.max(axis=-1)
+    top = jnp.maximum(state.top, tile_max)  # dead, and dropped by XLA, unless it is returned
     # max(row max, top), as top is at least the fill, without reading top (so that it can drop).
     new_max = jnp.maximum(state.row_max, jnp.maximum(tile_max, large_negative(tile_max.dtype)))
     # Until a row meets its first allowed key, its max stays at the fill and p counts masked

@@ -79,6 +79,7 @@ class Tiles:
     block_q: int
     block_kv: int
     groups: tuple[int, int]  # (K, G): key/value heads, query heads per key/value head
+    fused: bool = False  # the tiles are a Pallas kernel's: no hints to XLA's scheduler there
 
     def scores(self, q_i, k_j, arrays: CallArrays, q_offset, kv_offset):
         """Scores and allowed-mask of one head's tile: the dense path's steps.
@@ -110,6 +111,7 @@ class Tiles:
             precision=self.formula.precision,
             drop=drop,
             sigmoid_bias=arrays.sigmoid_bias,
+            top_first=not self.fused,
         )
 
     def backward_tile(
