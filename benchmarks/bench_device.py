@@ -6,15 +6,16 @@
 
 On the device, first the correctness of ``implementation="pallas"`` in bfloat16 at T = 1024,
 forward and gradients against ``implementation="xla"`` on the same inputs in float32: a causal
-call with a soft cap, a block mask of 16 documents, and ALiBi over a captured slope array with a
-document mask over a captured array and sinks (every gradient, the arrays' included). Then the
-time of B2 H16 T4096 d128 bfloat16, forward and forward+backward, medians of ``--reps`` calls:
-our kernel (causal, ALiBi, 16 documents, no mask), ``jax.nn.dot_product_attention`` with
-``implementation="cudnn"`` and ``"xla"``, our chunked XLA path, and upstream
-``jax.experimental.pallas.ops.gpu.attention.mha``, each as TFLOP/s (the products a causal call
-needs: half the scores) and as a ratio to cuDNN, beside the machine's own bfloat16 matrix
-product measured in the same run. Every case runs in its own ``try``: one failure prints its
-error and the rest go on; the deadline stops the run between cases.
+call with a soft cap, a block mask of 16 documents, ALiBi over a captured slope array with a
+document mask over a captured array and sinks (every gradient, the arrays' included), and a
+causal sigmoid call with its max scores. Then the time of B2 H16 T4096 d128 bfloat16, forward
+and forward+backward, medians of ``--reps`` calls: our kernel (causal, ALiBi, 16 documents, no
+mask; sigmoid causal and not, and causal with the max scores out),
+``jax.nn.dot_product_attention`` with ``implementation="cudnn"`` and ``"xla"``, our chunked XLA
+path, and upstream ``jax.experimental.pallas.ops.gpu.attention.mha``, each as TFLOP/s (the
+products a causal call needs: half the scores) and as a ratio to cuDNN, beside the machine's own
+bfloat16 matrix product measured in the same run. Every case runs in its own ``try``: one
+failure prints its error and the rest go on; the deadline stops the run between cases.
 
 ``--lower`` and ``--interpret`` are its rehearsal on a machine without a GPU: they prove that
 the calls lower and that the checks pass, not any speed. On a lent machine whose image has JAX
@@ -75,7 +76,16 @@ def correctness_cases(seq: int, heads: int) -> dict:
         "causal, soft cap": (lambda: dict(is_causal=True, logits_soft_cap=20.0), ()),
         "block mask, 16 documents": (lambda: dict(mask_mod=block_mask), ()),
         "ALiBi + documents + sinks": (alibi_documents, (slopes, sinks)),
+        "sigmoid causal + max scores": (
+            lambda: dict(is_causal=True, normalizer="sigmoid", return_max_scores=True),
+            (),
+        ),
     }
+
+
+def _first(outputs):
+    """The attention output of a call that may also return row statistics."""
+    return outputs[0] if isinstance(outputs, tuple) else outputs
 
 
 def check(name, keywords, arrays, seq, heads, dtype, kernel, tolerance):
@@ -83,8 +93,9 @@ def check(name, keywords, arrays, seq, heads, dtype, kernel, tolerance):
     q, k, v = _inputs((1, seq, heads, D), dtype)
 
     def loss(implementation, q, k, v, *arrays):
-        out = js.dot_product_attention(q, k, v, implementation=implementation, **keywords(*arrays))
-        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.shape[-1]))), out
+        outs = js.dot_product_attention(q, k, v, implementation=implementation, **keywords(*arrays))
+        out = _first(outs).astype(jnp.float32)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.shape[-1]))), outs
 
     argnums = tuple(range(1, 4 + len(arrays)))
 
@@ -92,14 +103,16 @@ def check(name, keywords, arrays, seq, heads, dtype, kernel, tolerance):
         grad = jax.grad(loss, argnums=argnums, has_aux=True)
         return jax.jit(grad, static_argnums=0)(implementation, *args)
 
-    grads, out = run(kernel, q, k, v, *arrays)
+    grads, outs = run(kernel, q, k, v, *arrays)
     wide = [x.astype(jnp.float32) for x in (q, k, v)]
     want_grads, want = run("xla", *wide, *arrays)
+    outs, want = jax.tree.leaves(outs), jax.tree.leaves(want)
     errors = [
         float(jnp.abs(a.astype(jnp.float32) - b).max() / jnp.abs(b).max())
-        for a, b in zip([out, *grads], [want, *want_grads], strict=True)
+        for a, b in zip([*outs, *grads], [*want, *want_grads], strict=True)
     ]
-    names = ["out", "dq", "dk", "dv", *(f"d{n}" for n in ("slopes", "sinks")[: len(arrays)])]
+    names = ["out", "max scores"][: len(outs)]
+    names += ["dq", "dk", "dv", *(f"d{n}" for n in ("slopes", "sinks")[: len(arrays)])]
     worst = max(errors)
     verdict = "ok" if worst <= tolerance else "FAIL"
     detail = ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errors, strict=True))
@@ -126,19 +139,20 @@ def timed_calls(kernel) -> dict:
     def alibi(s, b, h, i, j):
         return s - slopes[h] * (i - j).astype(s.dtype)
 
+    nn = functools.partial(jax.nn.dot_product_attention, is_causal=True)
+    # In the order they matter, should the deadline stop the run: the kernel against cuDNN and
+    # our own chunked path first.
     calls = {
         "pallas causal": (functools.partial(ours, is_causal=True), True),
-        "pallas causal ALiBi": (functools.partial(ours, is_causal=True, score_mod=alibi), True),
-        "pallas no mask": (ours, False),
-        "pallas 16 documents": (functools.partial(ours, mask_mod=block_mask), False),
+        "jax.nn cudnn causal": (functools.partial(nn, implementation="cudnn"), True),
         "chunked causal": (
             functools.partial(js.dot_product_attention, is_causal=True, implementation="chunked"),
             True,
         ),
+        "pallas causal ALiBi": (functools.partial(ours, is_causal=True, score_mod=alibi), True),
+        "pallas no mask": (ours, False),
+        "pallas 16 documents": (functools.partial(ours, mask_mod=block_mask), False),
     }
-    for backend in ("cudnn", "xla"):
-        nn = functools.partial(jax.nn.dot_product_attention, implementation=backend)
-        calls[f"jax.nn {backend} causal"] = (functools.partial(nn, is_causal=True), True)
     try:
         from jax.experimental.pallas.ops.gpu import attention as upstream
 
@@ -148,6 +162,18 @@ def timed_calls(kernel) -> dict:
         )
     except ImportError as error:
         print(f"  upstream mha: not importable ({error})")
+    calls |= {
+        "pallas causal sigmoid": (
+            functools.partial(ours, is_causal=True, normalizer="sigmoid"),
+            True,
+        ),
+        "pallas sigmoid no mask": (functools.partial(ours, normalizer="sigmoid"), False),
+        "pallas causal max scores": (
+            functools.partial(ours, is_causal=True, return_max_scores=True),
+            True,
+        ),
+        "jax.nn xla causal": (functools.partial(nn, implementation="xla"), True),
+    }
     return calls
 
 
@@ -163,7 +189,7 @@ def _median_seconds(fn, args, reps: int) -> float:
 
 def _forward_backward(fn):
     def loss(q, k, v):
-        return fn(q, k, v).astype(jnp.float32).sum()
+        return _first(fn(q, k, v)).astype(jnp.float32).sum()
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
@@ -220,6 +246,9 @@ TARGETS = (
     ("ALiBi ≤ 1.15× plain causal", "pallas causal ALiBi", "pallas causal"),
     ("16 documents ≥ 8× faster than no mask", "pallas no mask", "pallas 16 documents"),
     ("at least as fast as upstream mha", "upstream mha causal", "pallas causal"),
+    ("sigmoid ≤ 1.0× softmax, causal", "pallas causal sigmoid", "pallas causal"),
+    ("sigmoid ≤ 1.0× softmax, no mask", "pallas sigmoid no mask", "pallas no mask"),
+    ("max scores ≤ 1.03× without", "pallas causal max scores", "pallas causal"),
 )
 
 

@@ -46,6 +46,7 @@ from jax_sdpa._kernel_values import (
     is_zero,
     value,
 )
+from jax_sdpa._user_functions import scan_operands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,14 +249,13 @@ def _cond(params, invals):
 
 
 def _scan(params, invals):
-    jaxpr, consts_count, carry_count = params["jaxpr"], params["num_consts"], params["num_carry"]
-    consts = invals[:consts_count]
-    carry = [value(x) for x in invals[consts_count : consts_count + carry_count]]
-    xs = [value(x) for x in invals[consts_count + carry_count :]]
+    jaxpr = params["jaxpr"]
+    consts, carry, xs = scan_operands(params, invals)
+    carry, xs = [value(x) for x in carry], [value(x) for x in xs]
 
     def body(carry, x):
         outs = _eval(jaxpr.jaxpr, jaxpr.consts, [*consts, *carry, *x])
-        return outs[:carry_count], outs[carry_count:]
+        return outs[: len(carry)], outs[len(carry) :]
 
     carry, ys = lax.scan(
         body, carry, xs, length=params["length"], reverse=params["reverse"], unroll=params["unroll"]

@@ -79,7 +79,7 @@ def _control_flow(eqn, operands: list, axes: frozenset) -> list:
         branches = [_replayed(branch, axes) for branch in p["branches"]]
         return lax.switch(operands[0], branches, *operands[1:])
     if eqn.primitive.name == "scan":
-        consts, carry, xs = _split(operands, p["num_consts"], p["num_carry"])
+        consts, carry, xs = scan_operands(p, operands)
         body = _replayed(p["jaxpr"], axes)
 
         def step(carry, x):
@@ -93,6 +93,16 @@ def _control_flow(eqn, operands: list, axes: frozenset) -> list:
     return lax.while_loop(
         lambda c: cond(*cond_consts, *c)[0], lambda c: body(*body_consts, *c), init
     )
+
+
+def scan_operands(params, operands: list) -> tuple[list, list, list]:
+    """A ``scan``'s operands split into constants, carry and scanned arrays.
+
+    JAX 0.11 keeps that split as a flat tree (``ft_in``), earlier JAX as two counts.
+    """
+    if "ft_in" in params:
+        return tuple(list(part) for part in params["ft_in"].update(operands).unpack())
+    return _split(operands, params["num_consts"], params["num_carry"])
 
 
 def _split(xs: list, first: int, second: int) -> tuple[list, list, list]:
