@@ -3,6 +3,7 @@
     python benchmarks/bench_device.py              # on a GPU machine: at most --deadline seconds
     python benchmarks/bench_device.py --lower      # anywhere: every timed call lowered for cuda
     python benchmarks/bench_device.py --interpret  # anywhere: the correctness cases, interpreted
+    python benchmarks/bench_device.py --tiles 64,64,4,2 128,32,8,3  # then other tilings, causal
 
 On the device, first the correctness of ``implementation="pallas"`` in bfloat16 at T = 1024,
 forward and gradients against ``implementation="xla"`` on the same inputs in float32: a causal
@@ -263,6 +264,31 @@ def _print_targets(seconds: dict) -> None:
                 print(f"  {what:48s} {passes:8s} {first} / {second} = {ratio:.2f}")
 
 
+def time_tiles(tiles: list[str], reps: int, stop: float) -> None:
+    """The causal call, forward and forward+backward, with each ``q,kv,warps,stages`` tiling."""
+    q, k, v = _inputs((B, T, H, D), jnp.bfloat16)
+    print(f"\ntilings, causal (B{B} H{H} T{T} d{D} bfloat16, median of calls):")
+    print(
+        f"{'block_q,block_kv,warps,stages':30s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'fwd+bwd ms':>11s} {'TFLOP/s':>8s}"
+    )
+    for tiling in tiles:
+        if time.time() > stop:
+            print("deadline reached: the remaining tilings were not run")
+            return
+        block_q, block_kv, warps, stages = map(int, tiling.split(","))
+        kernel = js.Pallas(block_q, block_kv, num_warps=warps, num_stages=stages)
+        fn = functools.partial(js.dot_product_attention, is_causal=True, implementation=kernel)
+        row = []
+        for backward in (False, True):
+            program = _forward_backward(fn) if backward else jax.jit(fn)
+            try:
+                seconds = _median_seconds(program, (q, k, v), reps)
+                row += [f"{seconds * 1e3:8.2f}", f"{flops(True, backward) / seconds / 1e12:8.1f}"]
+            except Exception as error:
+                row += [f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"]
+        print(f"{tiling:30s} {' '.join(row)}", flush=True)
+
+
 def lower_all(kernel) -> None:
     """Every timed call of ours, lowered for cuda at full size (on any machine)."""
     x = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
@@ -290,8 +316,14 @@ def main():
     parser.add_argument("--interpret", action="store_true", help="checks in the interpreter")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--deadline", type=float, default=220.0, help="seconds for the run")
-    parser.add_argument("--block-q", type=int, default=128)
+    parser.add_argument("--block-q", type=int, default=64)
     parser.add_argument("--block-kv", type=int, default=64)
+    parser.add_argument(
+        "--tiles",
+        nargs="*",
+        default=[],
+        help="then time the causal call with each tiling, as block_q,block_kv,warps,stages",
+    )
     args = parser.parse_args()
     stop = time.time() + args.deadline
     kernel = js.Pallas(block_q=args.block_q, block_kv=args.block_kv, interpret=args.interpret)
@@ -309,6 +341,7 @@ def main():
             print(f"  {name}: FAILED\n{traceback.format_exc(limit=3)}")
     if not args.interpret:
         time_all(kernel, args.reps, stop)
+        time_tiles(args.tiles, args.reps, stop)
 
 
 if __name__ == "__main__":

@@ -133,7 +133,8 @@ def backward(
     """
     kernel = _kernel(tiles, options, query, key, arrays, lists)
     (seq_q, heads, _), value_width = query.shape, value.shape[-1]
-    d_out = rows.d_out.reshape(seq_q, heads, value_width)
+    # (in the values' dtype, which the products cast it to: half the bytes of 16-bit values)
+    d_out = rows.d_out.reshape(seq_q, heads, value_width).astype(value.dtype)
     operands = [*map(_heads_leading, (query, key, value, d_out, rows.delta, rows.shift))]
     inputs = kernel.inputs(arrays, offsets, lists)
     consts = [c for c in differentiable(arrays.score_consts) if c is not None]

@@ -58,7 +58,10 @@ MIN_SIDE = 16
 
 @dataclasses.dataclass(frozen=True)
 class Pallas:
-    """The fused kernel and its tunables: ``implementation=Pallas(block_q=64)``.
+    """The fused kernel and its tunables: ``implementation=Pallas(block_q=128)``.
+
+    The default tiles, 64 × 64, were the fastest of ten measured on an H200 (bfloat16, d = 128,
+    causal, forward and backward; BENCHMARKS.md).
 
     Attributes:
         block_q: Queries per program, a power of two ≥ 16 (a shorter sequence takes the next
@@ -71,10 +74,10 @@ class Pallas:
 
     Examples:
         >>> Pallas(block_kv=32)
-        Pallas(block_q=128, block_kv=32, num_warps=4, num_stages=2, interpret=False)
+        Pallas(block_q=64, block_kv=32, num_warps=4, num_stages=2, interpret=False)
     """
 
-    block_q: int = 128
+    block_q: int = 64
     block_kv: int = 64
     num_warps: int = 4
     num_stages: int = 2
@@ -298,20 +301,17 @@ def forward_kernel(kernel: Kernel, q_ref, k_ref, v_ref, *refs):
     top_ref[...] = top[:, None]
 
 
-def _wide(x):
-    """A tile widened for the backward products, whose other side is a float32 gradient.
-
-    Triton multiplies only equal dtypes; the forward pass keeps 16-bit tiles 16-bit.
-    """
-    return x.astype(accumulation_dtype(x.dtype))
+def _zeros(x):
+    """An accumulator for the gradient of the tile ``x``: zeros in at least float32."""
+    return jnp.zeros(x.shape, accumulation_dtype(x.dtype))
 
 
 def dq_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_ref, *refs):
     *inputs, dq_ref = refs
     tiles = kernel.tiles
     n, i = pl.program_id(0), pl.program_id(1)
-    q = _wide(q_ref[...])
-    terms = BackwardRows(_wide(d_out_ref[...]), delta_ref[:, 0], shift_ref[:, 0])
+    q = q_ref[...]
+    terms = BackwardRows(d_out_ref[...], delta_ref[:, 0], shift_ref[:, 0])
 
     def body(arrays: CallArrays, _, offsets, sweep):
         q_offset, kv_offset = offsets
@@ -320,11 +320,11 @@ def dq_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_r
         def step(j, dq, rule):
             keys = pl.ds(j * tiles.block_kv, tiles.block_kv)
             tile = dataclasses.replace(arrays, rule=rule)
-            k_j, v_j = _wide(k_ref[keys, :]), _wide(v_ref[keys, :])
+            k_j, v_j = k_ref[keys, :], v_ref[keys, :]
             tile_kv = kv_offset + j * tiles.block_kv
             return dq + tiles.backward_tile(q, k_j, v_j, tile, terms, tile_q, tile_kv)[0]
 
-        return sweep(step, "kv", i, jnp.zeros_like(q))
+        return sweep(step, "kv", i, _zeros(q))
 
     dq_ref[...] = kernel.run(body, inputs, n).astype(dq_ref.dtype)
 
@@ -344,7 +344,7 @@ def dkv_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_
     dk_ref, dv_ref, *d_const_refs = refs[first_output:]
     tiles = kernel.tiles
     n, j = pl.program_id(0), pl.program_id(1)
-    k, v = _wide(k_ref[...]), _wide(v_ref[...])
+    k, v = k_ref[...], v_ref[...]
 
     def split(xs: list, in_memory: bool) -> list:
         return [x for x, m in zip(xs, kernel.in_memory, strict=True) if m == in_memory]
@@ -362,11 +362,11 @@ def dkv_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_
 
         def step(i, grads, rule):
             rows = pl.ds(i * tiles.block_q, tiles.block_q)
-            terms = BackwardRows(_wide(d_out_ref[rows, :]), delta_ref[rows, 0], shift_ref[rows, 0])
+            terms = BackwardRows(d_out_ref[rows, :], delta_ref[rows, 0], shift_ref[rows, 0])
             tile = dataclasses.replace(arrays, rule=rule)
             tile_q = q_offset + i * tiles.block_q
             _, dk, dv, _, d_consts = tiles.backward_tile(
-                _wide(q_ref[rows, :]), k, v, tile, terms, tile_q, tile_kv
+                q_ref[rows, :], k, v, tile, terms, tile_q, tile_kv
             )
             d_consts = [d for d in d_consts if d is not None]
             for ref, d in zip(split(d_const_refs, True), split(d_consts, True), strict=True):
@@ -377,7 +377,7 @@ def dkv_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_
             return jax.tree.map(jnp.add, grads, (dk, dv, split(d_consts, False)))
 
         consts = [jnp.zeros(r.shape[2:], r.dtype) for r in split(d_const_refs, False)]
-        zeros = (jnp.zeros_like(k), jnp.zeros_like(v), consts)
+        zeros = (_zeros(k), _zeros(v), consts)
         return sweep(step, "q", j, zeros)
 
     dk, dv, d_consts = kernel.run(body, inputs, n)

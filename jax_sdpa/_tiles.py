@@ -36,7 +36,7 @@ from jax_sdpa._heads import over_heads
 from jax_sdpa._indices import INDEX, indices, positions
 from jax_sdpa._masks import LengthMask, MaskRule
 from jax_sdpa._online_softmax import State
-from jax_sdpa._steps import weighted_sum
+from jax_sdpa._steps import accumulation_dtype, raw_scores
 
 # The fastest tile measured on a 2-core CPU, causal or not, forward and backward (BENCHMARKS.md):
 # smaller tiles pay more per-iteration overhead than they save in cache misses.
@@ -117,31 +117,41 @@ class Tiles:
     def backward_tile(
         self, q_i, k_j, v_j, arrays: CallArrays, row_terms: BackwardRows, q_offset, kv_offset
     ):
-        """One head's gradients from one tile: ``(dq_i, dk_j, dv_j, dbias_ij, dconsts)``.
+        r"""One head's gradients from one tile: ``(dq_i, dk_j, dv_j, dbias_ij, dconsts)``.
 
         ``dconsts`` are those of the arrays the ``score_mod`` closed over (None for integers).
+        The steps between the raw scores and the weights are differentiated by ``jax.vjp``; the
+        four products are FlashAttention's, :math:`dV = P^\top dO`, :math:`dP = dO\,V^\top`,
+        :math:`dQ = dS\,K`, :math:`dK = dS^\top Q`: each float32 operand is cast to the dtype
+        of the inputs it meets, as the forward pass casts the weights to the values', and the
+        sums are accumulated in at least float32. So 16-bit inputs keep 16-bit matrix units in a
+        Triton kernel, whose products take one dtype.
         """
+        q_scaled, formula = self.formula.scaled_queries(q_i)
+        raw = raw_scores(q_scaled, k_j, precision=formula.precision)
 
-        def tile_scores(q, k, bias, consts):
+        def tile_logits(raw, bias, consts):
             consts = tuple(
                 c if d is None else d for c, d in zip(arrays.score_consts, consts, strict=True)
             )
             tile = dataclasses.replace(arrays, bias=bias, score_consts=consts)
-            return self.scores(q, k, tile, q_offset, kv_offset)
+            return formula.logits(raw, tile, q_offset, kv_offset)
 
-        scores, scores_vjp, allowed = jax.vjp(
-            tile_scores, q_i, k_j, arrays.bias, differentiable(arrays.score_consts), has_aux=True
+        scores, logits_vjp, allowed = jax.vjp(
+            tile_logits, raw, arrays.bias, differentiable(arrays.score_consts), has_aux=True
         )
         # The weights: P = e^{S − lse}, or the sigmoid's.
         p = online_softmax.recompute(scores, allowed, row_terms.shift, arrays.sigmoid_bias)
         drop = self.drop_at(arrays, q_offset, kv_offset)
-        _, sum_vjp = jax.vjp(
-            lambda p, v: weighted_sum(p, v, precision=self.formula.precision), drop(p), v_j
-        )
-        d_dropped, d_v_j = sum_vjp(row_terms.d_out)
-        d_p = drop(d_dropped)  # dropout is diagonal: its own adjoint
-        d_scores = online_softmax.score_gradient(p, d_p, row_terms.delta, self.formula.sigmoid)
-        d_q_i, d_k_j, d_bias_ij, d_consts = scores_vjp(d_scores)
+        product = functools.partial(_product, precision=formula.precision)
+        d_v_j = product("ts,td->sd", drop(p), row_terms.d_out, v_j.dtype)
+        d_p = drop(product("td,sd->ts", row_terms.d_out, v_j, v_j.dtype))  # dropout: self-adjoint
+        d_scores = online_softmax.score_gradient(p, d_p, row_terms.delta, formula.sigmoid)
+        d_raw, d_bias_ij, d_consts = logits_vjp(d_scores)
+        d_q_i = product("ts,sd->td", d_raw, k_j, q_i.dtype)
+        if formula is not self.formula:  # the scale multiplied the queries: their gradient too
+            d_q_i = d_q_i * jnp.asarray(self.formula.scale, d_q_i.dtype)
+        d_k_j = product("ts,td->sd", d_raw, q_scaled, q_i.dtype)
         return d_q_i, d_k_j, d_v_j, d_bias_ij, d_consts
 
     def q_block(self, i) -> tuple:
@@ -167,6 +177,17 @@ class Tiles:
     def keys(self, x, j):
         """Block ``j`` of ``(S, K·d)`` key or value rows as ``(K, block_kv, d)``."""
         return _heads_first(_rows(x, j, self.block_kv), self.groups[:1], False)
+
+
+def _product(spec: str, a, b, dtype, precision) -> jax.Array:
+    """``einsum(spec, a, b)`` of the operands cast to ``dtype``, summed in at least float32."""
+    return jnp.einsum(
+        spec,
+        a.astype(dtype),
+        b.astype(dtype),
+        precision=precision,
+        preferred_element_type=accumulation_dtype(dtype),
+    )
 
 
 def differentiable(consts: tuple) -> tuple:
