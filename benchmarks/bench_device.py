@@ -9,7 +9,8 @@ On the device, first the correctness of ``implementation="pallas"`` in bfloat16 
 forward and gradients against ``implementation="xla"`` on the same inputs in float32: a causal
 call with a soft cap, a block mask of 16 documents, ALiBi over a captured slope array with a
 document mask over a captured array and sinks (every gradient, the arrays' included), and a
-causal sigmoid call with its max scores. Then the time of B2 H16 T4096 d128 bfloat16, forward
+causal sigmoid call with its max scores; the causal call in float32 too, and whether
+``implementation=None`` runs the kernel. Then the time of B2 H16 T4096 d128 bfloat16, forward
 and forward+backward, medians of ``--reps`` calls: our kernel (causal, ALiBi, 16 documents, no
 mask; sigmoid causal and not, and causal with the max scores out),
 ``jax.nn.dot_product_attention`` with ``implementation="cudnn"`` and ``"xla"``, our chunked XLA
@@ -33,6 +34,7 @@ import time
 import traceback
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -82,6 +84,29 @@ def correctness_cases(seq: int, heads: int) -> dict:
             (),
         ),
     }
+
+
+def default_choice(reps: int) -> None:
+    """What ``implementation=None`` runs here for B2 H16 T4096 d128 causal, and its time.
+
+    Forward+backward, beside the chunked path and the dense one, in bfloat16 and float32.
+    """
+    backend = jax.extend.backend.get_backend()
+    print(f"backend {backend.platform} {backend.platform_version!r}; implementation=None:")
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = _inputs((B, T, H, D), dtype)
+        attend = functools.partial(js.dot_product_attention, is_causal=True)
+        chosen = "pallas" if "pallas_call" in str(jax.make_jaxpr(attend)(*x)) else "not pallas"
+        times = {
+            name: _median_seconds(
+                _forward_backward(functools.partial(attend, implementation=name)), x, reps
+            )
+            for name in (None, "chunked", "xla")
+        }
+        print(
+            f"  {jnp.dtype(dtype).name}: runs {chosen}; fwd+bwd ms "
+            + ", ".join(f"{name} {1e3 * t:.2f}" for name, t in times.items())
+        )
 
 
 def _first(outputs):
@@ -340,6 +365,10 @@ def main():
         except Exception:  # one case's failure must not lose the others
             print(f"  {name}: FAILED\n{traceback.format_exc(limit=3)}")
     if not args.interpret:
+        # float32 inputs: the products in TF32 (Triton's default precision), as XLA's on a GPU.
+        keywords, _ = correctness_cases(seq, heads)["causal, soft cap"]
+        check("causal, soft cap, float32", keywords, (), seq, heads, jnp.float32, kernel, 1e-2)
+        default_choice(args.reps)
         time_all(kernel, args.reps, stop)
         time_tiles(args.tiles, args.reps, stop)
 

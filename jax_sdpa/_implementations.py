@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core as jax_core  # the current trace: no public API says it
@@ -56,8 +57,10 @@ from jax_sdpa._steps import accumulation_dtype
 Implementation = Literal["xla", "chunked", "decode", "selected", "cudnn", "pallas"]
 # implementation=None: on CPU the chunked path was measured at least as fast as the dense one at
 # every benchmark size, forward and backward (BENCHMARKS.md), so it is the default there. On
-# accelerators (not measured here) fused dense kernels are fast while the scores of the call,
-# B·N·T·S floats, stay small: dense up to this many, chunked above.
+# accelerators fused dense kernels are fast while the scores of the call, B·N·T·S floats, stay
+# small: dense up to this many; above, for 16-bit inputs on an NVIDIA GPU the Pallas kernel
+# (on an H200, bfloat16: 3.4x the dense path's speed and 4.5x the chunked one's, forward and
+# backward; in float32 it was slower than both, BENCHMARKS.md), else chunked (not measured).
 _DENSE_MAX_SCORES = 2**24
 # Decoding shapes (a few new queries against a cache): the split-key pass, measured faster than
 # the others while every query row of every head, N·T, fits its block-diagonal product
@@ -320,9 +323,19 @@ def _preference(inputs: Inputs) -> tuple[str, ...]:
         return ("decode",)
     if query_rows <= BLOCK_DIAGONAL_COLUMNS and seq_kv >= _DECODE_MIN_KEYS:
         return ("decode", "chunked", "xla")
-    if jax.default_backend() == "cpu" or scores > _DENSE_MAX_SCORES:
+    if jax.default_backend() == "cpu":
         return ("chunked", "xla")
-    return ("xla", "chunked")
+    if scores <= _DENSE_MAX_SCORES:
+        return ("xla", "chunked")
+    if _nvidia() and jnp.finfo(inputs.query.dtype).bits == 16:
+        return ("pallas", "chunked", "xla")
+    return ("chunked", "xla")
+
+
+def _nvidia() -> bool:
+    """Whether the default backend is CUDA's (ROCm's is a "gpu" too)."""
+    backend = jax.extend.backend.get_backend()
+    return backend.platform == "gpu" and "cuda" in backend.platform_version.lower()
 
 
 def _under_jvp(inputs: Inputs) -> bool:
