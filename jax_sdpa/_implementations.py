@@ -25,12 +25,10 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core as jax_core  # the current trace: no public API says it
-from jax._src.interpreters import batching
-from jax.interpreters import ad
+from jax._src.interpreters import ad, batching  # (reverse mode's LinearizeTrace is not public)
 
 from jax_sdpa._attention import dense_sequence
 from jax_sdpa._call import Config, Inputs
@@ -58,9 +56,8 @@ Implementation = Literal["xla", "chunked", "decode", "selected", "cudnn", "palla
 # implementation=None: on CPU the chunked path was measured at least as fast as the dense one at
 # every benchmark size, forward and backward (BENCHMARKS.md), so it is the default there. On
 # accelerators fused dense kernels are fast while the scores of the call, B·N·T·S floats, stay
-# small: dense up to this many; above, for 16-bit inputs on an NVIDIA GPU the Pallas kernel
-# (on an H200, bfloat16: 3.4x the dense path's speed and 4.5x the chunked one's, forward and
-# backward; in float32 it was slower than both, BENCHMARKS.md), else chunked (not measured).
+# small: dense up to this many, chunked above (not measured). The Pallas kernel, measured 3.4x
+# the dense path on an H200 in bfloat16, is not chosen: it has no second derivatives.
 _DENSE_MAX_SCORES = 2**24
 # Decoding shapes (a few new queries against a cache): the split-key pass, measured faster than
 # the others while every query row of every head, N·T, fits its block-diagonal product
@@ -74,7 +71,8 @@ class Entry:
 
     ``jvp``: whether it has a forward-mode derivative. Without one (a ``jax.custom_vjp``), it
     still has forward over reverse (``jax.hessian``, ``jax.jvp`` of a ``jax.grad``): forward mode
-    of its own backward pass.
+    of its own backward pass, if that pass is differentiable (``second_order``; the fused
+    kernel's is not).
     ``asked_as``: how a user asks for it, for messages (``implementation=...`` by default).
     ``options``: the class of its tunables (``Chunked``), whose instance the call's ``run``
     finds in ``config.options``; ``None`` where it has none.
@@ -86,6 +84,7 @@ class Entry:
     run: Callable[[Inputs, Config], Result]
     unsupported: Callable[[Inputs, Config], str | None] = lambda inputs, config: None
     jvp: bool = False
+    second_order: bool = True
     asked_as: str | None = None
     options: type | None = None
     serving_caches: bool = False
@@ -307,7 +306,9 @@ IMPLEMENTATIONS: dict[str, Entry] = {
     ),
     "cudnn": Entry(_run_cudnn, _cudnn_unsupported),
     "ring": Entry(_run_ring, _ring_unsupported, asked_as="`ring_attention`", options=Ring),
-    "pallas": Entry(_tiled(pallas_sequence), _pallas_unsupported, options=Pallas),
+    "pallas": Entry(
+        _tiled(pallas_sequence), _pallas_unsupported, second_order=False, options=Pallas
+    ),
 }
 
 
@@ -323,19 +324,9 @@ def _preference(inputs: Inputs) -> tuple[str, ...]:
         return ("decode",)
     if query_rows <= BLOCK_DIAGONAL_COLUMNS and seq_kv >= _DECODE_MIN_KEYS:
         return ("decode", "chunked", "xla")
-    if jax.default_backend() == "cpu":
+    if jax.default_backend() == "cpu" or scores > _DENSE_MAX_SCORES:
         return ("chunked", "xla")
-    if scores <= _DENSE_MAX_SCORES:
-        return ("xla", "chunked")
-    if _nvidia() and jnp.finfo(inputs.query.dtype).bits == 16:
-        return ("pallas", "chunked", "xla")
-    return ("chunked", "xla")
-
-
-def _nvidia() -> bool:
-    """Whether the default backend is CUDA's (ROCm's is a "gpu" too)."""
-    backend = jax.extend.backend.get_backend()
-    return backend.platform == "gpu" and "cuda" in backend.platform_version.lower()
+    return ("xla", "chunked")
 
 
 def _under_jvp(inputs: Inputs) -> bool:
@@ -350,6 +341,22 @@ def _under_jvp(inputs: Inputs) -> bool:
     while isinstance(trace, batching.BatchTrace):
         trace = trace.parent_trace
     return isinstance(trace, ad.JVPTrace) and _carries(inputs, trace)
+
+
+def _differentiated_twice(inputs: Inputs) -> bool:
+    """Whether two derivatives enclose the call: ``jax.hessian``, a jvp or grad of a ``jax.grad``.
+
+    Seen as two differentiating traces (forward mode's or reverse mode's linearization) that the
+    inputs carry; not seen, as for :func:`_under_jvp`, where a ``jax.jit`` between them traced
+    the call first.
+    """
+    kinds = (ad.JVPTrace, ad.LinearizeTrace)
+    trace = getattr(jax_core, "trace_ctx", None) and jax_core.trace_ctx.trace
+    count = 0
+    while trace is not None:
+        count += isinstance(trace, kinds) and _carries(inputs, trace)
+        trace = getattr(trace, "parent_trace", None)
+    return count >= 2
 
 
 def _carries(inputs: Inputs, trace) -> bool:
@@ -407,19 +414,26 @@ def choose(inputs: Inputs, config: Config, implementation) -> Config:
     Raises:
         ValueError: With the implementation's own message, if the one asked for cannot run it.
         TypeError: If the one asked for has no forward mode and ``jax.jvp`` differentiates the
-            call.
+            call, or no second derivatives and two derivatives enclose it.
     """
-    under_jvp = _under_jvp(inputs)
+    under_jvp, twice = _under_jvp(inputs), _differentiated_twice(inputs)
     asked = requested(implementation)
 
     def takes(name: str) -> bool:
-        return not under_jvp or IMPLEMENTATIONS[name].jvp
+        entry = IMPLEMENTATIONS[name]
+        return (entry.jvp or not under_jvp) and (entry.second_order or not twice)
 
     if asked is not None and not takes(asked):
         how = IMPLEMENTATIONS[asked].asked_as or f"`implementation={asked!r}`"
+        if under_jvp and not IMPLEMENTATIONS[asked].jvp:
+            raise TypeError(
+                f"{how} has no forward-mode derivative (jax.jvp, jax.jacfwd): its backward pass "
+                "is its own (jax.custom_vjp); dot_product_attention(implementation='xla') has one."
+            )
         raise TypeError(
-            f"{how} has no forward-mode derivative (jax.jvp, jax.jacfwd): its backward pass "
-            "is its own (jax.custom_vjp); dot_product_attention(implementation='xla') has one."
+            f"{how} has no second derivatives (jax.hessian, a jvp or grad of a jax.grad): its "
+            "backward pass is Pallas kernels, which JAX does not differentiate; "
+            "implementation='chunked' has them."
         )
     names = _preference(inputs) if asked is None else (asked,)
     configs = [

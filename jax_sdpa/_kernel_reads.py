@@ -46,7 +46,7 @@ from jax_sdpa._kernel_values import (
     is_zero,
     value,
 )
-from jax_sdpa._user_functions import scan_operands
+from jax_sdpa._user_functions import scan_operands, while_operands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +137,8 @@ def _eqn(eqn, invals: list):
     if name == "dynamic_update_slice":
         return _updated(*invals)
     if name in ("reduce_and", "reduce_or"):  # Triton reduces numbers, not booleans
-        reduce = lax.reduce_min_p if name == "reduce_and" else lax.reduce_max_p
-        return reduce.bind(invals[0].astype(jnp.int32), axes=params["axes"]) > 0
+        reduce = jnp.min if name == "reduce_and" else jnp.max
+        return reduce(invals[0].astype(jnp.int32), axis=params["axes"]) > 0
     return bind(eqn, invals)
 
 
@@ -217,9 +217,8 @@ def _while(params, invals):
     element kept where its own does not (as JAX's lowering of such a loop does).
     """
     cond_jaxpr, body_jaxpr = params["cond_jaxpr"], params["body_jaxpr"]
-    cond_consts = invals[: params["cond_nconsts"]]
-    body_consts = invals[params["cond_nconsts"] : params["cond_nconsts"] + params["body_nconsts"]]
-    carry = [value(x) for x in invals[params["cond_nconsts"] + params["body_nconsts"] :]]
+    cond_consts, body_consts, carry = while_operands(params, invals)
+    carry = [value(x) for x in carry]
 
     def holds(carry):
         return _eval(cond_jaxpr.jaxpr, cond_jaxpr.consts, [*cond_consts, *carry])[0]

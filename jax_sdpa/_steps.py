@@ -424,10 +424,15 @@ def weighted_sum(
         Array([[3., 1.]], dtype=float32)
     """
     weights, value = jnp.asarray(weights), jnp.asarray(value)
+    return cast_product("ts,sd->td", weights, value, value.dtype, precision=precision)
+
+
+def cast_product(spec: str, a: Array, b: Array, dtype, *, precision=None) -> Array:
+    """``einsum(spec, a, b)`` of the operands cast to ``dtype``, summed in at least float32."""
     return jnp.einsum(
-        "ts,sd->td",
-        weights.astype(value.dtype),
-        value,
+        spec,
+        a.astype(dtype),
+        b.astype(dtype),
         precision=precision,
-        preferred_element_type=accumulation_dtype(value.dtype),
+        preferred_element_type=accumulation_dtype(dtype),
     )

@@ -36,7 +36,7 @@ from jax_sdpa._heads import over_heads
 from jax_sdpa._indices import INDEX, indices, positions
 from jax_sdpa._masks import LengthMask, MaskRule
 from jax_sdpa._online_softmax import State
-from jax_sdpa._steps import accumulation_dtype, raw_scores
+from jax_sdpa._steps import cast_product, raw_scores
 
 # The fastest tile measured on a 2-core CPU, causal or not, forward and backward (BENCHMARKS.md):
 # smaller tiles pay more per-iteration overhead than they save in cache misses.
@@ -55,9 +55,10 @@ def check_sizes(options, names: tuple[str, ...] | None = None) -> None:
 
 
 class BackwardRows(NamedTuple):
-    """Per-row inputs of the backward pass, in the accumulation dtype.
+    """Per-row inputs of the backward pass, in the accumulation dtype (but a kernel's ``d_out``).
 
-    ``d_out`` the output's cotangent as ``(T, N·V)`` rows; ``delta`` = rowsum(dO ∘ O) less the
+    ``d_out`` the output's cotangent as ``(T, N·V)`` rows (a kernel reads it in the values'
+    dtype, which the products cast it to); ``delta`` = rowsum(dO ∘ O) less the
     log-sum-exp's cotangent, and ``shift``, the log-sum-exp (0 where −∞), ``(T, N)``. One
     head's block has them ``(block_q, V)``, ``(block_q,)`` and ``(block_q,)``.
     """
@@ -81,14 +82,20 @@ class Tiles:
     groups: tuple[int, int]  # (K, G): key/value heads, query heads per key/value head
     fused: bool = False  # the tiles are a Pallas kernel's: no hints to XLA's scheduler there
 
-    def scores(self, q_i, k_j, arrays: CallArrays, q_offset, kv_offset):
-        """Scores and allowed-mask of one head's tile: the dense path's steps.
+    def raw(self, q_i, k_j) -> tuple:
+        """``(queries, formula, raw)``: one head's tile up to its raw scores ``queries · k_j``.
 
-        The scale multiplies the queries (:meth:`Formula.scaled_queries`): in the forward pass
-        XLA hoists that out of the key loop, to once per query block.
+        Where the scale can multiply the queries (:meth:`Formula.scaled_queries`), ``queries``
+        are scaled and ``formula`` the rest: in the forward pass XLA hoists that out of the key
+        loop, to once per query block.
         """
         q_i, formula = self.formula.scaled_queries(q_i)
-        return formula.scores(q_i, k_j, arrays, q_offset, kv_offset)
+        return q_i, formula, raw_scores(q_i, k_j, precision=formula.precision)
+
+    def scores(self, q_i, k_j, arrays: CallArrays, q_offset, kv_offset):
+        """Scores and allowed-mask of one head's tile: the dense path's steps."""
+        _, formula, raw = self.raw(q_i, k_j)
+        return formula.logits(raw, arrays, q_offset, kv_offset)
 
     def drop_at(self, arrays: CallArrays, q_offset, kv_offset):
         """Dropout of this tile's weights: the mask the dense path draws at the same positions."""
@@ -127,8 +134,7 @@ class Tiles:
         sums are accumulated in at least float32. So 16-bit inputs keep 16-bit matrix units in a
         Triton kernel, whose products take one dtype.
         """
-        q_scaled, formula = self.formula.scaled_queries(q_i)
-        raw = raw_scores(q_scaled, k_j, precision=formula.precision)
+        q_scaled, formula, raw = self.raw(q_i, k_j)
 
         def tile_logits(raw, bias, consts):
             consts = tuple(
@@ -143,7 +149,7 @@ class Tiles:
         # The weights: P = e^{S − lse}, or the sigmoid's.
         p = online_softmax.recompute(scores, allowed, row_terms.shift, arrays.sigmoid_bias)
         drop = self.drop_at(arrays, q_offset, kv_offset)
-        product = functools.partial(_product, precision=formula.precision)
+        product = functools.partial(cast_product, precision=formula.precision)
         d_v_j = product("ts,td->sd", drop(p), row_terms.d_out, v_j.dtype)
         d_p = drop(product("td,sd->ts", row_terms.d_out, v_j, v_j.dtype))  # dropout: self-adjoint
         d_scores = online_softmax.score_gradient(p, d_p, row_terms.delta, formula.sigmoid)
@@ -177,17 +183,6 @@ class Tiles:
     def keys(self, x, j):
         """Block ``j`` of ``(S, K·d)`` key or value rows as ``(K, block_kv, d)``."""
         return _heads_first(_rows(x, j, self.block_kv), self.groups[:1], False)
-
-
-def _product(spec: str, a, b, dtype, precision) -> jax.Array:
-    """``einsum(spec, a, b)`` of the operands cast to ``dtype``, summed in at least float32."""
-    return jnp.einsum(
-        spec,
-        a.astype(dtype),
-        b.astype(dtype),
-        precision=precision,
-        preferred_element_type=accumulation_dtype(dtype),
-    )
 
 
 def differentiable(consts: tuple) -> tuple:

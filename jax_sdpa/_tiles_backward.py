@@ -2,8 +2,11 @@ r"""The tile engine's backward pass: gradients recomputed tile by tile from the 
 
 FlashAttention-2, Alg. 2: each tile's weights are recomputed from the saved log-sum-exp,
 :math:`P = e^{S - \mathrm{lse}}`, and :math:`dS = P \circ (dP - D)` with
-:math:`D = \mathrm{rowsum}(dO \circ O)` less the log-sum-exp's cotangent; every other
-derivative is ``jax.vjp`` of the same step functions (:meth:`jax_sdpa._tiles.Tiles.backward_tile`).
+:math:`D = \mathrm{rowsum}(dO \circ O)` less the log-sum-exp's cotangent; the four products
+are written out, :math:`dV = P^\top dO`, :math:`dP = dO\,V^\top`, :math:`dQ = dS\,K`,
+:math:`dK = dS^\top Q`, and the steps between raw scores and weights (scale, soft cap, bias,
+``score_mod``) are differentiated by ``jax.vjp`` of the same step functions
+(:meth:`jax_sdpa._tiles.Tiles.backward_tile`).
 Gradients are carried as whole arrays and updated tile by tile, so memory stays linear in the
 sequence length; the key/value gradients of a tile are summed over its ``G`` query heads.
 """

@@ -88,7 +88,7 @@ def _control_flow(eqn, operands: list, axes: frozenset) -> list:
 
         carry, ys = lax.scan(step, carry, xs, p["length"], reverse=p["reverse"], unroll=p["unroll"])
         return [*carry, *ys]
-    cond_consts, body_consts, init = _split(operands, p["cond_nconsts"], p["body_nconsts"])
+    cond_consts, body_consts, init = while_operands(p, operands)
     cond, body = _replayed(p["cond_jaxpr"], axes), _replayed(p["body_jaxpr"], axes)
     return lax.while_loop(
         lambda c: cond(*cond_consts, *c)[0], lambda c: body(*body_consts, *c), init
@@ -103,6 +103,11 @@ def scan_operands(params, operands: list) -> tuple[list, list, list]:
     if "ft_in" in params:
         return tuple(list(part) for part in params["ft_in"].update(operands).unpack())
     return _split(operands, params["num_consts"], params["num_carry"])
+
+
+def while_operands(params, operands: list) -> tuple[list, list, list]:
+    """A ``while``'s operands split into its condition's constants, its body's and the carry."""
+    return _split(operands, params["cond_nconsts"], params["body_nconsts"])
 
 
 def _split(xs: list, first: int, second: int) -> tuple[list, list, list]:

@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_sdpa as js
-from jax_sdpa import _implementations as implementations
 from tests import reference as ref
 from tests.implementations import each_implementation
 from tests.profile import examples
@@ -462,22 +461,6 @@ def test_automatic_choice_of_implementation(rng, monkeypatch):
     assert not _uses_chunked(f, q, k, v)
     big = jax.ShapeDtypeStruct((1, 4097, 1, 4), jnp.float32)
     assert _uses_chunked(f, big, big, big)
-
-
-def test_on_an_nvidia_gpu_large_16_bit_calls_take_the_kernel(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(implementations, "_nvidia", lambda: True)
-    f = functools.partial(js.dot_product_attention, is_causal=True)
-    big = jax.ShapeDtypeStruct((1, 4097, 1, 16), jnp.bfloat16)
-    assert "pallas_call" in str(jax.make_jaxpr(f)(big, big, big))
-    # What the kernel does not take (a dense bias) goes to the chunked path.
-    bias = jax.ShapeDtypeStruct((1, 1, 4097, 4097), jnp.bfloat16)
-    biased = str(jax.make_jaxpr(f)(big, big, big, bias))
-    assert "pallas_call" not in biased and "while" in biased
-    small = jax.ShapeDtypeStruct((1, 64, 1, 16), jnp.bfloat16)
-    assert not _uses_chunked(f, small, small, small)  # dense while the scores are few
-    wide = jax.ShapeDtypeStruct((1, 4097, 1, 16), jnp.float32)  # (the kernel measured slower)
-    assert "pallas_call" not in str(jax.make_jaxpr(f)(wide, wide, wide))
 
 
 def test_cudnn_is_handed_the_call_in_jax_nn_arguments(rng, monkeypatch):

@@ -11,7 +11,6 @@
   it compiles or runs on a device (``benchmarks/bench_device.py`` checks that on a GPU).
 """
 
-import contextlib
 import re
 
 import jax
@@ -23,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import jax_sdpa as js
 from tests import reference as ref
-from tests.util import qkv
+from tests.util import abstract_device, qkv
 
 INTERPRET = js.Pallas(block_q=16, block_kv=16, interpret=True)
 
@@ -217,14 +216,6 @@ INNER_LOOP = {("cuda", "alibi"), ("tpu", "sinks")}
 CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 
-def _abstract_tpu():
-    # TPU lowering asks for the chip; an abstract one stands in for it on a CPU.
-    from jax._src.mesh import AbstractDevice, AbstractMesh
-
-    device = AbstractDevice("TPU v5 lite", 1, "tpu")
-    return jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device))
-
-
 def lowered(platform: str, keywords: dict, backward: bool) -> str:
     """The StableHLO of the call (its gradient, with ``backward``) exported for ``platform``."""
 
@@ -238,7 +229,7 @@ def lowered(platform: str, keywords: dict, backward: bool) -> str:
 
     x = jax.ShapeDtypeStruct((2, T, N, D), jnp.bfloat16)
     unchecked = [export.DisabledSafetyCheck.custom_call(CUSTOM_CALL["cuda"])]
-    with _abstract_tpu() if platform == "tpu" else contextlib.nullcontext():
+    with abstract_device(platform):
         program = jax.jit(gradients if backward else forward)
         exported = export.export(program, platforms=[platform], disabled_checks=unchecked)
         return exported(x, x, x).mlir_module()

@@ -140,6 +140,27 @@ def test_an_implementation_without_forward_mode_says_so(rng, implementation):
         jax.jvp(lambda q: f(q, k, v), (q,), (q,))
 
 
+@pytest.mark.parametrize("second", ["hessian", "jvp of grad", "grad of grad"])
+def test_the_kernel_without_second_derivatives_says_so(rng, second):
+    # Its backward pass is Pallas kernels, which JAX does not differentiate; without this check
+    # JAX fails inside its own batching or linearization of the kernels, naming neither.
+    q, k, v = qkv(rng, 1, 16, 16, 2, 1, 16)
+    kernel = js.Pallas(16, 16, interpret=True)
+
+    def total(q, k):
+        return js.dot_product_attention(q, k, v, implementation=kernel).sum()
+
+    seconds = {
+        "hessian": lambda: jax.hessian(total)(q, k),
+        "jvp of grad": lambda: jax.jvp(lambda k: jax.grad(total)(q, k), (k,), (k,)),
+        "grad of grad": lambda: jax.grad(lambda q: jnp.sum(jax.grad(total)(q, k) ** 2))(q),
+    }
+    message = "`implementation='pallas'` has no second derivatives (jax.hessian, a jvp or grad"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        seconds[second]()
+    jax.grad(total)(q, k)  # one derivative: its own backward pass
+
+
 @pytest.mark.slow  # compile-bound (second derivatives of three paths); CI runs it
 @pytest.mark.parametrize("implementation", ["chunked", "decode", "ring"])
 def test_forward_over_reverse_and_reverse_over_reverse_work_on_the_custom_vjp_paths(

@@ -66,3 +66,23 @@ def run_pytest(*args: str, devices: int | None = None, env: dict | None = None) 
     root = Path(__file__).resolve().parent.parent
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-3000:]
+
+
+# The chip each platform's lowering asks for, which a CPU host cannot name: an abstract one
+# stands in (TPU lowering asks on every JAX; Triton's from JAX 0.11).
+ABSTRACT_DEVICES = {"tpu": ("TPU v5 lite", 1), "cuda": ("NVIDIA H100", None)}
+
+
+def abstract_mesh(platform: str, sizes: tuple = (1,), names: tuple = ("x",)):
+    """A mesh of ``platform``'s abstract chips, to lower over on a CPU: a shard_map's, or none's."""
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    kind, cores = ABSTRACT_DEVICES[platform]
+    device = AbstractDevice(kind, cores, "gpu" if platform == "cuda" else platform)
+    auto = (jax.sharding.AxisType.Auto,) * len(sizes)  # (arrays made outside keep their own)
+    return AbstractMesh(sizes, names, axis_types=auto, abstract_device=device)
+
+
+def abstract_device(platform: str):
+    """A context in which ``platform``'s lowering finds an abstract chip."""
+    return jax.sharding.use_abstract_mesh(abstract_mesh(platform))

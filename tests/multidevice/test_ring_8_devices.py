@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_sdpa as js
+from tests.util import abstract_mesh
 
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
@@ -414,7 +415,7 @@ def test_ring_steps_computed_by_the_kernel_match_single_device(layout):
 
 def test_ring_steps_by_the_kernel_lower_for_a_gpu_under_shard_maps_default_checks():
     # Lowered, not run: no GPU here. The kernel's outputs carry shard_map's varying types.
-    m = mesh((4,), ("seq",))
+    m = abstract_mesh("cuda", (4,), ("seq",))  # a GPU's, to lower on a CPU
     spec = P(None, "seq", None, None)
     slopes = jnp.linspace(0.1, 1.0, 4, dtype=jnp.float32)
     documents = jnp.arange(1024, dtype=jnp.int32) // 128
@@ -427,21 +428,28 @@ def test_ring_steps_by_the_kernel_lower_for_a_gpu_under_shard_maps_default_check
     x = jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.bfloat16)
     sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
     grads = jax.grad(lambda *a: ring(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
-    triton = "__gpu$xla.gpu.triton"
     for program, kernels in ((ring, 1), (grads, 3)):
+        text = _lowered_for_a_gpu(program, m, x, x, x, sinks)
+        assert text.count(TRITON) == kernels and "collective_permute" in text
+
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _lowered_for_a_gpu(program, abstract, *args) -> str:
+    """The StableHLO of ``program`` exported for ``cuda``, its shard_maps over ``abstract``."""
+    with jax.sharding.use_abstract_mesh(abstract):
+        unchecked = [jax.export.DisabledSafetyCheck.custom_call(TRITON)]
         exported = jax.export.export(
-            jax.jit(program),
-            platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)],
-        )(x, x, x, sinks)
-        text = exported.mlir_module()
-        assert text.count(triton) == kernels and "collective_permute" in text
+            jax.jit(program), platforms=["cuda"], disabled_checks=unchecked
+        )
+        return exported(*args).mlir_module()
 
 
 @SAMPLED  # the lowering under x64: the test before
 def test_a_large_tables_gradient_on_the_rings_kernel_lowers_for_a_gpu():
     # The table's gradient is one output all programs add into (atomics), starting as zeros.
-    m = mesh((4,), ("seq",))
+    m = abstract_mesh("cuda", (4,), ("seq",))  # a GPU's, to lower on a CPU
     spec = P(None, "seq", None, None)
 
     def local(q, k, v, table):
@@ -456,14 +464,8 @@ def test_a_large_tables_gradient_on_the_rings_kernel_lowers_for_a_gpu():
     grads = jax.grad(lambda *a: ring(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
     x = jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.bfloat16)
     table = jax.ShapeDtypeStruct((4, 2048), jnp.float32)
-    triton = "__gpu$xla.gpu.triton"
-    exported = jax.export.export(
-        jax.jit(grads),
-        platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)],
-    )(x, x, x, table)
-    text = exported.mlir_module()
-    assert text.count(triton) == 3 and "atomic_rmw" in text
+    text = _lowered_for_a_gpu(grads, m, x, x, x, table)
+    assert text.count(TRITON) == 3 and "atomic_rmw" in text
 
 
 def test_ring_steps_by_the_kernel_refuse_what_the_kernel_does_not_take():
