@@ -72,7 +72,7 @@ class Entry:
     ``jvp``: whether it has a forward-mode derivative. Without one (a ``jax.custom_vjp``), it
     still has forward over reverse (``jax.hessian``, ``jax.jvp`` of a ``jax.grad``): forward mode
     of its own backward pass, if that pass is differentiable (``second_order``; the fused
-    kernel's is not).
+    kernel's is not, nor a ring's whose options give its steps to the kernel).
     ``asked_as``: how a user asks for it, for messages (``implementation=...`` by default).
     ``options``: the class of its tunables (``Chunked``), whose instance the call's ``run``
     finds in ``config.options``; ``None`` where it has none.
@@ -88,6 +88,10 @@ class Entry:
     asked_as: str | None = None
     options: type | None = None
     serving_caches: bool = False
+
+    def second_order_with(self, options) -> bool:
+        """Whether its backward pass is differentiable, run with ``options``."""
+        return self.second_order and getattr(options, "kernel", None) is None
 
     def refuses(self, name: str, inputs: Inputs, config: Config) -> str | None:
         """Why this entry (``name`` in the table) cannot run the call, or None."""
@@ -421,7 +425,8 @@ def choose(inputs: Inputs, config: Config, implementation) -> Config:
 
     def takes(name: str) -> bool:
         entry = IMPLEMENTATIONS[name]
-        return (entry.jvp or not under_jvp) and (entry.second_order or not twice)
+        twice_ok = entry.second_order_with(options(name, implementation)) or not twice
+        return (entry.jvp or not under_jvp) and twice_ok
 
     if asked is not None and not takes(asked):
         how = IMPLEMENTATIONS[asked].asked_as or f"`implementation={asked!r}`"
@@ -430,10 +435,11 @@ def choose(inputs: Inputs, config: Config, implementation) -> Config:
                 f"{how} has no forward-mode derivative (jax.jvp, jax.jacfwd): its backward pass "
                 "is its own (jax.custom_vjp); dot_product_attention(implementation='xla') has one."
             )
+        instead = "a Ring without `kernel`" if asked == "ring" else "implementation='chunked'"
         raise TypeError(
             f"{how} has no second derivatives (jax.hessian, a jvp or grad of a jax.grad): its "
-            "backward pass is Pallas kernels, which JAX does not differentiate; "
-            "implementation='chunked' has them."
+            f"backward pass is Pallas kernels, which JAX does not differentiate; {instead} has "
+            "them."
         )
     names = _preference(inputs) if asked is None else (asked,)
     configs = [

@@ -137,8 +137,8 @@ def _eqn(eqn, invals: list):
     if name == "dynamic_update_slice":
         return _updated(*invals)
     if name in ("reduce_and", "reduce_or"):  # Triton reduces numbers, not booleans
-        reduce = jnp.min if name == "reduce_and" else jnp.max
-        return reduce(invals[0].astype(jnp.int32), axis=params["axes"]) > 0
+        reduce = lax.reduce_min if name == "reduce_and" else lax.reduce_max
+        return reduce(invals[0].astype(jnp.int32), params["axes"]) > 0
     return bind(eqn, invals)
 
 

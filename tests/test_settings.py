@@ -140,22 +140,37 @@ def test_an_implementation_without_forward_mode_says_so(rng, implementation):
         jax.jvp(lambda q: f(q, k, v), (q,), (q,))
 
 
+@pytest.mark.parametrize("path", ["kernel", "ring on the kernel"])
 @pytest.mark.parametrize("second", ["hessian", "jvp of grad", "grad of grad"])
-def test_the_kernel_without_second_derivatives_says_so(rng, second):
+def test_the_kernel_without_second_derivatives_says_so(rng, second, path):
     # Its backward pass is Pallas kernels, which JAX does not differentiate; without this check
     # JAX fails inside its own batching or linearization of the kernels, naming neither.
     q, k, v = qkv(rng, 1, 16, 16, 2, 1, 16)
     kernel = js.Pallas(16, 16, interpret=True)
+    if path == "kernel":
+        attend = functools.partial(js.dot_product_attention, value=v, implementation=kernel)
+        asked = "`implementation='pallas'`"
+    else:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+        spec = jax.sharding.PartitionSpec(None, "seq")
+        attend = jax.shard_map(
+            lambda q, k: js.ring_attention(q, k, v, axis_name="seq", implementation=kernel),
+            mesh=mesh,
+            in_specs=(spec, spec),
+            out_specs=spec,
+            check_vma=False,  # (the interpreter's needs, README: not the kernel's)
+        )
+        asked = "`ring_attention`"
 
     def total(q, k):
-        return js.dot_product_attention(q, k, v, implementation=kernel).sum()
+        return attend(q, k).sum()
 
     seconds = {
         "hessian": lambda: jax.hessian(total)(q, k),
         "jvp of grad": lambda: jax.jvp(lambda k: jax.grad(total)(q, k), (k,), (k,)),
         "grad of grad": lambda: jax.grad(lambda q: jnp.sum(jax.grad(total)(q, k) ** 2))(q),
     }
-    message = "`implementation='pallas'` has no second derivatives (jax.hessian, a jvp or grad"
+    message = f"{asked} has no second derivatives (jax.hessian, a jvp or grad"
     with pytest.raises(TypeError, match=re.escape(message)):
         seconds[second]()
     jax.grad(total)(q, k)  # one derivative: its own backward pass
