@@ -341,9 +341,7 @@ def _under_jvp(inputs: Inputs) -> bool:
     instead. Not seen from here: a JVP of a ``jax.jit`` or a ``jax.checkpoint`` that calls
     attention (the call is traced first, transformed afterwards).
     """
-    trace = getattr(jax_core, "trace_ctx", None) and jax_core.trace_ctx.trace
-    while isinstance(trace, batching.BatchTrace):
-        trace = trace.parent_trace
+    trace = next((t for t in _traces() if not isinstance(t, batching.BatchTrace)), None)
     return isinstance(trace, ad.JVPTrace) and _carries(inputs, trace)
 
 
@@ -355,12 +353,15 @@ def _differentiated_twice(inputs: Inputs) -> bool:
     the call first.
     """
     kinds = (ad.JVPTrace, ad.LinearizeTrace)
+    return sum(isinstance(t, kinds) and _carries(inputs, t) for t in _traces()) >= 2
+
+
+def _traces():
+    """The traces the call is made under, innermost first."""
     trace = getattr(jax_core, "trace_ctx", None) and jax_core.trace_ctx.trace
-    count = 0
     while trace is not None:
-        count += isinstance(trace, kinds) and _carries(inputs, trace)
+        yield trace
         trace = getattr(trace, "parent_trace", None)
-    return count >= 2
 
 
 def _carries(inputs: Inputs, trace) -> bool:
