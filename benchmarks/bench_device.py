@@ -10,9 +10,10 @@ forward and gradients against ``implementation="xla"`` on the same inputs in flo
 call with a soft cap, a block mask of 16 documents, ALiBi over a captured slope array with a
 document mask over a captured array and sinks (every gradient, the arrays' included), and a
 causal sigmoid call with its max scores; the causal call in float32 too, and the kernel's
-forward+backward time beside the chunked and dense paths' in both dtypes. Then the time of B2 H16 T4096 d128 bfloat16, forward
-and forward+backward, medians of ``--reps`` calls: our kernel (causal, ALiBi, 16 documents, no
-mask; sigmoid causal and not, and causal with the max scores out),
+forward+backward time beside the chunked and dense paths' in both dtypes. Then the time of B2
+H16 T4096 d128 bfloat16, forward and forward+backward, medians of ``--reps`` calls: our kernel
+(causal, ALiBi, 16 documents, no mask; sigmoid causal and not, and causal with the max scores
+out),
 ``jax.nn.dot_product_attention`` with ``implementation="cudnn"`` and ``"xla"``, our chunked XLA
 path, and upstream ``jax.experimental.pallas.ops.gpu.attention.mha``, each as TFLOP/s (the
 products a causal call needs: half the scores) and as a ratio to cuDNN, beside the machine's own
@@ -202,6 +203,11 @@ def timed_calls(kernel) -> dict:
     return calls
 
 
+def _failure(error: Exception, width: int) -> str:
+    """A case's error in one line: its type and the first ``width`` characters of its message."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:width]}"
+
+
 def _median_seconds(fn, args, reps: int) -> float:
     jax.block_until_ready(fn(*args))  # compile and warm up
     times = []
@@ -239,10 +245,7 @@ def time_all(kernel, reps: int, stop: float) -> None:
             try:
                 seconds = _median_seconds(program, (q, k, v), reps)
             except Exception as error:  # one case's failure must not lose the others
-                print(
-                    f"  {name} {'fwd+bwd' if backward else 'fwd'}: {type(error).__name__}: "
-                    f"{str(error).splitlines()[0][:300]}"
-                )
+                print(f"  {name} {'fwd+bwd' if backward else 'fwd'}: {_failure(error, 300)}")
                 continue
             tflops = flops(causal, backward) / seconds / 1e12
             if name == "jax.nn cudnn causal":
@@ -309,7 +312,7 @@ def time_tiles(tiles: list[str], reps: int, stop: float) -> None:
                 seconds = _median_seconds(program, (q, k, v), reps)
                 row += [f"{seconds * 1e3:8.2f}", f"{flops(True, backward) / seconds / 1e12:8.1f}"]
             except Exception as error:
-                row += [f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"]
+                row += [_failure(error, 120)]
         print(f"{tiling:30s} {' '.join(row)}", flush=True)
 
 
