@@ -88,12 +88,15 @@ def correctness_cases(seq: int, heads: int) -> dict:
     }
 
 
-def dtypes_compared(kernel, reps: int) -> None:
+def dtypes_compared(kernel, reps: int, stop: float) -> None:
     """The kernel, the chunked path and the dense one, forward+backward, bfloat16 and float32.
 
     B2 H16 T4096 d128 causal: what decides which ``implementation=None`` should take.
     """
     for dtype in (jnp.bfloat16, jnp.float32):
+        if time.time() > stop:
+            print("deadline reached: the dtypes' comparison stopped")
+            return
         x = _inputs((B, T, H, D), dtype)
         attend = functools.partial(js.dot_product_attention, is_causal=True)
         paths = {"pallas": kernel, "chunked": "chunked", "xla": "xla"}
@@ -370,7 +373,7 @@ def main():
         try:  # float32 inputs: the products in TF32 (Triton's default precision), as XLA's
             keywords, _ = correctness_cases(seq, heads)["causal, soft cap"]
             check("causal, soft cap, float32", keywords, (), seq, heads, jnp.float32, kernel, 1e-2)
-            dtypes_compared(kernel, args.reps)
+            dtypes_compared(kernel, args.reps, stop)
         except Exception:
             print(f"  float32: FAILED\n{traceback.format_exc(limit=3)}")
         time_all(kernel, args.reps, stop)
