@@ -16,7 +16,7 @@ from jaxtyping import Array, ArrayLike, Integer
 from jax_sdpa import _checks
 from jax_sdpa._formula import CallArrays
 from jax_sdpa._indices import Index, indices, positions
-from jax_sdpa._masks import MaskRule, rule_class, static_field
+from jax_sdpa._masks import AndMask, MaskRule, rule_class, static_field
 from jax_sdpa._tiles import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, Tiles
 from jax_sdpa._user_functions import function_mask
 
@@ -332,11 +332,19 @@ def blocked(tiles: Tiles, arrays: CallArrays, seq_q: int, seq_kv: int) -> BlockM
 
     Classifying once costs one evaluation of the rule per entry; the backward pass then reads
     the classes instead of evaluating it again. The padded keys count (the rule masks them),
-    the padded queries do not (they are dropped).
+    the padded queries do not (they are dropped). Where the rule is a :class:`BlockMask` made
+    with these tiles for these lengths, it holds these classes already: they are read.
     """
-    batch, heads = arrays.indices()
-    classes = classify_blocks(
-        arrays.rule, seq_q, seq_kv, tiles.block_q, tiles.block_kv, batch, jnp.atleast_1d(heads)
-    )
+    rule, (batch, heads) = arrays.rule, arrays.indices()
+    heads = jnp.atleast_1d(heads)
+    (mask,) = rule.rules if isinstance(rule, AndMask) and len(rule.rules) == 1 else (rule,)
+    sizes = (tiles.block_q, tiles.block_kv, seq_q, seq_kv)
+    if (
+        isinstance(mask, BlockMask)
+        and (mask.block_q, mask.block_kv, mask.q_len, mask.kv_len) == sizes
+    ):
+        classes = mask._classes(batch, heads)
+    else:
+        classes = classify_blocks(rule, seq_q, seq_kv, tiles.block_q, tiles.block_kv, batch, heads)
     # One sequence's classes, which its batch index need not pick: a batch axis of 1.
-    return BlockMask(arrays.rule, classes[None], tiles.block_q, tiles.block_kv, seq_q, seq_kv)
+    return BlockMask(rule, classes[None], tiles.block_q, tiles.block_kv, seq_q, seq_kv)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa as js
+from jax_sdpa import _block_mask
 from tests.implementations import each_implementation
 from tests.util import qkv
 
@@ -85,6 +86,40 @@ def test_a_block_mask_is_its_mask_mod_forward_and_backward(rng, impl):
         jax.value_and_grad(loss, argnums=(1, 2, 3))(mask_mod, q, k, v),
         strict=True,
     ):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), given, want
+        )
+
+
+@pytest.mark.parametrize(
+    "implementation, t", [(js.Chunked(4, 4), 12), (js.Pallas(block_q=16, block_kv=16), 32)]
+)
+def test_a_block_mask_with_the_calls_tiles_is_read_not_classified_again(
+    rng, monkeypatch, implementation, t
+):
+    q, k, v = qkv(rng, 2, t, t, 4, 2, 8)
+    doc = jnp.asarray(np.sort(rng.integers(0, 3, size=(2, t)), axis=1))
+    mask_mod = lambda b, h, i, j: documents(doc)(b, h, i, j) | ((h == 3) & (j < 2))  # noqa: E731
+    block = implementation.block_q
+    own, other = (
+        js.create_block_mask(mask_mod, 2, 4, t, t, block_q=size, block_kv=size)
+        for size in (block, block // 2)
+    )
+    classified = []
+    real = _block_mask.classify_blocks
+    monkeypatch.setattr(
+        _block_mask, "classify_blocks", lambda *args: classified.append(1) or real(*args)
+    )
+
+    def loss(mask_mod, q, k, v):
+        out = js.dot_product_attention(q, k, v, mask_mod=mask_mod, implementation=implementation)
+        return jnp.sum(out * jnp.sin(out))
+
+    want = jax.value_and_grad(loss, argnums=(1, 2, 3))(mask_mod, q, k, v)
+    for block_mask, reclassified in ((own, False), (other, True)):
+        classified.clear()
+        given = jax.value_and_grad(loss, argnums=(1, 2, 3))(block_mask, q, k, v)
+        assert bool(classified) == reclassified
         jax.tree.map(
             lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), given, want
         )
