@@ -105,6 +105,12 @@ def test_a_block_mask_with_the_calls_tiles_is_read_not_classified_again(
         js.create_block_mask(mask_mod, 2, 4, t, t, block_q=size, block_kv=size)
         for size in (block, block // 2)
     )
+    heads = jnp.arange(4)
+    for b in (0, 1):  # what is read is what classifying would give
+        np.testing.assert_array_equal(
+            own._classes(b, heads),
+            _block_mask.classify_blocks(js.AndMask((own,)), t, t, block, block, b, heads),
+        )
     classified = []
     real = _block_mask.classify_blocks
     monkeypatch.setattr(
