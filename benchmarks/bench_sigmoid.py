@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_speed import interleaved  # noqa: E402
+from bench_speed import compiled, interleaved  # noqa: E402
 
 import jax_sdpa  # noqa: E402
 
@@ -45,28 +45,12 @@ def attention(is_causal: bool, **keywords):
     )
 
 
-def step(fn, mode: str):
-    """``fn`` jitted: its forward, or forward+backward (the gradients of the output's sum).
-
-    Whatever the call returns is an output of the program, the max scores too (beside the
-    gradients, as a training step that records them): a result nobody reads, XLA does not
-    compute.
-    """
-    if mode == "fwd":
-        return jax.jit(fn)
-
-    def loss(q, k, v):
-        out, *rest = jax.tree.leaves(fn(q, k, v))
-        return out.sum(), rest
-
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
-
-
 def speed(seq: int, is_causal: bool, mode: str, reps: int) -> dict:
     keys = jax.random.split(jax.random.key(0), 3)
     args = [jax.random.normal(r, (1, seq, 8, 64), jnp.float32) for r in keys]
     steps = {
-        name: step(attention(is_causal, **keywords), mode) for name, keywords in VARIANTS.items()
+        name: compiled(attention(is_causal, **keywords), mode, args)[0]
+        for name, keywords in VARIANTS.items()
     }
     a, b = (jax.random.normal(r, (2048, 2048), jnp.float32) for r in keys[:2])
     gemm = jax.jit(jnp.matmul)

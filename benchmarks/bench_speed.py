@@ -63,11 +63,21 @@ def automatic_choice(is_causal: bool, args) -> str:
 
 
 def compiled(fn, mode: str, args):
-    """A jitted forward, or forward+backward (gradient of the sum w.r.t. q, k, v)."""
+    """A jitted forward, or forward+backward (gradient of the output's sum w.r.t. q, k, v).
+
+    Whatever else the call returns (its max scores) is an output of the program too, beside the
+    gradients, as in a training step that records them: a result nobody reads, XLA does not
+    compute.
+    """
     if mode == "fwd":
         step = jax.jit(fn)
     else:
-        step = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))
+
+        def loss(q, k, v):
+            out, *rest = jax.tree.leaves(fn(q, k, v))
+            return out.sum(), rest
+
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
     start = time.perf_counter()
     jax.block_until_ready(step(*args))
     return step, time.perf_counter() - start
