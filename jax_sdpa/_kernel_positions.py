@@ -61,6 +61,21 @@ class Run(Lazy):
 
 
 @dataclasses.dataclass(frozen=True)
+class Uniform(Lazy):
+    """An integer scalar broadcast to ``shape``: an index the same at every point of a tile.
+
+    A gather at positions along one axis and at such an index along the others (``doc[b, i]``)
+    reads a window of one row (:func:`jax_sdpa._kernel_reads._gather`).
+    """
+
+    scalar: Any
+    shape: tuple
+
+    def read(self):
+        return jnp.broadcast_to(self.scalar, self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
 class Negative(Lazy):
     """``run < 0``, kept until it is seen to choose a ``jnp`` index's wrap."""
 
@@ -127,7 +142,8 @@ def on_runs(eqn, invals: list):
     """What an equation makes of positions, if it keeps them a :class:`Run`; else None.
 
     Those that do: an integer iota, plus or minus a scalar, axes of 1 added or dropped, and a
-    ``jnp`` index's wrap (``select_n(x < 0, x, x + n)``).
+    ``jnp`` index's wrap (``select_n(x < 0, x, x + n)``); and an integer scalar broadcast
+    (:class:`Uniform`).
     """
     name, params = eqn.primitive.name, eqn.params
     if name == "iota" and jnp.issubdtype(params["dtype"], jnp.integer):
@@ -136,6 +152,19 @@ def on_runs(eqn, invals: list):
             return Run(jnp.zeros((), params["dtype"]), 0, shape, axis)
         return None
     first = invals[0] if invals else None
+    shape = tuple(eqn.outvars[0].aval.shape)
+    reshaped = name in ("broadcast_in_dim", "squeeze") or (
+        name == "reshape" and params.get("dimensions") is None
+    )
+    if reshaped and isinstance(first, Uniform):
+        return Uniform(first.scalar, shape)
+    if (
+        name == "broadcast_in_dim"
+        and not isinstance(first, Lazy)
+        and jnp.ndim(first) == 0
+        and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.integer)
+    ):
+        return Uniform(first, shape)
     if name == "select_n" and isinstance(first, Negative) and len(invals) == 3:
         run, (kept, wrapped) = first.run, invals[1:]
         if (
@@ -148,10 +177,7 @@ def on_runs(eqn, invals: list):
         return None
     if not isinstance(first, Run) and not (name == "add" and isinstance(invals[1], Run)):
         return None
-    shape = tuple(eqn.outvars[0].aval.shape)
-    if name in ("broadcast_in_dim", "squeeze") or (
-        name == "reshape" and params.get("dimensions") is None
-    ):
+    if reshaped:
         return first.reshaped(shape)
     if name == "convert_element_type" and params["new_dtype"] == first.base.dtype:
         return first

@@ -29,10 +29,11 @@ from typing import Any
 import jax
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_sdpa._kernel_positions import Run, on_runs, read_run
+from jax_sdpa._kernel_positions import Run, Uniform, on_runs, read_run
 from jax_sdpa._kernel_scatters import Zeros, on_scatters, scatter_add
 from jax_sdpa._kernel_values import (
     Joined,
@@ -73,7 +74,9 @@ def _eval(jaxpr, consts, args) -> list:
     env = {}
 
     def read(var):
-        return var.val if isinstance(var, jax.extend.core.Literal) else env[var]
+        if isinstance(var, jax.extend.core.Literal):
+            return np.asarray(var.val, var.aval.dtype)
+        return env[var]
 
     for var, x in zip(jaxpr.constvars, consts, strict=True):
         env[var] = x
@@ -113,7 +116,7 @@ def _eqn(eqn, invals: list):
     if name == "squeeze" and isinstance(first, _Expanded):
         return _squeezed(first, params["dimensions"])
     if name == "concatenate" and params["dimension"] == eqn.outvars[0].aval.ndim - 1:
-        return Joined([value(x) for x in invals])
+        return Joined(list(invals))
     if name == "gather" and isinstance(first, Unread) and _point_gather(eqn, first):
         return _gather(first, invals[1], params)
     lazy = on_runs(eqn, invals) or on_scatters(eqn, invals)
@@ -184,18 +187,44 @@ def _point_gather(eqn, operand: Unread) -> bool:
 
 def _gather(operand: Unread, indices, params):
     """A point gather: loads at the points (one contiguous load for a run of positions)."""
+    ones = 0 if params["dimension_numbers"].collapsed_slice_dims else len(operand.shape)
+    operand, indices, inside = _along_a_run(operand, indices)
+    value = _gathered(operand, indices, params)
+    if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP and inside is not None:
+        value = jnp.where(inside, value, fill_value(params["fill_value"], value.dtype))
+    return _Expanded(value, ones)
+
+
+def _along_a_run(operand: Unread, indices):
+    """A gather at positions along one axis and one index along the others, as a 1-D gather.
+
+    ``(operand, indices, inside)``: the operand's row at those indices (clamped), the positions,
+    and whether the indices lie inside (None if nothing was taken). Any other gather is as given.
+    """
+    parts = indices.parts if isinstance(indices, Joined) else []
+    runs = [n for n, part in enumerate(parts) if isinstance(part, Run)]
+    if len(parts) != len(operand.shape) or len(runs) != 1:
+        return operand, indices, None
+    scalars = {n: part.scalar for n, part in enumerate(parts) if isinstance(part, Uniform)}
+    if len(scalars) != len(parts) - 1:
+        return operand, indices, None
+    inside = in_bounds(list(scalars.values()), [operand.shape[n] for n in scalars])
+    return operand.taken(scalars), parts[runs[0]], inside
+
+
+def _gathered(operand: Unread, indices, params):
+    """The values of a point gather, before axes of 1 are added."""
     rank = len(operand.shape)
-    ones = 0 if params["dimension_numbers"].collapsed_slice_dims else rank
     if isinstance(indices, Run):
         if rank == 1 and 0 < indices.size <= operand.shape[0]:
-            return _Expanded(read_run(operand, indices, params), ones)
+            return read_run(operand, indices, params)
         indices = indices.read()  # a run longer than the array
     points = index_arrays(indices, rank)
     value = operand.at_points(points)
     if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:  # read clamped, then filled
         inside = in_bounds(points, operand.shape)
         value = jnp.where(inside, value, fill_value(params["fill_value"], value.dtype))
-    return _Expanded(value, ones)
+    return value
 
 
 def _updated(operand, update, *starts):

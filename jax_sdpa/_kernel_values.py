@@ -62,6 +62,17 @@ class Unread(Lazy):
             index[axis] = index[axis].start
         return Unread(self.ref, tuple(index))
 
+    def taken(self, scalars: dict):
+        """This part with its kept axes ``scalars`` (positions among them) read at one index.
+
+        Each index is clamped into the part (as a ``CLIP`` gather).
+        """
+        index, kept = list(self.index), self.kept()
+        for position, scalar in scalars.items():
+            axis, length = kept[position], self.shape[position]
+            index[axis] = index[axis].start + jnp.clip(scalar, 0, length - 1)
+        return Unread(self.ref, tuple(index))
+
     def at_points(self, points: list):
         """``part[points[0], points[1], …]`` of equal-shape index arrays, one per kept axis.
 
@@ -75,12 +86,16 @@ class Unread(Lazy):
 
 @dataclasses.dataclass(frozen=True)
 class Joined(Lazy):
-    """``concatenate(parts, axis=-1)`` of gather indices, kept apart until the gather reads them."""
+    """``concatenate(parts, axis=-1)`` of gather indices, kept apart until the gather reads them.
+
+    Each part stays as the program left it (positions, one index at every point), so that a
+    gather can read along one axis at positions and along the others at one index.
+    """
 
     parts: list
 
     def read(self):
-        return jnp.concatenate(self.parts, axis=-1)
+        return jnp.concatenate([value(part) for part in self.parts], axis=-1)
 
 
 def is_zero(x) -> bool:
@@ -113,7 +128,8 @@ def index_arrays(indices, rank: int) -> list:
     Where the program built them by concatenation, its parts: a kernel reshapes, it does not
     slice.
     """
-    parts = indices.parts if isinstance(indices, Joined) else [value(indices)]
+    parts = indices.parts if isinstance(indices, Joined) else [indices]
+    parts = [value(part) for part in parts]
     if len(parts) == rank and all(part.shape[-1] == 1 for part in parts):
         return [part.reshape(part.shape[:-1]) for part in parts]
     indices = value(indices)
