@@ -320,15 +320,27 @@ class _Combination(MaskRule):
     def per_head(self) -> bool:
         return any(rule.per_head for rule in self.rules)
 
-    def _part_classes(self, q_idx, kv_idx, batch, heads) -> tuple[Array, Array]:
-        """Each part's ``(empty, full)`` on a tile, as two boolean vectors."""
+    def _part_classes(self, q_idx, kv_idx, batch, heads) -> tuple[list, list]:
+        """Each part's ``(empty, full)`` on a tile, as two lists of booleans.
+
+        Combined by ``&`` and ``|``, not stacked: a kernel's stack of scalars is a 0-d tensor,
+        which Triton's passes do not take.
+        """
         parts = [rule.tile_class(q_idx, kv_idx, batch, heads) for rule in self.rules]
-        return jnp.array([e for e, _ in parts], bool), jnp.array([f for _, f in parts], bool)
+        return [e for e, _ in parts], [f for _, f in parts]
 
     def at(self, q_idx, kv_idx, batch, head):
         shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
         parts = (rule.at(q_idx, kv_idx, batch, head) for rule in self.rules)
         return functools.reduce(self._combine, parts, jnp.full(shape, self._empty))
+
+
+def _any(xs: list):
+    return functools.reduce(jnp.logical_or, xs, jnp.asarray(False))
+
+
+def _all(xs: list):
+    return functools.reduce(jnp.logical_and, xs, jnp.asarray(True))
 
 
 @rule_class
@@ -341,7 +353,7 @@ class AndMask(_Combination):
 
     def tile_class(self, q_idx, kv_idx, batch, heads):
         empty, full = self._part_classes(q_idx, kv_idx, batch, heads)
-        return empty.any(), full.all()
+        return _any(empty), _all(full)
 
     def visited(self, axis, index, sizes, batch, heads):
         lists = [rule.visited(axis, index, sizes, batch, heads) for rule in self.rules]
@@ -371,7 +383,7 @@ class OrMask(_Combination):
 
     def tile_class(self, q_idx, kv_idx, batch, heads):
         empty, full = self._part_classes(q_idx, kv_idx, batch, heads)
-        return empty.all(), full.any()
+        return _all(empty), _any(full)
 
     def kv_range(self, q_lo, q_hi):
         return _hull(rule.kv_range(q_lo, q_hi) for rule in self.rules)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from jax_sdpa._indices import INDEX
@@ -162,12 +163,12 @@ def _hoisted(fn, args: list) -> tuple:
     shared by every function that traces to the same program with the same shapes, so that a
     call with new values, or with a new but equal lambda, reuses the compiled program.
     """
-    closed = jax.make_jaxpr(lambda *a: fn(*a))(*args)
-    key = (str(closed.jaxpr), tuple(jax.typeof(x) for x in (*args, *closed.consts)))
+    jaxpr, arrays = _precomputed(jax.make_jaxpr(lambda *a: fn(*a))(*args), len(args))
+    key = (str(jaxpr), tuple(jax.typeof(x) for x in (*args, *arrays)))
     if key not in _EVALUATORS:
         if len(_EVALUATORS) > 256:
             _EVALUATORS.clear()
-        jaxpr, count = closed.jaxpr, len(args)
+        count = len(args)
 
         def evaluate(*args_and_arrays):
             arrays = list(args_and_arrays[count:])
@@ -175,7 +176,35 @@ def _hoisted(fn, args: list) -> tuple:
 
         evaluate.jaxpr = jaxpr  # what the function computes, to inspect without tracing again
         _EVALUATORS[key] = evaluate
-    return _EVALUATORS[key], tuple(closed.consts)
+    return _EVALUATORS[key], arrays
+
+
+def _precomputed(closed: ClosedJaxpr, count: int) -> tuple[Jaxpr, tuple]:
+    """A function's program split in two: what it computes from its closed-over arrays alone.
+
+    ``(jaxpr, arrays)``: that part computed now (``arrays``), and the rest, a program of the
+    ``count`` arguments that closes over those (``jaxpr``'s constants).
+
+    ``table.astype(jnp.bfloat16)[h, i - j]`` casts the table once here, not in every tile: the
+    tiles (and a kernel's body, which takes no operation over a whole array of any shape) keep
+    only what depends on the positions. The gradients of the arrays flow through the part
+    computed here as through any JAX function.
+    """
+    consts = list(closed.consts)
+    program = ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ())
+    known, unknown, _, residuals = pe.partial_eval_jaxpr_nounits(
+        program, [False] * len(consts) + [True] * count, instantiate=True
+    )
+    axes = varying_axes(consts)
+    if axes:
+        results = _replay_varying(known.jaxpr, list(known.consts), consts, axes)
+    else:
+        results = jaxpr_as_fun(known)(*consts)
+    # The unknown part takes the residuals before the arguments: they become its constants.
+    jaxpr, split = unknown.jaxpr, len(unknown.jaxpr.invars) - count
+    constvars = [*jaxpr.constvars, *jaxpr.invars[:split]]
+    rest = jaxpr.replace(constvars=constvars, invars=jaxpr.invars[split:])
+    return rest, (*unknown.consts, *results[len(results) - len(residuals) :])
 
 
 def convert(name: str, fn, signature: str, example: tuple, kind: str) -> tuple:

@@ -81,8 +81,3 @@ def abstract_mesh(platform: str, sizes: tuple = (1,), names: tuple = ("x",)):
     device = AbstractDevice(kind, cores, "gpu" if platform == "cuda" else platform)
     auto = (jax.sharding.AxisType.Auto,) * len(sizes)  # (arrays made outside keep their own)
     return AbstractMesh(sizes, names, axis_types=auto, abstract_device=device)
-
-
-def abstract_device(platform: str):
-    """A context in which ``platform``'s lowering finds an abstract chip."""
-    return jax.sharding.use_abstract_mesh(abstract_mesh(platform))

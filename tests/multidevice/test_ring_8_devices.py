@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_sdpa as js
+from tests.lowering import exported, verified, verified_kernels
 from tests.util import abstract_mesh
 
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
@@ -429,21 +430,8 @@ def test_ring_steps_by_the_kernel_lower_for_a_gpu_under_shard_maps_default_check
     sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
     grads = jax.grad(lambda *a: ring(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
     for program, kernels in ((ring, 1), (grads, 3)):
-        text = _lowered_for_a_gpu(program, m, x, x, x, sinks)
-        assert text.count(TRITON) == kernels and "collective_permute" in text
-
-
-TRITON = "__gpu$xla.gpu.triton"
-
-
-def _lowered_for_a_gpu(program, abstract, *args) -> str:
-    """The StableHLO of ``program`` exported for ``cuda``, its shard_maps over ``abstract``."""
-    with jax.sharding.use_abstract_mesh(abstract):
-        unchecked = [jax.export.DisabledSafetyCheck.custom_call(TRITON)]
-        exported = jax.export.export(
-            jax.jit(program), platforms=["cuda"], disabled_checks=unchecked
-        )
-        return exported(*args).mlir_module()
+        text = exported(program, x, x, x, sinks, platform="cuda", mesh=m)
+        assert len(verified(text, "cuda")) == kernels and "collective_permute" in text
 
 
 @SAMPLED  # the lowering under x64: the test before
@@ -464,8 +452,9 @@ def test_a_large_tables_gradient_on_the_rings_kernel_lowers_for_a_gpu():
     grads = jax.grad(lambda *a: ring(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
     x = jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.bfloat16)
     table = jax.ShapeDtypeStruct((4, 2048), jnp.float32)
-    text = _lowered_for_a_gpu(grads, m, x, x, x, table)
-    assert text.count(TRITON) == 3 and "atomic_rmw" in text
+    kernels = verified_kernels(grads, x, x, x, table, platform="cuda", mesh=m)
+    atomics = [kernel.name for kernel in kernels if "tt.atomic_rmw" in kernel.asm]
+    assert len(kernels) == 3 and atomics == ["jax_sdpa_backward_keys"]
 
 
 def test_ring_steps_by_the_kernel_refuse_what_the_kernel_does_not_take():

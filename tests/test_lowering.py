@@ -1,0 +1,74 @@
+"""The fused kernel lowers, and its kernel modules verify (and on a GPU compile), for the shapes
+and options users have: a matrix, each case lowered for ``cuda`` (Triton) and ``tpu`` (Mosaic),
+forward and forward+backward (every gradient: queries, keys, values and the floating-point
+arrays a call closes over), each kernel module inside checked by
+:func:`tests.lowering.verified_kernels`.
+
+No device runs here: that the modules verify (and, for a GPU, compile to a cubin) is not that
+they run correctly; the interpreter's values are checked against the float64 reference in
+``tests/test_pallas.py``, the behaviour tests and the sweep, and ``benchmarks/bench_device.py
+--smoke`` runs this matrix on a GPU.
+"""
+
+import pytest
+
+from tests.lowering import verified_kernels
+from tests.matrix import CASES, TPU_CANNOT, call, gradients
+from tests.profile import PROFILE
+
+pytestmark = pytest.mark.x64_sampled  # lowering is the same program under x64
+
+
+# Summed by atomic adds into memory (Triton's), a table's gradient: more entries than one-hot
+# sums take.
+ATOMICS = {name for name in CASES if name.startswith("relative positions")}
+# Every case's kernels are verified; these (and in the thorough profile all) are also compiled
+# for sm_90, a case for each kind of kernel: lengths, head dims, dtypes, normalizers and
+# statistics, sinks, gradients as one-hot sums and as atomics, block lists, windows.
+COMPILED = {
+    "T = S = 65, causal",
+    "query lengths",
+    "both lengths, causal",
+    "window, bottom-right causal, T ≠ S",
+    "segment ids",
+    "d = 80",
+    "d = 256",
+    "d_k = 96, d_v = 256",
+    "float16",
+    "float32",
+    "sigmoid, max scores",
+    "sinks",
+    "ALiBi, a small captured array",
+    "relative positions, a large captured table",
+    "documents over a (B, T) array",
+    "block mask of documents",
+}
+
+# The inner loop verifies the cases that failed on an H200 before (lengths not a multiple of the
+# tile, query lengths) and the one a TPU failed to lower; CI verifies them all.
+INNER_LOOP = {"T = S = 65, causal", "query lengths", "documents over a (B, T) array"}
+MATRIX = [
+    pytest.param(platform, name, marks=[] if name in INNER_LOOP else [pytest.mark.slow])
+    for name in CASES
+    for platform in ("cuda", "tpu")
+    if not (platform == "tpu" and name in TPU_CANNOT)
+]
+FORWARD = ["jax_sdpa_forward"]
+BACKWARD = ["jax_sdpa_backward_keys", "jax_sdpa_backward_queries"]
+
+
+@pytest.mark.parametrize("platform, name", MATRIX)
+def test_every_kernel_module_verifies_forward_and_backward(platform, name):
+    case = CASES[name]
+    compile = name in COMPILED or PROFILE == "thorough"
+    programs = (call(case, "pallas"), gradients(case, "pallas"))
+    forward, both = (
+        verified_kernels(program, *case.inputs(), platform=platform, compile=compile)
+        for program in programs
+    )
+    # One kernel forward; the backward pass has its own two (queries; keys and values). (On
+    # a GPU the forward kernel, the same in both programs, is compiled once.)
+    assert [kernel.name for kernel in forward] == FORWARD
+    assert sorted(kernel.name for kernel in both) == sorted(FORWARD + BACKWARD)
+    atomics = [kernel.name for kernel in both if "tt.atomic_rmw" in kernel.asm]
+    assert atomics == (["jax_sdpa_backward_keys"] if name in ATOMICS else [])
