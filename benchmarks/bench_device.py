@@ -1,7 +1,8 @@
 """The fused kernel on a GPU: bfloat16 correctness, then speed, in one command with a deadline.
 
     python benchmarks/bench_device.py              # on a GPU machine: at most --deadline seconds
-    python benchmarks/bench_device.py --lower      # anywhere: every timed call lowered for cuda
+    python benchmarks/bench_device.py --smoke      # on a GPU: the matrix of calls, checked
+    python benchmarks/bench_device.py --lower      # anywhere: every timed call compiled for sm_90
     python benchmarks/bench_device.py --interpret  # anywhere: the correctness cases, interpreted
     python benchmarks/bench_device.py --tiles 64,64,4,2 128,32,8,3  # then other tilings, causal
 
@@ -20,10 +21,12 @@ products a causal call needs: half the scores) and as a ratio to cuDNN, beside t
 bfloat16 matrix product measured in the same run. Every case runs in its own ``try``: one
 failure prints its error and the rest go on; the deadline stops the run between cases.
 
-``--lower`` and ``--interpret`` are its rehearsal on a machine without a GPU: they prove that
-the calls lower and that the checks pass, not any speed. (From JAX 0.11 Triton's lowering asks
-for the GPU, so ``--lower`` needs one there; the suite's lowering tests stand an abstract H100
-in for it.) On a lent machine whose image has JAX
+``--lower`` and ``--interpret`` are its rehearsal on a machine without a GPU: ``--lower``
+proves that every timed call's kernels compile for sm_90 (``tests/lowering.py``, an abstract
+H100 standing in for the chip), ``--interpret`` that the checks pass; neither says anything of
+speed. ``--smoke`` runs the matrix of calls users make (``tests/matrix.py``), every gradient
+checked, one line a case (``--smoke --interpret``: shrunk, in the interpreter). Times are the
+device's own (CUPTI), never a host sync per call. On a lent machine whose image has JAX
 but not this package (nor a network), run it from the checkout with this package's one other
 dependency, pure Python, brought along::
 
@@ -35,6 +38,7 @@ import argparse
 import functools
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +47,6 @@ import numpy as np
 import jax_sdpa as js
 
 B, H, T, D = 2, 16, 4096, 128
-TRITON = "__gpu$xla.gpu.triton"
 
 
 def _inputs(shape, dtype, seed=0):
@@ -212,13 +215,29 @@ def _failure(error: Exception, width: int) -> str:
 
 
 def _median_seconds(fn, args, reps: int) -> float:
+    """The median time of ``fn(*args)`` on the device: CUPTI's count of its kernels on a GPU.
+
+    Elsewhere (a rehearsal on a CPU), ``reps`` calls back to back with one sync, per call. Never
+    one host sync per call: its round trip would add to every sub-millisecond kernel.
+    """
     jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    if jax.default_backend() == "gpu":
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, milliseconds = profiler.measure(fn, iterations=reps)(*args)
+        return float(np.median(milliseconds)) / 1e3
+    start = time.perf_counter()
+    jax.block_until_ready([fn(*args) for _ in range(reps)])
+    return (time.perf_counter() - start) / reps
+
+
+def kernel_times(fn, args: tuple) -> list[tuple[str, float]]:
+    """Each kernel ``fn(*args)`` runs on a GPU and its device milliseconds, longest first."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    jax.block_until_ready(fn(*args))
+    _, kernels = profiler.measure(fn, aggregate=False)(*args)
+    return sorted(kernels or [], key=lambda kernel: -kernel[1])
 
 
 def _forward_backward(fn):
@@ -262,6 +281,31 @@ def time_all(kernel, reps: int, stop: float) -> None:
                 cudnn[backward] = tflops
             rows.append((name, backward, seconds, tflops))
     _print(rows, cudnn)
+
+
+# The calls whose kernels are listed one by one: what runs around ours (layout transposes, a
+# block mask's lists) shows there.
+BROKEN_DOWN = ("pallas causal", "jax.nn cudnn causal", "pallas 16 documents")
+
+
+def print_kernel_times(kernel) -> None:
+    """Each kernel's device time in a few calls, forward and forward+backward (on a GPU)."""
+    q, k, v = _inputs((B, T, H, D), jnp.bfloat16)
+    calls = timed_calls(kernel)
+    print("\nkernels, device ms (CUPTI, one call):")
+    for name in BROKEN_DOWN:
+        fn, _ = calls[name]
+        for backward in (False, True):
+            program = _forward_backward(fn) if backward else jax.jit(fn)
+            try:
+                kernels = kernel_times(program, (q, k, v))
+            except Exception as error:  # one case's failure must not lose the others
+                print(f"  {name} {'fwd+bwd' if backward else 'fwd'}: {_failure(error, 200)}")
+                continue
+            total = sum(ms for _, ms in kernels)
+            listed = ", ".join(f"{kernel_name[:40]} {ms:.3f}" for kernel_name, ms in kernels[:6])
+            passes = "fwd+bwd" if backward else "fwd"
+            print(f"  {name:22s} {passes:8s} {total:.3f} in {len(kernels)}: {listed}")
 
 
 def _print(rows, cudnn) -> None:
@@ -326,31 +370,106 @@ def time_tiles(tiles: list[str], reps: int, stop: float) -> None:
         print(f"{tiling:30s} {' '.join(row)}", flush=True)
 
 
+# Forward and every gradient against implementation="xla" in float32 at the highest precision,
+# relative to each result's largest entry (float32 inputs: the kernel's products in TF32).
+SMOKE_TOLERANCE = {"bfloat16": 3e-2, "float16": 1e-2, "float32": 1e-2}
+SMOKE_LENGTH = 80  # in the interpreter (a CPU), no sequence is longer
+
+
+def smoke(kernel, stop: float) -> None:
+    """The matrix of calls users make (``tests/matrix.py``), run: one line per case.
+
+    Each case's forward and every gradient (queries, keys, values, the arrays it closes over)
+    in its dtype, against ``implementation="xla"`` on the same inputs in float32. All programs
+    are compiled first, at once (XLA compiles off the interpreter lock), then run in turn.
+    """
+    from tests.matrix import CASES, gradients, shrunk
+
+    def prepared(index: int, case):
+        shapes = case.inputs()
+        keys = jax.random.split(jax.random.key(index), len(shapes))
+        scales = [1.0] * 3 + [0.5] * (len(shapes) - 3)  # the arrays a call closes over: smaller
+        args = [
+            (scale * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+            for k, x, scale in zip(keys, shapes, scales, strict=True)
+        ]
+        wide = [x.astype(jnp.float32) for x in args]  # the same values
+        ours = jax.jit(gradients(case, kernel)).lower(*args).compile()
+        with jax.default_matmul_precision("highest"):
+            reference = jax.jit(gradients(case, "xla")).lower(*wide).compile()
+        return ours(*args), reference(*wide)
+
+    cases = {
+        name: shrunk(case, SMOKE_LENGTH) if kernel.interpret else case
+        for name, case in CASES.items()
+    }
+    start = time.time()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        runs = {
+            name: pool.submit(prepared, n, case) for n, (name, case) in enumerate(cases.items())
+        }
+        passed = 0
+        for name, run in runs.items():
+            if time.time() > stop:
+                print("deadline reached: the remaining cases were not run")
+                break
+            try:
+                line, ok = _compared(cases[name], *run.result())
+            except Exception as error:  # one case's failure must not lose the others
+                line, ok = f"FAIL  {_failure(error, 200)}", False
+            passed += ok
+            print(f"  {name:44s} {line}", flush=True)
+    print(f"smoke: {passed} of {len(cases)} cases ok in {time.time() - start:.0f} s")
+
+
+def _compared(case, ours, reference) -> tuple[str, bool]:
+    """One case's line: the worst error, and where, relative to each result's largest entry."""
+    (grads, outs), (want_grads, want) = ours, reference
+    names = ["out", "max scores"][: len(jax.tree.leaves(outs))] + ["dq", "dk", "dv"]
+    names += [f"d(array {n})" for n in range(len(grads) - 3)]
+    errors = {
+        name: float(jnp.abs(got.astype(jnp.float32) - expected).max())
+        / max(float(jnp.abs(expected).max()), 1e-30)
+        for name, got, expected in zip(
+            names,
+            [*jax.tree.leaves(outs), *grads],
+            [*jax.tree.leaves(want), *want_grads],
+            strict=True,
+        )
+    }
+    worst = max(errors, key=errors.get)
+    ok = errors[worst] <= SMOKE_TOLERANCE[jnp.dtype(case.dtype).name]
+    return (
+        f"{'ok' if ok else 'FAIL':4s}  worst {errors[worst]:.1e} ({worst}), out {errors['out']:.1e}",
+        ok,
+    )
+
+
 def lower_all(kernel) -> None:
-    """Every timed call of ours, lowered for cuda at full size (on any machine)."""
+    """Every timed call of ours lowered for cuda at full size, each kernel module verified and
+    compiled for sm_90 (``tests/lowering.py``): on any machine."""
+    from tests.lowering import verified_kernels
+
     x = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
-    unchecked = [jax.export.DisabledSafetyCheck.custom_call(TRITON)]
     for name, (fn, _) in timed_calls(kernel).items():
         if not name.startswith("pallas"):
             continue
         for backward in (False, True):
-            program = _forward_backward(fn) if backward else jax.jit(fn)
+            program = _forward_backward(fn) if backward else fn
+            passes = "fwd+bwd" if backward else "fwd"
             try:
-                exported = jax.export.export(
-                    program, platforms=["cuda"], disabled_checks=unchecked
-                )(x, x, x)
-                kernels = exported.mlir_module().count(TRITON)
-                print(
-                    f"  {name:24s} {'fwd+bwd' if backward else 'fwd':8s} lowers: {kernels} kernels"
-                )
-            except Exception as error:
-                print(f"  {name:24s} FAILS to lower: {type(error).__name__}: {error}")
+                kernels = verified_kernels(program, x, x, x, platform="cuda")
+                shared = ", ".join(f"{k.name} {k.shared_bytes} B" for k in kernels)
+                print(f"  {name:24s} {passes:8s} compiles; shared memory: {shared}", flush=True)
+            except Exception as error:  # one case's failure must not lose the others
+                print(f"  {name:24s} {passes:8s} FAILS: {_failure(error, 300)}", flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lower", action="store_true", help="lower for cuda, run nothing")
     parser.add_argument("--interpret", action="store_true", help="checks in the interpreter")
+    parser.add_argument("--smoke", action="store_true", help="only the matrix of calls, checked")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--deadline", type=float, default=220.0, help="seconds for the run")
     parser.add_argument("--block-q", type=int, default=64)
@@ -367,6 +486,8 @@ def main():
     print(f"jax {jax.__version__}, devices {jax.devices()}, {kernel}")
     if args.lower:
         return lower_all(kernel)
+    if args.smoke:
+        return smoke(kernel, stop)
     seq, heads, dtype, tolerance = (
         (256, 4, jnp.float32, 1e-5) if args.interpret else (1024, H, jnp.bfloat16, 3e-2)
     )
@@ -384,6 +505,8 @@ def main():
         except Exception:
             print(f"  float32: FAILED\n{traceback.format_exc(limit=3)}")
         time_all(kernel, args.reps, stop)
+        if jax.default_backend() == "gpu" and time.time() < stop:
+            print_kernel_times(kernel)
         time_tiles(args.tiles, args.reps, stop)
 
 

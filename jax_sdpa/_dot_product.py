@@ -24,6 +24,7 @@ never copied ``G`` times.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -45,6 +46,7 @@ from jax_sdpa._options import (
     RingOptions,
 )
 from jax_sdpa._ring import Layout, Ring
+from jax_sdpa._steps import accumulation_dtype
 
 if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no dependency
     from typing_extensions import Unpack
@@ -223,7 +225,9 @@ def dot_product_attention(
         precision: ``jax.lax`` precision of the two matrix products.
         module: A flax module; if given, the weights ``(B, N, T, S)`` are sown into its
             intermediates as ``"attention_weights"`` (flax's ``sow_weights=True``).
-        force_fp32_for_softmax: Accepted for flax; the softmax always runs in at least float32.
+        force_fp32_for_softmax: The sown weights in at least float32 (flax's meaning); without
+            it, in the inputs' dtype, as flax sows them. The softmax itself always runs in at
+            least float32.
         qk_attn_weights_einsum: Accepted for flax; must be None (custom einsums are not supported).
         attn_weights_value_einsum: Accepted for flax; must be None.
 
@@ -248,8 +252,16 @@ def dot_product_attention(
     )
     result = run(inputs, config=config)
     if module is not None:
-        _sow(module, result.weights)
+        _sow(module, _as_flax(result.weights, inputs.query.dtype, force_fp32_for_softmax))
     return result.returned(return_residual, return_max_scores)
+
+
+def _as_flax(weights: Array, dtype, force_fp32_for_softmax: bool) -> Array:
+    """The weights in flax's dtype: the inputs', or at least float32 if it forces the softmax.
+
+    Computed in at least float32 either way, they are rounded once.
+    """
+    return weights.astype(accumulation_dtype(dtype) if force_fp32_for_softmax else dtype)
 
 
 def _sow(module, weights: Array) -> None:
@@ -289,12 +301,14 @@ def dot_product_attention_weights(
     dtype: Any = None,
     precision: lax.PrecisionLike = None,
     module: Any = None,
+    force_fp32_for_softmax: bool = False,
 ) -> Float[Array, "*batch heads q_seq kv_seq"]:
     """The attention weights of :func:`dot_product_attention`, shape ``(B, N, T, S)``.
 
     Same arguments and meaning; as flax's ``dot_product_attention_weights``, dropout (if active)
     is applied to the returned weights, and ``module`` sows them before dropout. Rows with no
-    allowed key are all zero.
+    allowed key are all zero. The weights have the inputs' dtype, as flax's (computed in at
+    least float32), or with ``force_fp32_for_softmax`` at least float32.
 
     Examples:
         >>> import jax
@@ -306,12 +320,15 @@ def dot_product_attention_weights(
     value = jnp.asarray(key)[..., :0]  # no values: the weights do not depend on them
     inputs, config = bind(**locals(), output="weights", implementation="xla")
     weights = run(inputs, config=config).weights
+    as_flax = functools.partial(
+        _as_flax, dtype=inputs.query.dtype, force_fp32_for_softmax=force_fp32_for_softmax
+    )
     if module is not None:  # flax sows the weights before dropout
         arrays = dataclasses.replace(inputs.arrays, dropout_rng=None)
         undropped = dataclasses.replace(inputs, arrays=arrays)
         dropout = inputs.arrays.dropout_rng is not None
-        _sow(module, run(undropped, config=config).weights if dropout else weights)
-    return weights
+        _sow(module, as_flax(run(undropped, config=config).weights if dropout else weights))
+    return as_flax(weights)
 
 
 @overload

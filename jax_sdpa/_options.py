@@ -59,7 +59,7 @@ class _Segments(TypedDict, total=False):
 
 
 class _Flax(TypedDict, total=False):
-    """Flax's ``attention_fn`` keywords: dropout, the inputs' dtype, the module to sow into."""
+    """Flax's ``attention_fn`` keywords: dropout, dtypes, the module to sow the weights into."""
 
     broadcast_dropout: bool
     dropout_rng: ArrayLike | None
@@ -67,12 +67,12 @@ class _Flax(TypedDict, total=False):
     deterministic: bool
     dtype: Any
     module: Any
+    force_fp32_for_softmax: bool
 
 
 class _FlaxAccepted(TypedDict, total=False):
     """Flax keywords that only :func:`dot_product_attention` takes, so that linen passes them."""
 
-    force_fp32_for_softmax: bool
     qk_attn_weights_einsum: Callable | None
     attn_weights_value_einsum: Callable | None
 

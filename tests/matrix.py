@@ -67,7 +67,9 @@ def _lengths(case, which: str):
 
 
 def _segments(case):
-    ids = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) // 300, (case.batch, n))  # noqa: E731
+    def ids(n):  # three packed sequences
+        return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) * 3 // n, (case.batch, n))
+
     return dict(query_segment_ids=ids(case.t), key_value_segment_ids=ids(case.kv_length))
 
 
@@ -93,11 +95,17 @@ def _relative_positions_bf16(case, table):  # a bfloat16 row a head, read as tab
 
 
 def _band(case):
-    return dict(mask_mod=lambda b, h, i, j: (j <= i) & (i - j < 300))
+    width = case.t * 3 // 10
+    return dict(mask_mod=lambda b, h, i, j: (j <= i) & (i - j < width))
+
+
+def _documents_of(length: int):
+    """A document id for each of ``length`` positions: four documents."""
+    return jnp.arange(length, dtype=jnp.int32) * 4 // length
 
 
 def _documents(case):  # a document id per position of each sequence: a (B, T) array
-    doc = jnp.arange(case.batch * case.t, dtype=jnp.int32).reshape(case.batch, case.t) // 250
+    doc = _documents_of(case.batch * case.t).reshape(case.batch, case.t)  # each its own
 
     def mask_mod(b, h, i, j):
         return (doc[b, i] == doc[b, j]) & (j <= i)
@@ -106,9 +114,9 @@ def _documents(case):  # a document id per position of each sequence: a (B, T) a
 
 
 def _block_mask(case, band: bool):
-    doc = jnp.arange(case.t, dtype=jnp.int32) // 250
+    doc, width = _documents_of(case.t), case.t * 3 // 10
     rule = (
-        (lambda b, h, i, j: (j <= i) & (i - j < 300))
+        (lambda b, h, i, j: (j <= i) & (i - j < width))
         if band
         else (lambda b, h, i, j: doc[i] == doc[j])
     )
@@ -117,7 +125,7 @@ def _block_mask(case, band: bool):
 
 
 def _alibi_documents_sinks(case, slopes, sinks):  # a mask_mod and is_causal: two rules
-    doc = jnp.arange(case.t, dtype=jnp.int32) // 250
+    doc = _documents_of(case.t)
     keywords = dict(_alibi(case, slopes), sinks=sinks)
     return dict(keywords, mask_mod=lambda b, h, i, j: doc[i] == doc[j])
 
@@ -224,4 +232,4 @@ def _weighted(x):
 def shrunk(case: Case, length: int) -> Case:
     """The case with no sequence longer than ``length``: for the interpreter on a CPU."""
     s = None if case.s is None else min(case.s, length)
-    return dataclasses.replace(case, t=min(case.t, length), s=s, batch=1)
+    return dataclasses.replace(case, t=min(case.t, length), s=s)

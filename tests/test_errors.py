@@ -61,6 +61,11 @@ def call(**overrides):
             TypeError,
             "`query` must have a floating-point dtype; got int32.",
         ),
+        (  # (jax.nn takes complex64 with a warning and drops the imaginary part)
+            dict(query=jnp.ones((2, 5, 4, 8), jnp.complex64)),
+            TypeError,
+            "`query` must have a floating-point dtype; got complex64.",
+        ),
         (
             dict(value=jnp.ones((2, 7, 2, 8), jnp.bfloat16)),
             TypeError,

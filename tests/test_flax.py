@@ -62,6 +62,39 @@ def test_linen_sow_weights(x):
     np.testing.assert_allclose(w_ours, w_theirs, atol=1e-6)
 
 
+@pytest.mark.parametrize("force_fp32_for_softmax", [False, True])
+def test_linen_sown_weights_have_flax_s_dtype_in_bfloat16(x, force_fp32_for_softmax):
+    # A bfloat16 model sows bfloat16 weights, or float32 ones where it forces the softmax to.
+    theirs, ours = linen_pair(dtype=jnp.bfloat16, force_fp32_for_softmax=force_fp32_for_softmax)
+
+    def weights(model):
+        _, state = model.apply(params, x, sow_weights=True, mutable=["intermediates"])
+        return state["intermediates"]["attention_weights"][0]
+
+    with jax.numpy_dtype_promotion("standard"):  # flax's own code promotes implicitly
+        params = theirs.init(jax.random.key(0), x)
+        w_ours, w_theirs = weights(ours), weights(theirs)
+    assert (
+        w_ours.dtype == w_theirs.dtype == (jnp.float32 if force_fp32_for_softmax else jnp.bfloat16)
+    )
+    # (flax's bfloat16 softmax rounds more than ours, computed in float32 and rounded once)
+    np.testing.assert_allclose(w_ours.astype(jnp.float32), w_theirs.astype(jnp.float32), atol=2e-2)
+
+
+@pytest.mark.parametrize("force_fp32_for_softmax", [False, True])
+def test_weights_have_the_inputs_dtype_as_flax_s(rng, force_fp32_for_softmax):
+    q, k = (jnp.asarray(rng.normal(size=(2, 5, 3, 8)), jnp.bfloat16) for _ in range(2))
+    keywords = dict(is_causal=False, force_fp32_for_softmax=force_fp32_for_softmax)
+    ours = js.dot_product_attention_weights(q, k, **keywords)
+    theirs = linen.dot_product_attention_weights(
+        q, k, force_fp32_for_softmax=force_fp32_for_softmax
+    )
+    assert ours.dtype == theirs.dtype == (jnp.float32 if force_fp32_for_softmax else jnp.bfloat16)
+    # Computed in float32 and rounded once: the float32 weights, rounded.
+    wide = js.dot_product_attention_weights(q.astype(jnp.float32), k.astype(jnp.float32))
+    np.testing.assert_array_equal(ours, wide.astype(ours.dtype))
+
+
 def test_linen_dropout(x):
     _, ours = linen_pair(dropout_rate=0.5)
     params = ours.init(jax.random.key(0), x, deterministic=True)

@@ -34,7 +34,7 @@ PARAMETERS = {
         "bias broadcast_dropout causal_alignment deterministic dropout_rate dropout_rng dtype "
         "is_causal key key_value_segment_ids key_value_seq_lengths local_window_size "
         "logits_soft_cap mask mask_mod module precision query query_segment_ids query_seq_lengths "
-        "scale score_mod sinks normalizer sigmoid_bias".split()
+        "scale score_mod sinks normalizer sigmoid_bias force_fp32_for_softmax".split()
     ),
     "ring_attention": set(
         "axis_name batch_axis bias causal_alignment head_axis implementation is_causal key "
