@@ -146,12 +146,12 @@ def _replay_varying(jaxpr: Jaxpr, consts: list, args: list, axes: frozenset) -> 
     return [read(var) for var in jaxpr.outvars]
 
 
-def _replay(jaxpr: Jaxpr, consts: list, args: list):
-    """The one result of ``jaxpr`` on ``args``, its closed-over arrays being ``consts``."""
-    axes = varying_axes((consts, args))
+def _replay(closed: ClosedJaxpr, args: list):
+    """The one result of ``closed`` on ``args``."""
+    axes = varying_axes(args)
     if not axes:
-        return jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*args)[0]
-    return _replay_varying(jaxpr, consts, args, axes)[0]
+        return jaxpr_as_fun(closed)(*args)[0]
+    return _replay_varying(closed.jaxpr, list(closed.consts), args, axes)[0]
 
 
 def _hoisted(fn, args: list) -> tuple:
@@ -162,28 +162,30 @@ def _hoisted(fn, args: list) -> tuple:
     ``fn`` is traced afresh on every call (it may read values that changed since), and ``g`` is
     shared by every function that traces to the same program with the same shapes, so that a
     call with new values, or with a new but equal lambda, reuses the compiled program.
+    ``g.reads`` says which of ``args`` the function reads.
     """
-    jaxpr, arrays = _precomputed(jax.make_jaxpr(lambda *a: fn(*a))(*args), len(args))
-    key = (str(jaxpr), tuple(jax.typeof(x) for x in (*args, *arrays)))
+    program, arrays = _precomputed(jax.make_jaxpr(lambda *a: fn(*a))(*args), len(args))
+    key = (str(program.jaxpr), tuple(jax.typeof(x) for x in (*args, *arrays)))
     if key not in _EVALUATORS:
         if len(_EVALUATORS) > 256:
             _EVALUATORS.clear()
         count = len(args)
 
         def evaluate(*args_and_arrays):
-            arrays = list(args_and_arrays[count:])
-            return _replay(jaxpr, arrays, list(args_and_arrays[:count]))
+            return _replay(program, [*args_and_arrays[count:], *args_and_arrays[:count]])
 
-        evaluate.jaxpr = jaxpr  # what the function computes, to inspect without tracing again
+        jaxpr = program.jaxpr
+        read = {id(x) for eqn in jaxpr.eqns for x in eqn.invars} | {id(x) for x in jaxpr.outvars}
+        evaluate.reads = tuple(id(x) in read for x in jaxpr.invars[len(jaxpr.invars) - count :])
         _EVALUATORS[key] = evaluate
     return _EVALUATORS[key], arrays
 
 
-def _precomputed(closed: ClosedJaxpr, count: int) -> tuple[Jaxpr, tuple]:
+def _precomputed(closed: ClosedJaxpr, count: int) -> tuple[ClosedJaxpr, tuple]:
     """A function's program split in two: what it computes from its closed-over arrays alone.
 
-    ``(jaxpr, arrays)``: that part computed now (``arrays``), and the rest, a program of the
-    ``count`` arguments that closes over those (``jaxpr``'s constants).
+    ``(program, arrays)``: that part computed now (``arrays``), and the rest, a program of
+    those arrays and then the ``count`` arguments.
 
     ``table.astype(jnp.bfloat16)[h, i - j]`` casts the table once here, not in every tile: the
     tiles (and a kernel's body, which takes no operation over a whole array of any shape) keep
@@ -200,11 +202,8 @@ def _precomputed(closed: ClosedJaxpr, count: int) -> tuple[Jaxpr, tuple]:
         results = _replay_varying(known.jaxpr, list(known.consts), consts, axes)
     else:
         results = jaxpr_as_fun(known)(*consts)
-    # The unknown part takes the residuals before the arguments: they become its constants.
-    jaxpr, split = unknown.jaxpr, len(unknown.jaxpr.invars) - count
-    constvars = [*jaxpr.constvars, *jaxpr.invars[:split]]
-    rest = jaxpr.replace(constvars=constvars, invars=jaxpr.invars[split:])
-    return rest, (*unknown.consts, *results[len(results) - len(residuals) :])
+    # (the unknown part takes the residuals before the arguments)
+    return unknown, tuple(results[len(results) - len(residuals) :])
 
 
 def convert(name: str, fn, signature: str, example: tuple, kind: str) -> tuple:
@@ -276,7 +275,5 @@ def function_mask(mask_mod) -> FunctionMask:
     """A user's ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` as a rule, checked."""
     signature = "mask_mod(batch, head, q_idx, kv_idx) -> bool"
     fn, consts = convert("mask_mod", mask_mod, signature, (INDEX_ARGUMENT,) * 4, "bool")
-    jaxpr = fn.jaxpr
-    read = {id(x) for eqn in jaxpr.eqns for x in eqn.invars} | {id(x) for x in jaxpr.outvars}
-    batch, head = (id(x) in read for x in jaxpr.invars[:2])
+    batch, head = fn.reads[:2]
     return FunctionMask(fn, consts, uses_head=head, uses_batch=batch)
