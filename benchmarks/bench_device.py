@@ -25,8 +25,9 @@ failure prints its error and the rest go on; the deadline stops the run between 
 proves that every timed call's kernels compile for sm_90 (``tests/lowering.py``, an abstract
 H100 standing in for the chip), ``--interpret`` that the checks pass; neither says anything of
 speed. ``--smoke`` runs the matrix of calls users make (``tests/matrix.py``), every gradient
-checked, one line a case (``--smoke --interpret``: shrunk, in the interpreter). Times are the
-device's own (CUPTI), never a host sync per call. On a lent machine whose image has JAX
+checked, one line a case, at sequences of up to 1024 in 2 minutes (``--smoke --interpret``:
+up to 80, in the interpreter). Times are the device's own (CUPTI), never a host sync per call.
+The three modes use the tests' matrix and lowering helpers: run them from the checkout. On a lent machine whose image has JAX
 but not this package (nor a network), run it from the checkout with this package's one other
 dependency, pure Python, brought along::
 
@@ -104,7 +105,7 @@ def dtypes_compared(kernel, reps: int, stop: float) -> None:
         attend = functools.partial(js.dot_product_attention, is_causal=True)
         paths = {"pallas": kernel, "chunked": "chunked", "xla": "xla"}
         times = {
-            name: _median_seconds(
+            name: _call_seconds(
                 _forward_backward(functools.partial(attend, implementation=path)), x, reps
             )
             for name, path in paths.items()
@@ -214,17 +215,19 @@ def _failure(error: Exception, width: int) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0][:width]}"
 
 
-def _median_seconds(fn, args, reps: int) -> float:
-    """The median time of ``fn(*args)`` on the device: CUPTI's count of its kernels on a GPU.
+def _call_seconds(fn, args, reps: int) -> float:
+    """The time of one call ``fn(*args)`` on the device: the median of CUPTI's counts on a GPU.
 
-    Elsewhere (a rehearsal on a CPU), ``reps`` calls back to back with one sync, per call. Never
-    one host sync per call: its round trip would add to every sub-millisecond kernel.
+    Elsewhere (a rehearsal on a CPU), the mean of ``reps`` calls back to back with one sync.
+    Never one host sync per call: its round trip would add to every sub-millisecond kernel.
     """
     jax.block_until_ready(fn(*args))  # compile and warm up
     if jax.default_backend() == "gpu":
         from jax.experimental.mosaic.gpu import profiler
 
         _, milliseconds = profiler.measure(fn, iterations=reps)(*args)
+        if milliseconds is None:
+            raise RuntimeError("CUPTI saw no kernel run: nothing to time.")
         return float(np.median(milliseconds)) / 1e3
     start = time.perf_counter()
     jax.block_until_ready([fn(*args) for _ in range(reps)])
@@ -257,7 +260,7 @@ def _forward_backward(fn):
 def gemm_tflops(reps: int) -> float:
     """The machine's own bfloat16 matrix product, 8192³, as TFLOP/s."""
     a, b = _inputs((8192, 8192), jnp.bfloat16)[:2]
-    seconds = _median_seconds(jax.jit(jnp.matmul), (a, b), reps)
+    seconds = _call_seconds(jax.jit(jnp.matmul), (a, b), reps)
     return 2 * 8192**3 / seconds / 1e12
 
 
@@ -272,7 +275,7 @@ def time_all(kernel, reps: int, stop: float) -> None:
                 return _print(rows, cudnn)
             program = _forward_backward(fn) if backward else jax.jit(fn)
             try:
-                seconds = _median_seconds(program, (q, k, v), reps)
+                seconds = _call_seconds(program, (q, k, v), reps)
             except Exception as error:  # one case's failure must not lose the others
                 print(f"  {name} {'fwd+bwd' if backward else 'fwd'}: {_failure(error, 300)}")
                 continue
@@ -363,7 +366,7 @@ def time_tiles(tiles: list[str], reps: int, stop: float) -> None:
         for backward in (False, True):
             program = _forward_backward(fn) if backward else jax.jit(fn)
             try:
-                seconds = _median_seconds(program, (q, k, v), reps)
+                seconds = _call_seconds(program, (q, k, v), reps)
                 row += [f"{seconds * 1e3:8.2f}", f"{flops(True, backward) / seconds / 1e12:8.1f}"]
             except Exception as error:
                 row += [_failure(error, 120)]
@@ -373,15 +376,19 @@ def time_tiles(tiles: list[str], reps: int, stop: float) -> None:
 # Forward and every gradient against implementation="xla" in float32 at the highest precision,
 # relative to each result's largest entry (float32 inputs: the kernel's products in TF32).
 SMOKE_TOLERANCE = {"bfloat16": 3e-2, "float16": 1e-2, "float32": 1e-2}
-SMOKE_LENGTH = 80  # in the interpreter (a CPU), no sequence is longer
+# No sequence is longer: small sizes that keep the lengths no tile divides (63, 65, 1000); in the
+# interpreter (a CPU), shorter still.
+SMOKE_LENGTH = {"device": 1024, "interpreter": 80}
+SMOKE_SECONDS = 120.0  # the smoke's default deadline
 
 
 def smoke(kernel, stop: float) -> None:
     """The matrix of calls users make (``tests/matrix.py``), run: one line per case.
 
     Each case's forward and every gradient (queries, keys, values, the arrays it closes over)
-    in its dtype, against ``implementation="xla"`` on the same inputs in float32. All programs
-    are compiled first, at once (XLA compiles off the interpreter lock), then run in turn.
+    in its dtype, against ``implementation="xla"`` on the same inputs in float32. The cases are
+    compiled and run by 8 threads at once (XLA compiles off the interpreter lock) and printed in
+    order; at the deadline the cases not started are cancelled.
     """
     from tests.matrix import CASES, gradients, shrunk
 
@@ -405,10 +412,8 @@ def smoke(kernel, stop: float) -> None:
             reference = jax.jit(gradients(case, "xla")).lower(*wide).compile()
         return ours(*args), reference(*wide)
 
-    cases = {
-        name: shrunk(case, SMOKE_LENGTH) if kernel.interpret else case
-        for name, case in CASES.items()
-    }
+    length = SMOKE_LENGTH["interpreter" if kernel.interpret else "device"]
+    cases = {name: shrunk(case, length) for name, case in CASES.items()}
     start = time.time()
     with ThreadPoolExecutor(max_workers=8) as pool:
         runs = {
@@ -417,6 +422,7 @@ def smoke(kernel, stop: float) -> None:
         passed = 0
         for name, run in runs.items():
             if time.time() > stop:
+                pool.shutdown(wait=False, cancel_futures=True)
                 print("deadline reached: the remaining cases were not run")
                 break
             try:
@@ -424,7 +430,7 @@ def smoke(kernel, stop: float) -> None:
             except Exception as error:  # one case's failure must not lose the others
                 line, ok = f"FAIL  {_failure(error, 200)}", False
             passed += ok
-            print(f"  {name:44s} {line}", flush=True)
+            print(f"  {name:46s} {line}", flush=True)
     print(f"smoke: {passed} of {len(cases)} cases ok in {time.time() - start:.0f} s")
 
 
@@ -465,6 +471,8 @@ def lower_all(kernel) -> None:
             passes = "fwd+bwd" if backward else "fwd"
             try:
                 kernels = verified_kernels(program, x, x, x, platform="cuda")
+                if not kernels:
+                    raise RuntimeError("no kernel in the exported program")
                 shared = ", ".join(f"{k.name} {k.shared_bytes} B" for k in kernels)
                 print(f"  {name:24s} {passes:8s} compiles; shared memory: {shared}", flush=True)
             except Exception as error:  # one case's failure must not lose the others
@@ -477,7 +485,11 @@ def main():
     parser.add_argument("--interpret", action="store_true", help="checks in the interpreter")
     parser.add_argument("--smoke", action="store_true", help="only the matrix of calls, checked")
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--deadline", type=float, default=220.0, help="seconds for the run")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        help=f"seconds for the run (220; with --smoke {SMOKE_SECONDS:.0f})",
+    )
     parser.add_argument("--block-q", type=int, default=64)
     parser.add_argument("--block-kv", type=int, default=64)
     parser.add_argument(
@@ -487,7 +499,7 @@ def main():
         help="then time the causal call with each tiling, as block_q,block_kv,warps,stages",
     )
     args = parser.parse_args()
-    stop = time.time() + args.deadline
+    stop = time.time() + (args.deadline or (SMOKE_SECONDS if args.smoke else 220.0))
     kernel = js.Pallas(block_q=args.block_q, block_kv=args.block_kv, interpret=args.interpret)
     print(f"jax {jax.__version__}, devices {jax.devices()}, {kernel}")
     if args.lower:

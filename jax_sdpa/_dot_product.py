@@ -225,9 +225,9 @@ def dot_product_attention(
         precision: ``jax.lax`` precision of the two matrix products.
         module: A flax module; if given, the weights ``(B, N, T, S)`` are sown into its
             intermediates as ``"attention_weights"`` (flax's ``sow_weights=True``).
-        force_fp32_for_softmax: The sown weights in at least float32 (flax's meaning); without
-            it, in the inputs' dtype, as flax sows them. The softmax itself always runs in at
-            least float32.
+        force_fp32_for_softmax: The sown weights in at least float32, as flax sows them (which
+            also rounds float64 to float32; here float64 stays); without it, in the inputs'
+            dtype. The softmax itself always runs in at least float32.
         qk_attn_weights_einsum: Accepted for flax; must be None (custom einsums are not supported).
         attn_weights_value_einsum: Accepted for flax; must be None.
 

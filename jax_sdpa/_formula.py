@@ -209,7 +209,8 @@ class CallArrays:
         batch: The index of each sequence in the (flattened) batch, and
         head: the index of each query head: what functions of positions (score and mask
             functions) are given besides the query and key positions.
-        score_consts: The arrays the ``score_mod`` closed over, shared by every sequence and head.
+        score_consts: The arrays the ``score_mod`` closed over (or what it computes from them
+            alone), shared by every sequence and head.
         sinks: One logit per query head for a virtual key without a value (attention sinks).
         sigmoid_bias: With the sigmoid normaliser, the bias ``b`` of each query head (per
             sequence: ``−log S`` counts its keys).

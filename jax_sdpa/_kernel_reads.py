@@ -39,15 +39,14 @@ from jax_sdpa._kernel_values import (
     Joined,
     Lazy,
     Unread,
-    all_of,
-    bind,
     fill_value,
     in_bounds,
     index_arrays,
     is_zero,
     value,
 )
-from jax_sdpa._user_functions import scan_operands, while_operands
+from jax_sdpa._masks import all_of
+from jax_sdpa._user_functions import bind, scan_operands, while_operands
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jax_sdpa._indices import INDEX
-from jax_sdpa._kernel_values import Lazy, all_of, bind, in_bounds, index_arrays, value
+from jax_sdpa._kernel_values import Lazy, in_bounds, index_arrays, value
+from jax_sdpa._masks import all_of
+from jax_sdpa._user_functions import bind
 
 ONE_HOT_MAX = 256
 

@@ -10,10 +10,11 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+from jax_sdpa._masks import all_of
 
 
 class Lazy:
@@ -134,17 +135,3 @@ def index_arrays(indices, rank: int) -> list:
         return [part.reshape(part.shape[:-1]) for part in parts]
     indices = value(indices)
     return [indices[..., n] for n in range(rank)]
-
-
-def all_of(conditions):
-    conditions = list(conditions)
-    result = conditions[0]
-    for condition in conditions[1:]:
-        result = result & condition
-    return result
-
-
-def bind(eqn, invals: list):
-    """The equation's own primitive on ``invals``, as ``jax.core.eval_jaxpr`` binds it."""
-    with eqn.ctx.manager:
-        return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))

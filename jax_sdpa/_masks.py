@@ -335,12 +335,14 @@ class _Combination(MaskRule):
         return functools.reduce(self._combine, parts, jnp.full(shape, self._empty))
 
 
-def _any(xs: list):
-    return functools.reduce(jnp.logical_or, xs, jnp.asarray(False))
+def any_of(conditions):
+    """Whether any of ``conditions`` holds (False for none), by ``|``: no stack of scalars."""
+    return functools.reduce(jnp.logical_or, conditions, jnp.asarray(False))
 
 
-def _all(xs: list):
-    return functools.reduce(jnp.logical_and, xs, jnp.asarray(True))
+def all_of(conditions):
+    """Whether all of ``conditions`` hold (True for none), by ``&``: no stack of scalars."""
+    return functools.reduce(jnp.logical_and, conditions, jnp.asarray(True))
 
 
 @rule_class
@@ -353,7 +355,7 @@ class AndMask(_Combination):
 
     def tile_class(self, q_idx, kv_idx, batch, heads):
         empty, full = self._part_classes(q_idx, kv_idx, batch, heads)
-        return _any(empty), _all(full)
+        return any_of(empty), all_of(full)
 
     def visited(self, axis, index, sizes, batch, heads):
         lists = [rule.visited(axis, index, sizes, batch, heads) for rule in self.rules]
@@ -383,7 +385,7 @@ class OrMask(_Combination):
 
     def tile_class(self, q_idx, kv_idx, batch, heads):
         empty, full = self._part_classes(q_idx, kv_idx, batch, heads)
-        return _all(empty), _any(full)
+        return all_of(empty), any_of(full)
 
     def kv_range(self, q_lo, q_hi):
         return _hull(rule.kv_range(q_lo, q_hi) for rule in self.rules)

@@ -2,9 +2,11 @@ r"""The user's functions (``score_mod``, ``mask_mod``) as programs: traced once,
 
 A mod is a Python closure over arrays (ALiBi slopes, a bias table, document ids). Each call
 traces it to a jaxpr whose inputs are its scalar arguments *and* the arrays it closed over (as
-``jax.closure_convert`` does, but for every array, traced or not): the arrays then travel with
-the call's other arrays — into ``jax.jit``, through the implementations' own backward passes,
-round a ring of devices — and get gradients, while every tile replays the jaxpr.
+``jax.closure_convert`` does, but for every array, traced or not); what it computes from those
+arrays alone (``jnp.exp(log_slopes)``, a table cast to bfloat16) is computed once, ahead, and
+its results take the arrays' place. They travel with the call's other arrays — into
+``jax.jit``, through the implementations' own backward passes, round a ring of devices — and
+their gradients reach the user's arrays, while every tile replays the rest of the jaxpr.
 
 Inside ``jax.shard_map``, whose default ``check_vma=True`` types each value by the mesh axes it
 varies over, a replay must agree with those types: the tile's positions vary over the ring while
@@ -21,8 +23,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.interpreters import partial_eval as pe
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from jax_sdpa._indices import INDEX
 from jax_sdpa._masks import MaskRule, rule_class, static_field
@@ -116,94 +117,111 @@ def _split(xs: list, first: int, second: int) -> tuple[list, list, list]:
 
 
 def _replay_varying(jaxpr: Jaxpr, consts: list, args: list, axes: frozenset) -> list:
-    """``jaxpr`` evaluated with every operand cast to vary over ``axes``.
+    """``jaxpr`` evaluated with every operand cast to vary over ``axes`` (:func:`_evaluate`)."""
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    _evaluate(jaxpr.eqns, env, axes)
+    return [_read(env, var) for var in jaxpr.outvars]
 
-    A callee (a ``jit`` inside ``jax.numpy``, a ``custom_jvp`` function) is evaluated in place,
-    so a custom derivative rule in the user's function gives way to the derivative of what it
-    computes; a ``cond``, ``scan`` or ``while`` is traced again from its replayed jaxprs; the
-    ``pvary`` casts of the trace are already done.
+
+def _read(env: dict, var):
+    return jnp.asarray(var.val, var.aval.dtype) if isinstance(var, Literal) else env[var]
+
+
+def _evaluate(eqns, env: dict, axes: frozenset) -> None:
+    """Evaluates ``eqns`` in order into ``env`` (variable → value).
+
+    Outside ``shard_map`` (no ``axes``) each equation is bound as ``jax.core.eval_jaxpr`` binds
+    it. Inside, every operand is cast to vary over ``axes``: a callee (a ``jit`` inside
+    ``jax.numpy``, a ``custom_jvp`` function) is evaluated in place, so a custom derivative rule
+    in the user's function gives way to the derivative of what it computes; a ``cond``,
+    ``scan`` or ``while`` is traced again from its replayed jaxprs; the ``pvary`` casts of the
+    trace are already done.
     """
-    env = {}
-
-    def read(var):
-        return jnp.asarray(var.val, var.aval.dtype) if isinstance(var, Literal) else env[var]
-
-    env.update(zip(jaxpr.constvars, (vary(x, axes) for x in consts), strict=True))
-    env.update(zip(jaxpr.invars, (vary(x, axes) for x in args), strict=True))
-    for eqn in jaxpr.eqns:
-        operands = [vary(read(var), axes) for var in eqn.invars]
+    for eqn in eqns:
+        operands = [vary(_read(env, var), axes) for var in eqn.invars]
         name = eqn.primitive.name
-        if name in ("pvary", "pcast"):
+        if axes and name in ("pvary", "pcast"):
             outs = operands
-        elif name in _CALLS:
+        elif axes and name in _CALLS:
             outs = _replayed(eqn.params[_CALLS[name]], axes)(*operands)
-        elif name in ("cond", "scan", "while"):
+        elif axes and name in ("cond", "scan", "while"):
             outs = _control_flow(eqn, operands, axes)
         else:
-            outs = eqn.primitive.bind(*operands, **eqn.params)
+            outs = bind(eqn, operands) if not axes else eqn.primitive.bind(*operands, **eqn.params)
             outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(var) for var in jaxpr.outvars]
 
 
-def _replay(closed: ClosedJaxpr, args: list):
-    """The one result of ``closed`` on ``args``."""
-    axes = varying_axes(args)
-    if not axes:
-        return jaxpr_as_fun(closed)(*args)[0]
-    return _replay_varying(closed.jaxpr, list(closed.consts), args, axes)[0]
+def bind(eqn, operands: list):
+    """The equation's own primitive on ``operands``, as ``jax.core.eval_jaxpr`` binds it."""
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(eqn.params))
 
 
 def _hoisted(fn, args: list) -> tuple:
-    """``(g, arrays)``: ``fn(*args) == g(*args, *arrays)`` for every array ``fn`` closes over.
+    """``(g, arrays)``: ``fn(*args) == g(*args, *arrays)``, ``arrays`` what ``fn`` closes over.
 
     As ``jax.closure_convert``, but every closed-over array is hoisted, traced or not: a table
     the function closes over is an input of the compiled program, not a constant baked into it.
-    ``fn`` is traced afresh on every call (it may read values that changed since), and ``g`` is
-    shared by every function that traces to the same program with the same shapes, so that a
-    call with new values, or with a new but equal lambda, reuses the compiled program.
-    ``g.reads`` says which of ``args`` the function reads.
+    What the function computes from those arrays alone is computed here, once, and ``arrays``
+    are its results (:func:`_precomputed`). ``fn`` is traced afresh on every call (it may read
+    values that changed since), and ``g`` is shared by every function that traces to the same
+    program with the same shapes, so that a call with new values, or with a new but equal
+    lambda, reuses the compiled program. ``g.reads`` says which of ``args`` the function reads.
     """
-    program, arrays = _precomputed(jax.make_jaxpr(lambda *a: fn(*a))(*args), len(args))
-    key = (str(program.jaxpr), tuple(jax.typeof(x) for x in (*args, *arrays)))
+    closed = jax.make_jaxpr(lambda *a: fn(*a))(*args)
+    jaxpr, consts = closed.jaxpr, list(closed.consts)
+    ahead, residuals = _precomputed(jaxpr)
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    _evaluate(ahead, env, varying_axes(consts))
+    arrays = tuple(env[var] for var in residuals)
+    key = (str(jaxpr), tuple(jax.typeof(x) for x in (*args, *consts)))
     if key not in _EVALUATORS:
         if len(_EVALUATORS) > 256:
             _EVALUATORS.clear()
-        count = len(args)
+        count, rest = len(args), _rest(jaxpr, ahead)
 
         def evaluate(*args_and_arrays):
-            return _replay(program, [*args_and_arrays[count:], *args_and_arrays[:count]])
+            env = dict(zip(residuals, args_and_arrays[count:], strict=True))
+            env.update(zip(jaxpr.invars, args_and_arrays[:count], strict=True))
+            _evaluate(rest, env, varying_axes(args_and_arrays))
+            return _read(env, jaxpr.outvars[0])
 
-        jaxpr = program.jaxpr
-        read = {id(x) for eqn in jaxpr.eqns for x in eqn.invars} | {id(x) for x in jaxpr.outvars}
-        evaluate.reads = tuple(id(x) in read for x in jaxpr.invars[len(jaxpr.invars) - count :])
+        read = {id(var) for eqn in rest for var in eqn.invars} | {id(var) for var in jaxpr.outvars}
+        evaluate.reads = tuple(id(x) in read for x in jaxpr.invars)
         _EVALUATORS[key] = evaluate
     return _EVALUATORS[key], arrays
 
 
-def _precomputed(closed: ClosedJaxpr, count: int) -> tuple[ClosedJaxpr, tuple]:
-    """A function's program split in two: what it computes from its closed-over arrays alone.
+def _precomputed(jaxpr: Jaxpr) -> tuple[list, list]:
+    """What a function computes from the arrays it closes over alone, to compute ahead.
 
-    ``(program, arrays)``: that part computed now (``arrays``), and the rest, a program of
-    those arrays and then the ``count`` arguments.
+    ``(ahead, residuals)``: the equations that read those arrays (the jaxpr's constants) and
+    nothing else but literals, and the variables of theirs, or the arrays, that the rest reads.
 
-    ``table.astype(jnp.bfloat16)[h, i - j]`` casts the table once here, not in every tile: the
-    tiles (and a kernel's body, which takes no operation over a whole array of any shape) keep
-    only what depends on the positions. The gradients of the arrays flow through the part
-    computed here as through any JAX function.
+    ``table.astype(jnp.bfloat16)[h, i - j]`` casts the table once, ahead, not in every tile:
+    the tiles (and a kernel's body, which takes no operation over a whole array of any shape)
+    keep only what depends on the arguments. The gradients of the arrays flow through the part
+    computed ahead as through any JAX function. An equation of literals alone stays (a
+    ``-jnp.inf`` in a ``jnp.where``): a constant, not an array.
     """
-    consts = list(closed.consts)
-    program = ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ())
-    known, unknown, _, residuals = pe.partial_eval_jaxpr_nounits(
-        program, [False] * len(consts) + [True] * count, instantiate=True
-    )
-    axes = varying_axes(consts)
-    if axes:
-        results = _replay_varying(known.jaxpr, list(known.consts), consts, axes)
-    else:
-        results = jaxpr_as_fun(known)(*consts)
-    # (the unknown part takes the residuals before the arguments)
-    return unknown, tuple(results[len(results) - len(residuals) :])
+    derived, ahead = set(jaxpr.constvars), []
+    for eqn in jaxpr.eqns:
+        variables = [var for var in eqn.invars if not isinstance(var, Literal)]
+        if variables and not eqn.effects and all(var in derived for var in variables):
+            derived.update(eqn.outvars)
+            ahead.append(eqn)
+    read = [var for eqn in _rest(jaxpr, ahead) for var in eqn.invars] + list(jaxpr.outvars)
+    variables = (var for var in read if not isinstance(var, Literal))
+    residuals = list(dict.fromkeys(var for var in variables if var in derived))
+    return ahead, residuals
+
+
+def _rest(jaxpr: Jaxpr, ahead: list) -> list:
+    """The equations of ``jaxpr`` not among ``ahead``, in order."""
+    skipped = {id(eqn) for eqn in ahead}
+    return [eqn for eqn in jaxpr.eqns if id(eqn) not in skipped]
 
 
 def convert(name: str, fn, signature: str, example: tuple, kind: str) -> tuple:
@@ -237,7 +255,8 @@ class FunctionMask(MaskRule):
     """A ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` of scalars, evaluated entry by entry.
 
     ``fn`` takes the four indices and then ``consts``, the arrays ``mask_mod`` closed over
-    (hoisted as ``jax.closure_convert`` does), which are leaves of the rule; ``uses_head`` is
+    (hoisted as ``jax.closure_convert`` does, or what it computes from them alone: see
+    :func:`_hoisted`), which are leaves of the rule; ``uses_head`` is
     False where it ignores its head argument (then one head's tiles stand for all), and
     ``uses_batch`` where it ignores its batch argument. Its ranges
     claim nothing (``opaque``): the chunked path evaluates it on each tile to skip the tiles

@@ -130,6 +130,10 @@ def _alibi_documents_sinks(case, slopes, sinks):  # a mask_mod and is_causal: tw
     return dict(keywords, mask_mod=lambda b, h, i, j: doc[i] == doc[j])
 
 
+def _clipped(s, b, h, i, j):  # constants, not arrays: nothing to compute ahead
+    return jnp.where(j <= i, jnp.clip(s, -30.0, 30.0), -jnp.inf)
+
+
 def _sinks(case, sinks):
     return dict(is_causal=True, sinks=sinks)
 
@@ -178,6 +182,9 @@ CASES = {
     "softmax, max scores": Case(keywords=lambda c: dict(return_max_scores=True)),
     "sinks": Case(keywords=_sinks, arrays_of=HEADS),
     "soft cap": Case(keywords=lambda c: dict(is_causal=True, logits_soft_cap=30.0)),
+    "a mod of literals (jnp.clip, jnp.where to −∞)": Case(
+        keywords=lambda c: dict(score_mod=_clipped)
+    ),
     # Mods over captured arrays (their gradients too) and block masks.
     "ALiBi, a small captured array": Case(keywords=_alibi, arrays_of=HEADS),
     "relative positions, a large captured table": Case(

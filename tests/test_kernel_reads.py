@@ -162,10 +162,13 @@ ROWS = jnp.arange(3 * 40, dtype=jnp.int32).reshape(3, 40) // 7  # a document id 
 
 
 @pytest.mark.parametrize("mode", [None, "fill"])
-@pytest.mark.parametrize("row", [0, 2, 3, -1], ids=lambda r: f"row {r}")
-def test_a_row_read_at_positions_is_one_load_of_that_row(row, mode):
-    # ``doc[b, q_idx]``: one index along the first axis (past the end at 3 and −1: clamped, or
-    # filled), positions along the second. A TPU has no load at a vector of indices.
+@pytest.mark.parametrize("start", [9, 30], ids=lambda s: f"start {s}")
+@pytest.mark.parametrize("row", [0, 2, 3, -1, -4], ids=lambda r: f"row {r}")
+def test_a_row_read_at_positions_is_one_load_of_that_row(row, start, mode):
+    # ``doc[b, q_idx]``: one index along the first axis, positions along the second. Row 3, and
+    # −4 (−1 after jnp's wrap of negative indices; −1 wraps to row 2), lie past the rows:
+    # clamped, or filled; positions from 30 run past the row's 40 entries. A TPU has no load at
+    # a vector of indices.
     def fn(a, r, s):
         return a.at[r, s + jnp.arange(16, dtype=jnp.int32)].get(mode=mode, fill_value=-1)
 
@@ -173,7 +176,7 @@ def test_a_row_read_at_positions_is_one_load_of_that_row(row, mode):
         out[...] = evaluate(fn, [array_ref], scalars_ref[0], scalars_ref[1])
 
     call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.int32), interpret=True)
-    scalars = jnp.array([row, 9], jnp.int32)
+    scalars = jnp.array([row, start], jnp.int32)
     np.testing.assert_array_equal(call(scalars, ROWS), fn(ROWS, *scalars))
     assert loads_at_vectors(call, scalars, ROWS) == 0
 

@@ -79,6 +79,34 @@ def test_mods_and_sinks_against_reference(rng, impl, with_sinks):
 
 
 @each_implementation()
+def test_a_mod_that_transforms_its_arrays_whole_gets_their_gradients(rng, impl):
+    # exp of learned log-slopes and a bfloat16 cast of a table: computed once, ahead of the
+    # tiles; the gradients reach the arrays the user holds through that part too. A literal
+    # (−∞ in a jnp.where) stays a constant.
+    (q, k, v), slopes, table, _, _ = setup(rng)
+    log_slopes = jnp.asarray(np.log(slopes), jnp.float32)
+    table = jnp.asarray(table, jnp.float32)
+
+    def loss(implementation, q, k, v, log_slopes, table):
+        def score_mod(s, b, h, i, j):
+            s = s + jnp.exp(log_slopes)[h] * (j - i).astype(s.dtype)
+            s = s + table.astype(jnp.bfloat16).astype(s.dtype)[h, (j - i).clip(-3, 3) + 3]
+            return jnp.where(j <= i + 1, s, -jnp.inf)
+
+        out = implementation(q, k, v, score_mod=score_mod)
+        return (out * jnp.cos(out)).sum()
+
+    args, argnums = (q, k, v, log_slopes, table), (0, 1, 2, 3, 4)
+    got = jax.grad(functools.partial(loss, impl), argnums=argnums)(*args)
+    with enable_x64():
+        wide = [x.astype(jnp.float64) for x in args]
+        xla = functools.partial(js.dot_product_attention, implementation="xla")
+        want = jax.grad(functools.partial(loss, xla), argnums=argnums)(*wide)
+    for name, g, w in zip(("q", "k", "v", "log_slopes", "table"), got, want, strict=True):
+        assert ref.rel_err(g, w) < 1e-5, name
+
+
+@each_implementation()
 def test_rows_without_keys_output_zero_and_the_sink_is_their_log_sum_exp(rng, impl):
     q, k, v = qkv(rng, 1, 4, 5, 2, 2, 4)
     sinks = jnp.array([0.5, -2.0])

@@ -170,7 +170,8 @@ def test_ring_attention_in_a_user_shard_map_with_its_default_checks(layout, bloc
     def options(slopes, sinks):
         # What a mod's trace holds besides primitives: jax.numpy's jitted functions (where,
         # clip), a custom_jvp function (softplus), a cond, a scan (searchsorted's) and a while
-        # loop, each replayed per tile.
+        # loop, each replayed per tile; and an operation on a whole captured array (log1p),
+        # computed once, ahead of the ring.
         def score_mod(s, b, h, i, j):
             s = s - slopes[h] * jnp.clip(i - j, 0, 40).astype(s.dtype)
             s = jax.lax.cond(i % 2 == 0, lambda x: x + 0.5, lambda x: x, s)
@@ -179,7 +180,7 @@ def test_ring_attention_in_a_user_shard_map_with_its_default_checks(layout, bloc
                 lambda c: c[0] > 1, lambda c: (c[0] // 2, c[1] + 1), (jnp.abs(i - j), 0)
             )[1]
             s = s - 0.1 * (bucket + halvings).astype(s.dtype)
-            return jnp.where(j < 3, s, s - jax.nn.softplus(slopes[h]))
+            return jnp.where(j < 3, s, s - jax.nn.softplus(slopes[h]) - jnp.log1p(slopes)[h])
 
         return dict(score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
 
