@@ -27,8 +27,6 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core as jax_core  # the current trace: no public API says it
-from jax._src.interpreters import ad, batching  # (reverse mode's LinearizeTrace is not public)
 
 from jax_sdpa._attention import dense_sequence
 from jax_sdpa._call import Config, Inputs
@@ -43,6 +41,7 @@ from jax_sdpa._decode import (
     selected_sequence,
 )
 from jax_sdpa._heads import Result, over_batch
+from jax_sdpa._jax_compat import carries, enclosing_traces, is_batching, is_differentiating, is_jvp
 from jax_sdpa._kernels import Pallas
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
@@ -341,8 +340,8 @@ def _under_jvp(inputs: Inputs) -> bool:
     instead. Not seen from here: a JVP of a ``jax.jit`` or a ``jax.checkpoint`` that calls
     attention (the call is traced first, transformed afterwards).
     """
-    trace = next((t for t in _traces() if not isinstance(t, batching.BatchTrace)), None)
-    return isinstance(trace, ad.JVPTrace) and _carries(inputs, trace)
+    trace = next((t for t in enclosing_traces() if not is_batching(t)), None)
+    return trace is not None and is_jvp(trace) and carries(jax.tree.leaves(inputs), trace)
 
 
 def _differentiated_twice(inputs: Inputs) -> bool:
@@ -352,26 +351,8 @@ def _differentiated_twice(inputs: Inputs) -> bool:
     inputs carry; not seen, as for :func:`_under_jvp`, where a ``jax.jit`` between them traced
     the call first.
     """
-    kinds = (ad.JVPTrace, ad.LinearizeTrace)
-    return sum(isinstance(t, kinds) and _carries(inputs, t) for t in _traces()) >= 2
-
-
-def _traces():
-    """The traces the call is made under, innermost first."""
-    trace = getattr(jax_core, "trace_ctx", None) and jax_core.trace_ctx.trace
-    while trace is not None:
-        yield trace
-        trace = getattr(trace, "parent_trace", None)
-
-
-def _carries(inputs: Inputs, trace) -> bool:
-    """Whether some input is (or, under ``vmap`` or reverse mode, holds) a tracer of ``trace``."""
-    for x in jax.tree.leaves(inputs):
-        while isinstance(x, jax_core.Tracer) and x._trace is not trace:
-            x = getattr(x, "val", getattr(x, "primal", None))
-        if x is not None and isinstance(x, jax_core.Tracer):
-            return True
-    return False
+    leaves = jax.tree.leaves(inputs)
+    return sum(is_differentiating(t) and carries(leaves, t) for t in enclosing_traces()) >= 2
 
 
 def check_implementation(implementation, names: tuple[str, ...], *, by_name: bool = True) -> None:

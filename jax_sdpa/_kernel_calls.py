@@ -15,6 +15,7 @@ from jax.experimental import pallas as pl
 
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._indices import INDEX
+from jax_sdpa._jax_compat import shaped_like
 from jax_sdpa._kernel_scatters import ONE_HOT_MAX
 from jax_sdpa._kernels import (
     MIN_SIDE,
@@ -92,7 +93,7 @@ def forward(
     (seq_q, heads, width), value_width = query.shape, value.shape[-1]
     groups = kernel.group
     inputs = kernel.inputs(arrays, offsets, lists)
-    result = functools.partial(_result, like=query)
+    result = functools.partial(shaped_like, like=query)
     call = kernel.call(
         forward_kernel,
         grid=(heads, seq_q // kernel.tiles.block_q),
@@ -168,7 +169,7 @@ def _query_gradients(kernel: Kernel, operands: list, inputs: list):
             *map(_whole, inputs),
         ],
         out_specs=[_block(tiles.block_q, width)],
-        out_shape=[_result((heads, seq_q, width), accumulation_dtype(query.dtype), query)],
+        out_shape=[shaped_like((heads, seq_q, width), accumulation_dtype(query.dtype), query)],
         name="jax_sdpa_backward_queries",
     )(*operands, *inputs)
     return dq
@@ -184,7 +185,7 @@ def _key_gradients(kernel: Kernel, operands: list, inputs: list, consts: list):
     (heads, seq_q, width), value_width = query.shape, value.shape[-1]
     tiles, groups = kernel.tiles, kernel.group
     kv_blocks = kernel.seq_kv // tiles.block_kv
-    result = functools.partial(_result, like=query)
+    result = functools.partial(shaped_like, like=query)
     # A gradient per program, or one that all programs add to where it is summed in memory
     # (starting as zeros: an output aliased to an input).
     in_memory = kernel.in_memory
@@ -221,15 +222,6 @@ def _key_gradients(kernel: Kernel, operands: list, inputs: list, consts: list):
         name="jax_sdpa_backward_keys",
     )(*operands, *inputs, *zeros)
     return dk, dv, d_consts
-
-
-def _result(shape: tuple, dtype, like) -> jax.ShapeDtypeStruct:
-    """A kernel's output, varying over the mesh axes ``like`` varies over (``shard_map``)."""
-    aval = jax.typeof(like)
-    mat = getattr(aval, "mat", None)  # JAX 0.10; before, the axes were ``aval.vma``
-    if mat is not None:
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-    return jax.ShapeDtypeStruct(shape, dtype, vma=getattr(aval, "vma", frozenset()))
 
 
 def _kernel(tiles: Tiles, options: Pallas, query, key, arrays: CallArrays, lists) -> Kernel:

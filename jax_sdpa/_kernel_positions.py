@@ -189,3 +189,20 @@ def on_runs(eqn, invals: list):
     if name == "lt" and is_zero(invals[1]) and first.wrap is None:
         return Negative(first)
     return None
+
+
+# on_runs for each primitive it may keep a run through.
+POSITIONS = {
+    name: (on_runs,)
+    for name in (
+        "iota",
+        "select_n",
+        "broadcast_in_dim",
+        "squeeze",
+        "reshape",
+        "convert_element_type",
+        "add",
+        "sub",
+        "lt",
+    )
+}

@@ -29,12 +29,12 @@ from typing import Any
 import jax
 import jax.extend
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_sdpa._kernel_positions import Run, Uniform, on_runs, read_run
-from jax_sdpa._kernel_scatters import Zeros, on_scatters, scatter_add
+from jax_sdpa._jaxpr import Rules, interpret, table
+from jax_sdpa._kernel_positions import POSITIONS, Run, Uniform, read_run
+from jax_sdpa._kernel_scatters import SCATTERS
 from jax_sdpa._kernel_values import (
     Joined,
     Lazy,
@@ -42,11 +42,9 @@ from jax_sdpa._kernel_values import (
     fill_value,
     in_bounds,
     index_arrays,
-    is_zero,
     value,
 )
 from jax_sdpa._masks import all_of
-from jax_sdpa._user_functions import bind, scan_operands, while_operands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,83 +63,89 @@ def evaluate(fn, refs: list, *args):
     avals = [jax.ShapeDtypeStruct(ref.shape, ref.dtype) for ref in refs]
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*avals, *args)
     unread = [Unread(ref, tuple(pl.ds(0, n) for n in ref.shape)) for ref in refs]
-    outs = _eval(closed.jaxpr, closed.consts, [*unread, *jax.tree.leaves(args)])
+    rules = Rules(table=KERNEL_RULES, array=value)
+    outs = interpret(closed.jaxpr, closed.consts, [*unread, *jax.tree.leaves(args)], rules)
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
-def _eval(jaxpr, consts, args) -> list:
-    env = {}
-
-    def read(var):
-        if isinstance(var, jax.extend.core.Literal):
-            return np.asarray(var.val, var.aval.dtype)
-        return env[var]
-
-    for var, x in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = x
-    for var, x in zip(jaxpr.invars, args, strict=True):
-        env[var] = x
-    for eqn in jaxpr.eqns:
-        outs = _eqn(eqn, [read(v) for v in eqn.invars])
-        for var, x in zip(
-            eqn.outvars, outs if eqn.primitive.multiple_results else [outs], strict=True
-        ):
-            env[var] = x
-    return [value(read(v)) for v in jaxpr.outvars]
+# --- reads of a ref not yet read: loads at the indices they use --------------------------------
 
 
-def _sub(params, *names):
-    """The first sub-program among ``params[names]``, as ``(jaxpr, consts)``."""
-    for name in names:
-        if name in params:
-            sub = params[name]
-            return (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, ())
-    raise KeyError(names)
+def _dynamic_slice(eqn, operands):
+    first = operands[0]
+    if isinstance(first, Unread):
+        return first.narrowed(operands[1:], eqn.params["slice_sizes"])
+    return None
 
 
-def _eqn(eqn, invals: list):
-    name, params = eqn.primitive.name, eqn.params
-    first = invals[0] if invals else None
-    if name == "dynamic_slice" and isinstance(first, Unread):
-        return first.narrowed(invals[1:], params["slice_sizes"])
-    if name == "slice" and isinstance(first, Unread) and params.get("strides") is None:
+def _slice(eqn, operands):
+    first, params = operands[0], eqn.params
+    if isinstance(first, Unread) and params.get("strides") is None:
         limits = zip(params["start_indices"], params["limit_indices"], strict=True)
-        sizes = [b - a for a, b in limits]
-        return first.narrowed(params["start_indices"], sizes)
-    if name == "squeeze" and isinstance(first, Unread):
-        return first.dropped(params["dimensions"])
-    if name == "reshape" and isinstance(first, Unread) and _drops_leading_ones(first, params):
+        return first.narrowed(params["start_indices"], [b - a for a, b in limits])
+    return None
+
+
+def _squeeze(eqn, operands):
+    first, dimensions = operands[0], eqn.params["dimensions"]
+    if isinstance(first, Unread):
+        return first.dropped(dimensions)
+    if isinstance(first, _Expanded):
+        return _squeezed(first, dimensions)
+    return None
+
+
+def _reshape(eqn, operands):
+    first, params = operands[0], eqn.params
+    if isinstance(first, Unread) and _drops_leading_ones(first, params):
         return first.dropped(range(len(first.shape) - len(params["new_sizes"])))
-    if name == "squeeze" and isinstance(first, _Expanded):
-        return _squeezed(first, params["dimensions"])
-    if name == "concatenate" and params["dimension"] == eqn.outvars[0].aval.ndim - 1:
-        return Joined(list(invals))
-    if name == "gather" and isinstance(first, Unread) and _point_gather(eqn, first):
-        return _gather(first, invals[1], params)
-    lazy = on_runs(eqn, invals) or on_scatters(eqn, invals)
-    if lazy is not None:
-        return lazy
-    if name == "broadcast_in_dim" and is_zero(first) and not params["broadcast_dimensions"]:
-        return Zeros(tuple(params["shape"]), eqn.outvars[0].aval.dtype)
-    if name in ("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint"):
-        return _eval(*_sub(params, "jaxpr", "call_jaxpr"), invals)
-    if name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
-        return _eval(*_sub(params, "call_jaxpr", "fun_jaxpr"), invals)
-    if name == "while":
-        return _while(params, invals)
-    if name == "cond":
-        return _cond(params, invals)
-    if name == "scan":
-        return _scan(params, invals)
-    if name == "scatter-add":
-        return scatter_add(eqn, *invals)
-    invals = [value(x) for x in invals]
-    if name == "dynamic_update_slice":
-        return _updated(*invals)
-    if name in ("reduce_and", "reduce_or"):  # Triton reduces numbers, not booleans
-        reduce = lax.reduce_min if name == "reduce_and" else lax.reduce_max
-        return reduce(invals[0].astype(jnp.int32), params["axes"]) > 0
-    return bind(eqn, invals)
+    return None
+
+
+def _concatenate(eqn, operands):  # a gather's indices, kept apart until it reads them
+    if eqn.params["dimension"] == eqn.outvars[0].aval.ndim - 1:
+        return Joined(list(operands))
+    return None
+
+
+def _point_gather_rule(eqn, operands):
+    first = operands[0]
+    if isinstance(first, Unread) and _point_gather(eqn, first):
+        return _gather(first, operands[1], eqn.params)
+    return None
+
+
+READS = {
+    "dynamic_slice": (_dynamic_slice,),
+    "slice": (_slice,),
+    "squeeze": (_squeeze,),
+    "reshape": (_reshape,),
+    "concatenate": (_concatenate,),
+    "gather": (_point_gather_rule,),
+}
+
+
+# --- values Triton and Mosaic take otherwise ------------------------------------------------------
+
+
+def _update_slice(eqn, operands):
+    return _updated(*map(value, operands))
+
+
+def _reduce_booleans(eqn, operands):  # Triton reduces numbers, not booleans
+    reduce = lax.reduce_min if eqn.primitive.name == "reduce_and" else lax.reduce_max
+    return reduce(value(operands[0]).astype(jnp.int32), eqn.params["axes"]) > 0
+
+
+VALUES = {
+    "dynamic_update_slice": (_update_slice,),
+    "reduce_and": (_reduce_booleans,),
+    "reduce_or": (_reduce_booleans,),
+}
+
+# A kernel's program: the reads of refs first, then positions (a run of them read as one
+# window), scatters (kept until read or added into memory), and the values of the rest.
+KERNEL_RULES = table(READS, POSITIONS, SCATTERS, VALUES)
 
 
 def _drops_leading_ones(x: Unread, params) -> bool:
@@ -236,55 +240,3 @@ def _updated(operand, update, *starts):
         for axis, start in enumerate(starts)
     )
     return jnp.where(at, update.reshape(()), operand)
-
-
-def _while(params, invals):
-    """A while loop rebuilt around the evaluation of its bodies.
-
-    A loop mapped by ``jax.vmap`` has a predicate per element: it runs while any holds, each
-    element kept where its own does not (as JAX's lowering of such a loop does).
-    """
-    cond_jaxpr, body_jaxpr = params["cond_jaxpr"], params["body_jaxpr"]
-    cond_consts, body_consts, carry = while_operands(params, invals)
-    carry = [value(x) for x in carry]
-
-    def holds(carry):
-        return _eval(cond_jaxpr.jaxpr, cond_jaxpr.consts, [*cond_consts, *carry])[0]
-
-    def cond(carry):
-        pred = holds(carry)
-        return pred if pred.ndim == 0 else pred.astype(jnp.int32).max() > 0
-
-    def body(carry):
-        new = _eval(body_jaxpr.jaxpr, body_jaxpr.consts, [*body_consts, *carry])
-        if cond_jaxpr.jaxpr.outvars[0].aval.ndim == 0:
-            return new  # (the body must not read the bound: Triton's loops would lose it)
-        pred = holds(carry)
-        expand = lambda x: pred.reshape(pred.shape + (1,) * (x.ndim - pred.ndim))  # noqa: E731
-        return [jnp.where(expand(n), n, c) for n, c in zip(new, carry, strict=True)]
-
-    return lax.while_loop(cond, body, carry)
-
-
-def _cond(params, invals):
-    index, *operands = invals
-    branches = [
-        (lambda branch: lambda: _eval(branch.jaxpr, branch.consts, operands))(b)
-        for b in params["branches"]
-    ]
-    return lax.switch(value(index), branches)
-
-
-def _scan(params, invals):
-    jaxpr = params["jaxpr"]
-    consts, carry, xs = scan_operands(params, invals)
-    carry, xs = [value(x) for x in carry], [value(x) for x in xs]
-
-    def body(carry, x):
-        outs = _eval(jaxpr.jaxpr, jaxpr.consts, [*consts, *carry, *x])
-        return outs[: len(carry)], outs[len(carry) :]
-
-    carry, ys = lax.scan(
-        body, carry, xs, length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
-    )
-    return [*carry, *ys]

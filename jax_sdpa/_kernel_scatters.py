@@ -15,9 +15,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jax_sdpa._indices import INDEX
-from jax_sdpa._kernel_values import Lazy, in_bounds, index_arrays, value
+from jax_sdpa._jax_compat import atomic_kind, bind
+from jax_sdpa._jaxpr import table
+from jax_sdpa._kernel_values import Lazy, in_bounds, index_arrays, is_zero, value
 from jax_sdpa._masks import all_of
-from jax_sdpa._user_functions import bind
 
 ONE_HOT_MAX = 256
 
@@ -136,8 +137,9 @@ class NotKept(Lazy):
         raise NotImplementedError("the old values of an atomic add of a scatter are not kept")
 
 
-def scatter_add(eqn, operand, indices, updates):
+def scatter_add(eqn, operands: list):
     """A point ``scatter-add`` (a point gather's transpose), kept as a :class:`Scatter`."""
+    operand, indices, updates = operands
     numbers = eqn.params["dimension_numbers"]
     given = updates = value(updates)
     rank = len(eqn.invars[0].aval.shape)
@@ -207,7 +209,7 @@ def _atomic_add(eqn, invals: list):
         return None
     (index,) = transforms
     kept = [i for i in index.indices if isinstance(i, pl.Slice)]
-    adds = eqn.params["atomic_type"].name == "ADD"  # (its enum is private to Pallas)
+    adds = atomic_kind(eqn.params) == "ADD"
     if not adds or len(kept) != len(value.shape):
         return None
     if value.base is not None:
@@ -217,3 +219,29 @@ def _atomic_add(eqn, invals: list):
         at = [next(points) + i.start if isinstance(i, pl.Slice) else i for i in index.indices]
         pltriton.atomic_add(ref, tuple(at), updates)
     return NotKept()
+
+
+def _zeros(eqn, operands: list):
+    """A broadcast zero, kept (:class:`Zeros`): a scatter into it needs no dense add."""
+    if is_zero(operands[0]) and not eqn.params["broadcast_dimensions"]:
+        return Zeros(tuple(eqn.params["shape"]), eqn.outvars[0].aval.dtype)
+    return None
+
+
+# on_scatters for each primitive it may keep a scatter through; then broadcast zeros, and the
+# scatter-adds themselves.
+SCATTERS = table(
+    {
+        name: (on_scatters,)
+        for name in (
+            "add",
+            "add_any",
+            "atomic_rmw",
+            "dynamic_update_slice",
+            "convert_element_type",
+            "broadcast_in_dim",
+            "reshape",
+        )
+    },
+    {"broadcast_in_dim": (_zeros,), "scatter-add": (scatter_add,)},
+)

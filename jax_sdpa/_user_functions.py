@@ -22,10 +22,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import Jaxpr, Literal
 
 from jax_sdpa._indices import INDEX
+from jax_sdpa._jax_compat import cast_to_varying, varying_axes_of
+from jax_sdpa._jaxpr import Rules, evaluate, read
 from jax_sdpa._masks import MaskRule, rule_class, static_field
 
 INDEX_ARGUMENT = jax.ShapeDtypeStruct((), INDEX)
@@ -33,130 +34,36 @@ INDEX_ARGUMENT = jax.ShapeDtypeStruct((), INDEX)
 _EVALUATORS: dict = {}  # jaxpr text and shapes → its evaluator; cleared when it grows large
 
 
-def _axes_of(x) -> frozenset:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # JAX 0.10; before, the axes were ``aval.vma``
-    return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
-
-
 def varying_axes(tree) -> frozenset:
     """The mesh axes any leaf of ``tree`` varies over (``shard_map``'s types; empty outside)."""
-    return frozenset().union(*map(_axes_of, jax.tree.leaves(tree)))
+    return frozenset().union(*map(varying_axes_of, jax.tree.leaves(tree)))
 
 
 def vary(x, axes: frozenset):
     """``x`` cast to vary over ``axes`` too (a no-op at run time)."""
     missing = tuple(sorted(axes - varying_axes(x), key=str))
-    if not missing:
-        return x
-    if hasattr(lax, "pcast"):
-        return lax.pcast(x, missing, to="varying")
-    return lax.pvary(x, missing)  # JAX before 0.8.2
+    return cast_to_varying(x, missing) if missing else x
 
 
-# The primitives that call a jaxpr as a function, and the parameter that holds it: a replay
-# inside shard_map evaluates the callee itself (its jaxpr is typed for the trace's operands).
-# ("pjit" is JAX's name for "jit" before 0.7.)
-_CALLS = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "checkpoint": "jaxpr",
+# Inside shard_map the trace's own casts are already done: the replay casts every operand.
+_ALREADY_VARYING = {
+    name: (lambda eqn, operands: operands if eqn.primitive.multiple_results else operands[0],)
+    for name in ("pvary", "pcast")
 }
 
 
-def _replayed(closed, axes: frozenset):
-    """A function of a jaxpr's inputs that replays it, every operand varying over ``axes``."""
-    if isinstance(closed, Jaxpr):
-        closed = ClosedJaxpr(closed, ())
-    return lambda *args: _replay_varying(closed.jaxpr, list(closed.consts), list(args), axes)
+def _replay(eqns, env: dict, axes: frozenset) -> None:
+    """Evaluates ``eqns`` into ``env``: outside ``shard_map`` (no ``axes``) as JAX binds them.
 
-
-def _control_flow(eqn, operands: list, axes: frozenset) -> list:
-    """A ``cond``, ``scan`` or ``while`` traced again, from its replayed jaxprs."""
-    p = eqn.params
-    if eqn.primitive.name == "cond":
-        branches = [_replayed(branch, axes) for branch in p["branches"]]
-        return lax.switch(operands[0], branches, *operands[1:])
-    if eqn.primitive.name == "scan":
-        consts, carry, xs = scan_operands(p, operands)
-        body = _replayed(p["jaxpr"], axes)
-
-        def step(carry, x):
-            outs = body(*consts, *carry, *x)
-            return outs[: len(carry)], outs[len(carry) :]
-
-        carry, ys = lax.scan(step, carry, xs, p["length"], reverse=p["reverse"], unroll=p["unroll"])
-        return [*carry, *ys]
-    cond_consts, body_consts, init = while_operands(p, operands)
-    cond, body = _replayed(p["cond_jaxpr"], axes), _replayed(p["body_jaxpr"], axes)
-    return lax.while_loop(
-        lambda c: cond(*cond_consts, *c)[0], lambda c: body(*body_consts, *c), init
-    )
-
-
-def scan_operands(params, operands: list) -> tuple[list, list, list]:
-    """A ``scan``'s operands split into constants, carry and scanned arrays.
-
-    JAX 0.11 keeps that split as a flat tree (``ft_in``), earlier JAX as two counts.
+    Inside, every operand is cast to vary over ``axes`` (:func:`vary`): a callee (a ``jit``
+    inside ``jax.numpy``, a ``custom_jvp`` function) is interpreted in place, so a custom
+    derivative rule in the user's function gives way to the derivative of what it computes; a
+    ``cond``, ``scan`` or ``while`` is traced again around its replayed bodies.
     """
-    if "ft_in" in params:
-        return tuple(list(part) for part in params["ft_in"].update(operands).unpack())
-    return _split(operands, params["num_consts"], params["num_carry"])
-
-
-def while_operands(params, operands: list) -> tuple[list, list, list]:
-    """A ``while``'s operands split into its condition's constants, its body's and the carry."""
-    return _split(operands, params["cond_nconsts"], params["body_nconsts"])
-
-
-def _split(xs: list, first: int, second: int) -> tuple[list, list, list]:
-    return xs[:first], xs[first : first + second], xs[first + second :]
-
-
-def _replay_varying(jaxpr: Jaxpr, consts: list, args: list, axes: frozenset) -> list:
-    """``jaxpr`` evaluated with every operand cast to vary over ``axes`` (:func:`_evaluate`)."""
-    env = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    _evaluate(jaxpr.eqns, env, axes)
-    return [_read(env, var) for var in jaxpr.outvars]
-
-
-def _read(env: dict, var):
-    return jnp.asarray(var.val, var.aval.dtype) if isinstance(var, Literal) else env[var]
-
-
-def _evaluate(eqns, env: dict, axes: frozenset) -> None:
-    """Evaluates ``eqns`` in order into ``env`` (variable → value).
-
-    Outside ``shard_map`` (no ``axes``) each equation is bound as ``jax.core.eval_jaxpr`` binds
-    it. Inside, every operand is cast to vary over ``axes``: a callee (a ``jit`` inside
-    ``jax.numpy``, a ``custom_jvp`` function) is evaluated in place, so a custom derivative rule
-    in the user's function gives way to the derivative of what it computes; a ``cond``,
-    ``scan`` or ``while`` is traced again from its replayed jaxprs; the ``pvary`` casts of the
-    trace are already done.
-    """
-    for eqn in eqns:
-        operands = [vary(_read(env, var), axes) for var in eqn.invars]
-        name = eqn.primitive.name
-        if axes and name in ("pvary", "pcast"):
-            outs = operands
-        elif axes and name in _CALLS:
-            outs = _replayed(eqn.params[_CALLS[name]], axes)(*operands)
-        elif axes and name in ("cond", "scan", "while"):
-            outs = _control_flow(eqn, operands, axes)
-        else:
-            outs = bind(eqn, operands) if not axes else eqn.primitive.bind(*operands, **eqn.params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs, strict=True))
-
-
-def bind(eqn, operands: list):
-    """The equation's own primitive on ``operands``, as ``jax.core.eval_jaxpr`` binds it."""
-    with eqn.ctx.manager:
-        return eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(eqn.params))
+    if not axes:
+        return evaluate(eqns, env, Rules(inline=False))
+    rules = Rules(table=_ALREADY_VARYING, operand=lambda x: vary(x, axes))
+    return evaluate(eqns, env, rules)
 
 
 def _hoisted(fn, args: list) -> tuple:
@@ -174,7 +81,7 @@ def _hoisted(fn, args: list) -> tuple:
     jaxpr, consts = closed.jaxpr, list(closed.consts)
     ahead, residuals = _precomputed(jaxpr)
     env = dict(zip(jaxpr.constvars, consts, strict=True))
-    _evaluate(ahead, env, varying_axes(consts))
+    _replay(ahead, env, varying_axes(consts))
     arrays = tuple(env[var] for var in residuals)
     key = (str(jaxpr), tuple(jax.typeof(x) for x in (*args, *consts)))
     if key not in _EVALUATORS:
@@ -182,15 +89,15 @@ def _hoisted(fn, args: list) -> tuple:
             _EVALUATORS.clear()
         count, rest = len(args), _rest(jaxpr, ahead)
 
-        def evaluate(*args_and_arrays):
+        def evaluator(*args_and_arrays):
             env = dict(zip(residuals, args_and_arrays[count:], strict=True))
             env.update(zip(jaxpr.invars, args_and_arrays[:count], strict=True))
-            _evaluate(rest, env, varying_axes(args_and_arrays))
-            return _read(env, jaxpr.outvars[0])
+            _replay(rest, env, varying_axes(args_and_arrays))
+            return read(env, jaxpr.outvars[0])
 
-        read = {id(var) for eqn in rest for var in eqn.invars} | {id(var) for var in jaxpr.outvars}
-        evaluate.reads = tuple(id(x) in read for x in jaxpr.invars)
-        _EVALUATORS[key] = evaluate
+        used = {id(var) for eqn in rest for var in eqn.invars} | {id(var) for var in jaxpr.outvars}
+        evaluator.reads = tuple(id(x) in used for x in jaxpr.invars)
+        _EVALUATORS[key] = evaluator
     return _EVALUATORS[key], arrays
 
 
@@ -212,8 +119,8 @@ def _precomputed(jaxpr: Jaxpr) -> tuple[list, list]:
         if variables and not eqn.effects and all(var in derived for var in variables):
             derived.update(eqn.outvars)
             ahead.append(eqn)
-    read = [var for eqn in _rest(jaxpr, ahead) for var in eqn.invars] + list(jaxpr.outvars)
-    variables = (var for var in read if not isinstance(var, Literal))
+    used = [var for eqn in _rest(jaxpr, ahead) for var in eqn.invars] + list(jaxpr.outvars)
+    variables = (var for var in used if not isinstance(var, Literal))
     residuals = list(dict.fromkeys(var for var in variables if var in derived))
     return ahead, residuals
 

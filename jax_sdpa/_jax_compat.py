@@ -1,0 +1,133 @@
+"""JAX's internals, and the differences between JAX versions, in one place.
+
+Tested with JAX 0.10.2 (what CI installs, Python 3.11), 0.11.2 (the GPU image) and 0.12.0.1
+(the newest release, Python 3.12 and 3.13). What the library needs of JAX that is not public, or
+that changed between those versions, is here, each with the versions that need it: no other
+module imports ``jax._src``, reads a version-dependent attribute or names a version-dependent
+primitive, so a JAX release that breaks the library breaks it here.
+"""
+
+import jax
+from jax import lax
+from jax._src import core as _core  # the current trace and tracers: no public API says them
+from jax._src.interpreters import ad as _ad  # (reverse mode's LinearizeTrace is not public)
+from jax._src.interpreters import batching as _batching
+
+# --- shard_map's types ------------------------------------------------------------------------
+
+
+def varying_axes_of(x) -> frozenset:
+    """The mesh axes ``x`` varies over inside ``jax.shard_map`` (empty outside).
+
+    JAX 0.10 types them as ``aval.mat.varying``; earlier JAX as ``aval.vma``.
+    """
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+
+
+def cast_to_varying(x, axes: tuple):
+    """``x`` cast to vary over ``axes`` too (a no-op at run time).
+
+    ``lax.pcast`` from JAX 0.8.2, ``lax.pvary`` before.
+    """
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, axes, to="varying")
+    return lax.pvary(x, axes)
+
+
+def shaped_like(shape: tuple, dtype, like) -> jax.ShapeDtypeStruct:
+    """A ``pallas_call`` output's type, varying over the mesh axes ``like`` varies over.
+
+    JAX 0.10 takes them as ``manual_axis_type``; earlier JAX as ``vma``.
+    """
+    aval = jax.typeof(like)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+    return jax.ShapeDtypeStruct(shape, dtype, vma=getattr(aval, "vma", frozenset()))
+
+
+# --- the equations of a jaxpr -------------------------------------------------------------------
+
+# The primitives that call a jaxpr as a function, and the parameter that holds it ("pjit" is
+# JAX's name for "jit" before 0.7; "core_call", "remat" and "custom_vjp_call_jaxpr" are older
+# names some versions still emit).
+CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+
+
+def bind(eqn, operands: list):
+    """The equation's own primitive on ``operands``, as ``jax.core.eval_jaxpr`` binds it.
+
+    In the equation's context, with the parameters its primitive binds with.
+    """
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(eqn.params))
+
+
+def scan_operands(params, operands: list) -> tuple[list, list, list]:
+    """A ``scan``'s operands split into constants, carry and scanned arrays.
+
+    JAX 0.11 keeps that split as a flat tree (``ft_in``), earlier JAX as two counts.
+    """
+    if "ft_in" in params:
+        return tuple(list(part) for part in params["ft_in"].update(operands).unpack())
+    return _split(operands, params["num_consts"], params["num_carry"])
+
+
+def while_operands(params, operands: list) -> tuple[list, list, list]:
+    """A ``while``'s operands split into its condition's constants, its body's and the carry."""
+    return _split(operands, params["cond_nconsts"], params["body_nconsts"])
+
+
+def _split(xs: list, first: int, second: int) -> tuple[list, list, list]:
+    return xs[:first], xs[first : first + second], xs[first + second :]
+
+
+def atomic_kind(params) -> str:
+    """The operation of a Pallas ``atomic_rmw`` equation (``"ADD"``, …): its enum is private."""
+    return params["atomic_type"].name
+
+
+# --- the transformations a call is made under ---------------------------------------------------
+
+
+def enclosing_traces():
+    """The traces a call is made under, innermost first."""
+    trace = getattr(_core, "trace_ctx", None) and _core.trace_ctx.trace
+    while trace is not None:
+        yield trace
+        trace = getattr(trace, "parent_trace", None)
+
+
+def is_batching(trace) -> bool:
+    return isinstance(trace, _batching.BatchTrace)
+
+
+def is_jvp(trace) -> bool:
+    return isinstance(trace, _ad.JVPTrace)
+
+
+def is_differentiating(trace) -> bool:
+    """Forward mode's trace, or reverse mode's linearization."""
+    return isinstance(trace, (_ad.JVPTrace, _ad.LinearizeTrace))
+
+
+def carries(leaves, trace) -> bool:
+    """Whether some leaf is (or, under ``vmap`` or reverse mode, holds) a tracer of ``trace``."""
+    for x in leaves:
+        while isinstance(x, _core.Tracer) and x._trace is not trace:
+            x = getattr(x, "val", getattr(x, "primal", None))
+        if x is not None and isinstance(x, _core.Tracer):
+            return True
+    return False
