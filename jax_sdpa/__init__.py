@@ -12,14 +12,9 @@ from jax_sdpa import mods as mods
 from jax_sdpa._attention import attention as attention
 from jax_sdpa._block_mask import BlockMask as BlockMask
 from jax_sdpa._block_mask import create_block_mask as create_block_mask
-from jax_sdpa._chunked import Chunked as Chunked
-from jax_sdpa._decode import Decode as Decode
-from jax_sdpa._decode import Paged as Paged
-from jax_sdpa._decode import Selected as Selected
 from jax_sdpa._dot_product import dot_product_attention as dot_product_attention
 from jax_sdpa._dot_product import dot_product_attention_weights as dot_product_attention_weights
 from jax_sdpa._dot_product import ring_attention as ring_attention
-from jax_sdpa._kernels import Pallas as Pallas
 from jax_sdpa._latent import LatentValues as LatentValues
 from jax_sdpa._masks import AndMask as AndMask
 from jax_sdpa._masks import CausalMask as CausalMask
@@ -36,7 +31,6 @@ from jax_sdpa._paged import update_paged_cache as update_paged_cache
 from jax_sdpa._qk_clip import qk_clip as qk_clip
 from jax_sdpa._quantized import Quantized as Quantized
 from jax_sdpa._quantized import quantize as quantize
-from jax_sdpa._ring import Ring as Ring
 from jax_sdpa._sharding import from_striped as from_striped
 from jax_sdpa._sharding import ring_dot_product_attention as ring_dot_product_attention
 from jax_sdpa._sharding import to_striped as to_striped
@@ -48,6 +42,12 @@ from jax_sdpa._steps import sigmoid_weights as sigmoid_weights
 from jax_sdpa._steps import soft_cap_scores as soft_cap_scores
 from jax_sdpa._steps import softmax_weights as softmax_weights
 from jax_sdpa._steps import weighted_sum as weighted_sum
+from jax_sdpa._tunables import Chunked as Chunked
+from jax_sdpa._tunables import Decode as Decode
+from jax_sdpa._tunables import Paged as Paged
+from jax_sdpa._tunables import Pallas as Pallas
+from jax_sdpa._tunables import Ring as Ring
+from jax_sdpa._tunables import Selected as Selected
 
 __version__ = "0.2.0"
 

@@ -23,24 +23,11 @@ from jax_sdpa._call import Config, Inputs, Output
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._implementations import choose
 from jax_sdpa._indices import Index, positions
-from jax_sdpa._masks import (
-    AndMask,
-    CausalMask,
-    LengthMask,
-    LocalWindowMask,
-    MaskRule,
-    SegmentMask,
-)
-from jax_sdpa._ring import RingSpec
+from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule, SegmentMask
+from jax_sdpa._ring_spec import RingSpec
 from jax_sdpa._shapes import Shapes
 from jax_sdpa._steps import accumulation_dtype
-from jax_sdpa._user_functions import (
-    INDEX_ARGUMENT,
-    convert,
-    function_mask,
-    vary,
-    varying_axes,
-)
+from jax_sdpa._user_functions import INDEX_ARGUMENT, convert, function_mask, vary, varying_axes
 
 
 def bind(

@@ -17,7 +17,8 @@ from jax_sdpa import _checks
 from jax_sdpa._formula import CallArrays
 from jax_sdpa._indices import Index, indices, positions
 from jax_sdpa._masks import AndMask, MaskRule, rule_class, static_field
-from jax_sdpa._tiles import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, Tiles
+from jax_sdpa._tiles import Tiles
+from jax_sdpa._tunables import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q
 from jax_sdpa._user_functions import function_mask
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # a tile's class in a BlockMask

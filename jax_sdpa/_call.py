@@ -14,7 +14,7 @@ from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized
-from jax_sdpa._ring import RingSpec
+from jax_sdpa._ring_spec import RingSpec
 
 Output = Literal["attention", "attention_and_weights", "weights"]
 
@@ -75,6 +75,6 @@ class Config:
     formula: Formula
     output: Output = "attention"
     implementation: str = "xla"
-    options: Any = None  # the implementation's tunables (Chunked(...), ...), if it has any
+    tunables: Any = None  # the implementation's tunables (Chunked(...), ...), if it has any
     ring: RingSpec | None = None
     max_scores: bool = False  # whether the call returns them (cuDNN does not give them)

@@ -26,39 +26,9 @@ from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
 from jax_sdpa._online_softmax import zeros_from
 from jax_sdpa._steps import accumulation_dtype
-from jax_sdpa._tiles import (
-    DEFAULT_BLOCK_KV,
-    DEFAULT_BLOCK_Q,
-    Tiles,
-    check_sizes,
-    flat,
-    loop,
-    pad_keys,
-    pad_to,
-    rows_first,
-    sweep_keys,
-)
+from jax_sdpa._tiles import Tiles, flat, loop, pad_keys, pad_to, rows_first, sweep_keys
 from jax_sdpa._tiles_backward import backward
-
-
-@dataclasses.dataclass(frozen=True)
-class Chunked:
-    """The chunked implementation and its tile: ``implementation=Chunked(block_q=256)``.
-
-    Attributes:
-        block_q: Queries per tile (at most the sequence's; a last partial tile is padded).
-        block_kv: Keys per tile.
-
-    Examples:
-        >>> Chunked(block_kv=256)
-        Chunked(block_q=512, block_kv=256)
-    """
-
-    block_q: int = DEFAULT_BLOCK_Q
-    block_kv: int = DEFAULT_BLOCK_KV
-
-    def __post_init__(self):
-        check_sizes(self)
+from jax_sdpa._tunables import Chunked
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -105,7 +75,7 @@ _flash.defvjp(_flash_fwd, backward)
 
 
 def chunked_sequence(
-    formula: Formula, options: Chunked, query, key, value, arrays: CallArrays
+    formula: Formula, tunables: Chunked, query, key, value, arrays: CallArrays
 ) -> Result:
     """Blocked attention of one sequence, all heads: ``(out, lse, None)`` in jax.nn's layout.
 
@@ -115,7 +85,7 @@ def chunked_sequence(
     dropped.
     """
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
-    block_q, block_kv = min(options.block_q, seq_q), min(options.block_kv, seq_kv)
+    block_q, block_kv = min(tunables.block_q, seq_q), min(tunables.block_kv, seq_kv)
     tiles = Tiles(formula, block_q, block_kv, (kv_heads, heads // kv_heads))
     key, value, arrays = pad_keys(key, value, arrays, block_kv)
     arrays = dataclasses.replace(

@@ -48,49 +48,15 @@ from jax_sdpa._indices import positions
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized, per_token
 from jax_sdpa._steps import accumulation_dtype, raw_scores, weighted_sum
-from jax_sdpa._tiles import (
-    DEFAULT_BLOCK_KV,
-    Tiles,
-    check_sizes,
-    over_listed,
-    pad_keys,
-    visited_blocks,
-)
+from jax_sdpa._tiles import Tiles, over_listed, pad_keys, visited_blocks
 from jax_sdpa._tiles_backward import backward
+from jax_sdpa._tunables import Decode, Paged, Selected
 
 # Up to this many columns (K·G·T: every query row of every head), the scores are one matrix
 # product of the keys as they lie, ``(L, K·H)``, with a block-diagonal matrix of the queries:
 # K times the useful flops, but a product that streams the keys at memory speed. Past it the
 # wasted flops cost more than the reading (BENCHMARKS.md).
 BLOCK_DIAGONAL_COLUMNS = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class Decode:
-    """The split-key decoding implementation and its chunk: ``implementation=Decode(block_kv=…)``.
-
-    Attributes:
-        block_kv: Keys per chunk; the chunks are attended independently and merged.
-    """
-
-    block_kv: int = DEFAULT_BLOCK_KV
-
-    def __post_init__(self):
-        check_sizes(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class Paged:
-    """:func:`~jax_sdpa.paged_attention`'s chunk: ``implementation=Paged(block_kv=…)``.
-
-    Attributes:
-        block_kv: Keys per chunk, rounded down to whole pages (at least one page).
-    """
-
-    block_kv: int = DEFAULT_BLOCK_KV
-
-    def __post_init__(self):
-        check_sizes(self)
 
 
 def _per_key(scale, dtype):
@@ -252,15 +218,15 @@ _split_attention.defvjp(_split_attention_fwd, backward)
 
 
 def decode_sequence(
-    formula: Formula, options: Decode, query, key, value, arrays: CallArrays
+    formula: Formula, tunables: Decode, query, key, value, arrays: CallArrays
 ) -> Result:
     """Split-key attention of one sequence, all heads: ``(out, lse, None)`` in jax.nn's layout.
 
-    Chunks of ``options.block_kv`` keys (the last padded, its padding masked); every query in
+    Chunks of ``tunables.block_kv`` keys (the last padded, its padding masked); every query in
     one tile. The same results as :func:`jax_sdpa._chunked.chunked_sequence`.
     """
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
-    tiles = Tiles(formula, seq_q, min(options.block_kv, seq_kv), (kv_heads, heads // kv_heads))
+    tiles = Tiles(formula, seq_q, min(tunables.block_kv, seq_kv), (kv_heads, heads // kv_heads))
     if isinstance(key, Quantized) or isinstance(value, LatentValues):  # JAX's own gradient
         key, value = per_token(key), per_token(value)
         key, value, arrays = pad_keys(key, value, arrays, tiles.block_kv)
@@ -271,17 +237,17 @@ def decode_sequence(
 
 
 def paged_sequence(
-    formula: Formula, options: Paged, query, key_pages, value_pages, table, arrays: CallArrays
+    formula: Formula, tunables: Paged, query, key_pages, value_pages, table, arrays: CallArrays
 ) -> Result:
     """Split-key attention of one sequence whose keys are pages of a pool, in chunks of pages.
 
     ``table`` ``(pages,)`` names the sequence's pages of ``key_pages`` ``(P, page_size, K, H)``
-    and ``value_pages``, in order; chunks hold ``options.block_kv // page_size`` pages (at least
+    and ``value_pages``, in order; chunks hold ``tunables.block_kv // page_size`` pages (at least
     one). Only this sequence's pages are copied, never the whole pool: a copy of them is what
     the matrix products read. Its gradient is JAX's, through the same functions.
     """
     pages, page_size = table.shape[0], key_pages.shape[1]
-    per_chunk = min(max(1, options.block_kv // page_size), pages)
+    per_chunk = min(max(1, tunables.block_kv // page_size), pages)
     count = -(-pages // per_chunk)
     # Whole chunks: repeat the sequence's last page (past its length, so masked), so that it
     # never reads a page that is not its own; a page number outside the pool (−1 included:
@@ -297,20 +263,6 @@ def paged_sequence(
     return split_keys(formula, query, keys, values, arrays)
 
 
-@dataclasses.dataclass(frozen=True)
-class Selected:
-    """The selected-keys path's tunable: ``implementation=Selected(block_q=…)``.
-
-    Attributes:
-        block_q: Queries attended together (their gathered keys held at once).
-    """
-
-    block_q: int = 16
-
-    def __post_init__(self):
-        check_sizes(self)
-
-
 def listed(indices: jax.Array, seq_kv: int) -> tuple[jax.Array, jax.Array]:
     """``(indices, valid)`` of one query's ``(k,)`` indices: sorted, repeats and strays invalid.
 
@@ -324,7 +276,7 @@ def listed(indices: jax.Array, seq_kv: int) -> tuple[jax.Array, jax.Array]:
 
 
 def selected_sequence(
-    formula: Formula, options: Selected, query, key, value, arrays: CallArrays, indices
+    formula: Formula, tunables: Selected, query, key, value, arrays: CallArrays, indices
 ) -> Result:
     """One sequence's queries ``(T, N, H)``, each attending to its ``indices[t]`` ``(k,)``."""
     seq_kv = key.shape[0]
@@ -344,5 +296,5 @@ def selected_sequence(
     seq_q = query.shape[0]
     args = (jnp.arange(seq_q, dtype=indices.dtype), query, indices)
     one = jax.checkpoint(lambda args: one_query(*args))
-    result = lax.map(one, args, batch_size=min(options.block_q, seq_q))
+    result = lax.map(one, args, batch_size=min(tunables.block_q, seq_q))
     return jax.tree.map(lambda x: x[:, 0], result)

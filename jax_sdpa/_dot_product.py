@@ -34,19 +34,12 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Float
 
 from jax_sdpa._arguments import bind
-from jax_sdpa._chunked import Chunked
-from jax_sdpa._decode import Decode, Selected
 from jax_sdpa._implementations import Implementation, check_implementation, run
-from jax_sdpa._kernels import Pallas
+from jax_sdpa._keywords import CausalAlignment, Keywords, Normalizer, RingKeywords
 from jax_sdpa._masks import MaskRule
-from jax_sdpa._options import (
-    CausalAlignment,
-    Normalizer,
-    Options,
-    RingOptions,
-)
-from jax_sdpa._ring import Layout, Ring
+from jax_sdpa._ring_spec import Layout
 from jax_sdpa._steps import accumulation_dtype
+from jax_sdpa._tunables import Chunked, Decode, Pallas, Ring, Selected
 
 if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no dependency
     from typing_extensions import Unpack
@@ -65,7 +58,7 @@ def dot_product_attention(
     return_residual: Literal[False] = False,
     return_max_scores: Literal[False] = False,
     implementation: Implementation | Chunked | Decode | Selected | Pallas | None = None,
-    **options: Unpack[Options],
+    **options: Unpack[Keywords],
 ) -> Array: ...
 
 
@@ -80,7 +73,7 @@ def dot_product_attention(
     return_residual: Literal[True],
     return_max_scores: Literal[False] = False,
     implementation: Implementation | Chunked | Decode | Selected | Pallas | None = None,
-    **options: Unpack[Options],
+    **options: Unpack[Keywords],
 ) -> tuple[Array, Array]: ...
 
 
@@ -95,7 +88,7 @@ def dot_product_attention(
     return_residual: bool = False,
     return_max_scores: Literal[True],
     implementation: Implementation | Chunked | Decode | Selected | Pallas | None = None,
-    **options: Unpack[Options],
+    **options: Unpack[Keywords],
 ) -> tuple[Array, ...]: ...
 
 
@@ -347,7 +340,7 @@ def ring_attention(
     head_axis: Any = None,
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
-    **options: Unpack[RingOptions],
+    **options: Unpack[RingKeywords],
 ) -> Array: ...
 
 
@@ -367,7 +360,7 @@ def ring_attention(
     head_axis: Any = None,
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
-    **options: Unpack[RingOptions],
+    **options: Unpack[RingKeywords],
 ) -> tuple[Array, Array]: ...
 
 
@@ -387,7 +380,7 @@ def ring_attention(
     head_axis: Any = None,
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
-    **options: Unpack[RingOptions],
+    **options: Unpack[RingKeywords],
 ) -> tuple[Array, ...]: ...
 
 

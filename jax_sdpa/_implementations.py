@@ -30,24 +30,21 @@ from jax import lax
 
 from jax_sdpa._attention import dense_sequence
 from jax_sdpa._call import Config, Inputs
-from jax_sdpa._chunked import Chunked, chunked_sequence
+from jax_sdpa._chunked import chunked_sequence
 from jax_sdpa._decode import (
     BLOCK_DIAGONAL_COLUMNS,
-    Decode,
-    Paged,
-    Selected,
     decode_sequence,
     paged_sequence,
     selected_sequence,
 )
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._jax_compat import carries, enclosing_traces, is_batching, is_differentiating, is_jvp
-from jax_sdpa._kernels import Pallas
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
 from jax_sdpa._pallas import pallas_sequence
-from jax_sdpa._ring import Ring, ring_sequence
+from jax_sdpa._ring import ring_sequence
 from jax_sdpa._steps import accumulation_dtype
+from jax_sdpa._tunables import Chunked, Decode, Paged, Pallas, Ring, Selected
 
 #: The implementations :func:`~jax_sdpa.dot_product_attention` takes by name: the table's entries
 #: but those of the ring and paged functions (tests/test_signatures.py holds the two together).
@@ -71,10 +68,10 @@ class Entry:
     ``jvp``: whether it has a forward-mode derivative. Without one (a ``jax.custom_vjp``), it
     still has forward over reverse (``jax.hessian``, ``jax.jvp`` of a ``jax.grad``): forward mode
     of its own backward pass, if that pass is differentiable (``second_order``; the fused
-    kernel's is not, nor a ring's whose options give its steps to the kernel).
+    kernel's is not, nor a ring's whose tunables give its steps to the kernel).
     ``asked_as``: how a user asks for it, for messages (``implementation=...`` by default).
-    ``options``: the class of its tunables (``Chunked``), whose instance the call's ``run``
-    finds in ``config.options``; ``None`` where it has none.
+    ``tunables``: the class of its tunables (``Chunked``), whose instance the call's ``run``
+    finds in ``config.tunables``; ``None`` where it has none.
     ``serving_caches``: whether it reads quantized caches (:class:`~jax_sdpa.Quantized`; the
     others refuse them) and :class:`~jax_sdpa.LatentValues` as they are (the others attend to
     the keys' slice).
@@ -85,12 +82,12 @@ class Entry:
     jvp: bool = False
     second_order: bool = True
     asked_as: str | None = None
-    options: type | None = None
+    tunables: type | None = None
     serving_caches: bool = False
 
-    def second_order_with(self, options) -> bool:
-        """Whether its backward pass is differentiable, run with ``options``."""
-        return self.second_order and getattr(options, "kernel", None) is None
+    def second_order_with(self, tunables) -> bool:
+        """Whether its backward pass is differentiable, run with ``tunables``."""
+        return self.second_order and getattr(tunables, "kernel", None) is None
 
     def refuses(self, name: str, inputs: Inputs, config: Config) -> str | None:
         """Why this entry (``name`` in the table) cannot run the call, or None."""
@@ -117,13 +114,13 @@ def _run_dense(inputs: Inputs, config: Config) -> Result:
 
 
 def _tiled(sequence_fn: Callable) -> Callable[[Inputs, Config], Result]:
-    """The ``run`` of a tiled implementation, ``sequence_fn(formula, options, ...)`` a sequence.
+    """The ``run`` of a tiled implementation, ``sequence_fn(formula, tunables, ...)`` a sequence.
 
     Mapped over the batch, or sequence by sequence where its tiles' classes depend on data.
     """
 
     def run(inputs: Inputs, config: Config) -> Result:
-        sequence = functools.partial(sequence_fn, config.formula, config.options)
+        sequence = functools.partial(sequence_fn, config.formula, config.tunables)
         return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
 
     return run
@@ -144,7 +141,7 @@ def _chunked_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 
 def _run_decode(inputs: Inputs, config: Config) -> Result:
-    return inputs.over_batch(functools.partial(decode_sequence, config.formula, config.options))
+    return inputs.over_batch(functools.partial(decode_sequence, config.formula, config.tunables))
 
 
 def _decode_unsupported(inputs: Inputs, config: Config) -> str | None:
@@ -158,7 +155,7 @@ def _decode_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 
 def _run_selected(inputs: Inputs, config: Config) -> Result:
-    sequence = functools.partial(selected_sequence, config.formula, config.options)
+    sequence = functools.partial(selected_sequence, config.formula, config.tunables)
     args = (inputs.query, inputs.key, inputs.value, inputs.arrays, inputs.key_indices)
     return over_batch(sequence, inputs.query.shape[:-3], *args)
 
@@ -171,7 +168,7 @@ def _selected_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 
 def _run_paged(inputs: Inputs, config: Config) -> Result:
-    sequence = functools.partial(paged_sequence, config.formula, config.options)
+    sequence = functools.partial(paged_sequence, config.formula, config.tunables)
     args = (inputs.query, inputs.key, inputs.value, inputs.page_table, inputs.arrays)
     # One sequence after the other: each gathers its own pages, never the whole batch's.
     return over_batch(sequence, inputs.query.shape[:-3], *args, sequential=True)
@@ -184,7 +181,7 @@ def _paged_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 
 def _run_ring(inputs: Inputs, config: Config) -> Result:
-    sequence = functools.partial(ring_sequence, config.formula, config.options, config.ring)
+    sequence = functools.partial(ring_sequence, config.formula, config.tunables, config.ring)
     return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
 
 
@@ -211,7 +208,7 @@ def _pallas_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 
 def _ring_unsupported(inputs: Inputs, config: Config) -> str | None:
-    if config.options.kernel is None:
+    if config.tunables.kernel is None:
         return None
     asked = "`ring_attention(implementation='pallas')`"
     return _kernel_lacks(inputs, asked, "the ring's own tiles (implementation=None)")
@@ -296,21 +293,21 @@ def _run_cudnn(inputs: Inputs, config: Config) -> Result:
 
 IMPLEMENTATIONS: dict[str, Entry] = {
     "xla": Entry(_run_dense, jvp=True),
-    "chunked": Entry(_tiled(chunked_sequence), _chunked_unsupported, options=Chunked),
-    "decode": Entry(_run_decode, _decode_unsupported, options=Decode, serving_caches=True),
-    "selected": Entry(_run_selected, _selected_unsupported, options=Selected, serving_caches=True),
+    "chunked": Entry(_tiled(chunked_sequence), _chunked_unsupported, tunables=Chunked),
+    "decode": Entry(_run_decode, _decode_unsupported, tunables=Decode, serving_caches=True),
+    "selected": Entry(_run_selected, _selected_unsupported, tunables=Selected, serving_caches=True),
     "paged": Entry(
         _run_paged,
         _paged_unsupported,
         jvp=True,
         asked_as="`paged_attention`",
-        options=Paged,
+        tunables=Paged,
         serving_caches=True,
     ),
     "cudnn": Entry(_run_cudnn, _cudnn_unsupported),
-    "ring": Entry(_run_ring, _ring_unsupported, asked_as="`ring_attention`", options=Ring),
+    "ring": Entry(_run_ring, _ring_unsupported, asked_as="`ring_attention`", tunables=Ring),
     "pallas": Entry(
-        _tiled(pallas_sequence), _pallas_unsupported, second_order=False, options=Pallas
+        _tiled(pallas_sequence), _pallas_unsupported, second_order=False, tunables=Pallas
     ),
 }
 
@@ -356,12 +353,12 @@ def _differentiated_twice(inputs: Inputs) -> bool:
 
 
 def check_implementation(implementation, names: tuple[str, ...], *, by_name: bool = True) -> None:
-    """``implementation`` must be None, one of ``names`` (if ``by_name``) or their options.
+    """``implementation`` must be None, one of ``names`` (if ``by_name``) or their tunables.
 
     Raises:
         ValueError: On another name. TypeError: On another kind of value.
     """
-    classes = tuple(IMPLEMENTATIONS[name].options for name in names)
+    classes = tuple(IMPLEMENTATIONS[name].tunables for name in names)
     classes = tuple(cls for cls in classes if cls is not None)
     choices = [repr(name) for name in names if by_name] + [f"{c.__name__}(...)" for c in classes]
     if implementation is None or isinstance(implementation, classes):
@@ -374,28 +371,28 @@ def check_implementation(implementation, names: tuple[str, ...], *, by_name: boo
     )
 
 
-def options(name: str, implementation) -> Any:
+def tunables(name: str, implementation) -> Any:
     """The tunables ``name`` runs with: ``implementation`` if those are its, else its defaults."""
-    cls = IMPLEMENTATIONS[name].options
+    cls = IMPLEMENTATIONS[name].tunables
     if cls is None or isinstance(implementation, cls):
         return None if cls is None else implementation
     return cls()
 
 
 def requested(implementation) -> str | None:
-    """The entry a call asks for: by name, by its options (``Chunked(...)``), or None."""
+    """The entry a call asks for: by name, by its tunables (``Chunked(...)``), or None."""
     if implementation is None or isinstance(implementation, str):
         return implementation
     return next(
-        n for n, e in IMPLEMENTATIONS.items() if isinstance(implementation, e.options or ())
+        n for n, e in IMPLEMENTATIONS.items() if isinstance(implementation, e.tunables or ())
     )
 
 
 def choose(inputs: Inputs, config: Config, implementation) -> Config:
-    """``config`` with the implementation that runs the call and its options.
+    """``config`` with the implementation that runs the call and its tunables.
 
-    That is the one ``implementation`` asks for (a name or options; :func:`requested`), or
-    with ``None`` the first that supports the call. Each is asked with its own options.
+    That is the one ``implementation`` asks for (a name or tunables; :func:`requested`), or
+    with ``None`` the first that supports the call. Each is asked with its own tunables.
 
     Raises:
         ValueError: With the implementation's own message, if the one asked for cannot run it.
@@ -407,7 +404,7 @@ def choose(inputs: Inputs, config: Config, implementation) -> Config:
 
     def takes(name: str) -> bool:
         entry = IMPLEMENTATIONS[name]
-        twice_ok = entry.second_order_with(options(name, implementation)) or not twice
+        twice_ok = entry.second_order_with(tunables(name, implementation)) or not twice
         return (entry.jvp or not under_jvp) and twice_ok
 
     if asked is not None and not takes(asked):
@@ -425,7 +422,7 @@ def choose(inputs: Inputs, config: Config, implementation) -> Config:
         )
     names = _preference(inputs) if asked is None else (asked,)
     configs = [
-        dataclasses.replace(config, implementation=name, options=options(name, implementation))
+        dataclasses.replace(config, implementation=name, tunables=tunables(name, implementation))
         for name in names
         if takes(name)
     ]

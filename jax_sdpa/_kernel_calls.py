@@ -18,10 +18,8 @@ from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import shaped_like
 from jax_sdpa._kernel_scatters import ONE_HOT_MAX
 from jax_sdpa._kernels import (
-    MIN_SIDE,
     BlockLists,
     Kernel,
-    Pallas,
     dkv_kernel,
     dq_kernel,
     forward_kernel,
@@ -29,6 +27,7 @@ from jax_sdpa._kernels import (
 )
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import BackwardRows, Tiles, differentiable, pad_keys
+from jax_sdpa._tunables import MIN_SIDE, Pallas
 
 
 def _whole(x):
@@ -72,7 +71,7 @@ def _heads_leading(x):
 
 def forward(
     tiles: Tiles,
-    options: Pallas,
+    tunables: Pallas,
     query,
     key,
     value,
@@ -89,7 +88,7 @@ def forward(
     ``arrays``, the rows start from them. ``out`` is in ``out_dtype`` (the values' by default).
     ``lists``: those of the call's block mask (its tiles the kernel's), to visit only its blocks.
     """
-    kernel = _kernel(tiles, options, query, key, arrays, lists)
+    kernel = _kernel(tiles, tunables, query, key, arrays, lists)
     (seq_q, heads, width), value_width = query.shape, value.shape[-1]
     groups = kernel.group
     inputs = kernel.inputs(arrays, offsets, lists)
@@ -116,7 +115,7 @@ def forward(
 
 def backward(
     tiles: Tiles,
-    options: Pallas,
+    tunables: Pallas,
     query,
     key,
     value,
@@ -132,7 +131,7 @@ def backward(
     gradients (None for the others). All in the accumulation dtype; the sinks' gradient is the
     caller's.
     """
-    kernel = _kernel(tiles, options, query, key, arrays, lists)
+    kernel = _kernel(tiles, tunables, query, key, arrays, lists)
     (seq_q, heads, _), value_width = query.shape, value.shape[-1]
     # (in the values' dtype, which the products cast it to: half the bytes of 16-bit values)
     d_out = rows.d_out.reshape(seq_q, heads, value_width).astype(value.dtype)
@@ -224,11 +223,11 @@ def _key_gradients(kernel: Kernel, operands: list, inputs: list, consts: list):
     return dk, dv, d_consts
 
 
-def _kernel(tiles: Tiles, options: Pallas, query, key, arrays: CallArrays, lists) -> Kernel:
+def _kernel(tiles: Tiles, tunables: Pallas, query, key, arrays: CallArrays, lists) -> Kernel:
     leaves, shared = jax.tree.flatten(shared_arrays(arrays, (0, 0), lists))
     return Kernel(
         tiles,
-        options,
+        tunables,
         query.shape[0],
         key.shape[0],
         shared,
@@ -238,13 +237,13 @@ def _kernel(tiles: Tiles, options: Pallas, query, key, arrays: CallArrays, lists
     )
 
 
-def fitted(formula: Formula, options: Pallas, query, key) -> Tiles:
+def fitted(formula: Formula, tunables: Pallas, query, key) -> Tiles:
     """The tiles for ``(T, N, H)`` queries and ``(S, K, H)`` keys.
 
-    ``options``' sides, or for a short sequence the power of two ≥ 16 at or above its length.
+    ``tunables``' sides, or for a short sequence the power of two ≥ 16 at or above its length.
     """
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
-    block_q, block_kv = _side(seq_q, options.block_q), _side(seq_kv, options.block_kv)
+    block_q, block_kv = _side(seq_q, tunables.block_q), _side(seq_kv, tunables.block_kv)
     return Tiles(formula, block_q, block_kv, (kv_heads, heads // kv_heads), fused=True)
 
 

@@ -42,66 +42,13 @@ from jax_sdpa._formula import CallArrays
 from jax_sdpa._indices import INDEX
 from jax_sdpa._kernel_reads import evaluate
 from jax_sdpa._steps import accumulation_dtype
-from jax_sdpa._tiles import (
-    BackwardRows,
-    Tiles,
-    check_sizes,
-    classified,
-    loop,
-    sweep,
-    tile_class,
-)
-
-# The smallest side of a tile and of a head: Triton's matrix product takes no less.
-MIN_SIDE = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class Pallas:
-    """The fused kernel and its tunables: ``implementation=Pallas(block_q=128)``.
-
-    The default tiles, 64 × 64, were the fastest of ten measured on an H200 (bfloat16, d = 128,
-    causal, forward and backward; BENCHMARKS.md).
-
-    Attributes:
-        block_q: Queries per program, a power of two ≥ 16 (a shorter sequence takes the next
-            power of two at or above its length).
-        block_kv: Keys per step of a program's loop, a power of two ≥ 16.
-        num_warps: Triton's warps per program (GPU).
-        num_stages: Triton's software-pipelining stages (GPU).
-        interpret: ``True`` runs the Pallas interpreter on any backend; a
-            ``jax.experimental.pallas.tpu.InterpretParams`` the TPU simulator.
-
-    Examples:
-        >>> Pallas(block_kv=32)
-        Pallas(block_q=64, block_kv=32, num_warps=4, num_stages=2, interpret=False)
-    """
-
-    block_q: int = 64
-    block_kv: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-    interpret: Any = False
-
-    def __post_init__(self):
-        check_sizes(self, ("block_q", "block_kv", "num_warps", "num_stages"))
-        for name, least in (("block_q", MIN_SIDE), ("block_kv", MIN_SIDE), ("num_warps", 1)):
-            size = getattr(self, name)
-            if size < least or size & (size - 1):
-                raise ValueError(
-                    f"`Pallas.{name}` must be a power of two ≥ {least} (as Triton takes it); "
-                    f"got {size}."
-                )
-        if not isinstance(self.interpret, (bool, pltpu.InterpretParams)):
-            raise TypeError(
-                "`Pallas.interpret` must be a bool or a pltpu.InterpretParams; "
-                f"got {self.interpret!r}."
-            )
+from jax_sdpa._tiles import BackwardRows, Tiles, classified, loop, sweep, tile_class
+from jax_sdpa._tunables import Pallas
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """What the kernels of one call share (static): tiles, options, the arrays' layout.
+    """What the kernels of one call share (static): tiles, tunables, the arrays' layout.
 
     Besides queries, keys and values, every program reads whole: the query heads' indices, the
     sinks and the sigmoid's biases (if any) and the ``shared`` arrays (the rule's, the batch
@@ -110,7 +57,7 @@ class Kernel:
     """
 
     tiles: Tiles
-    options: Pallas
+    tunables: Pallas
     seq_q: int  # padded to whole tiles
     seq_kv: int
     shared: Any  # the treedef of (rule, batch, score_consts, offsets, lists)
@@ -186,15 +133,15 @@ class Kernel:
                 input_output_aliases=aliases or {},
             )
 
-        interpret = self.options.interpret
+        interpret = self.tunables.interpret
         if isinstance(interpret, pltpu.InterpretParams):
             return on(interpret, pltpu.CompilerParams())
         if interpret:
             return on(True, None)
-        options = self.options
+        tunables = self.tunables
         triton = on(
             False,
-            pltriton.CompilerParams(num_warps=options.num_warps, num_stages=options.num_stages),
+            pltriton.CompilerParams(num_warps=tunables.num_warps, num_stages=tunables.num_stages),
             atomics=True,
         )
         mosaic = on(False, pltpu.CompilerParams())

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Integer
 
 from jax_sdpa._arguments import bind
-from jax_sdpa._decode import Paged
 from jax_sdpa._implementations import check_implementation, run
 from jax_sdpa._indices import indices
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized, quantize_like
+from jax_sdpa._tunables import Paged
 
 __all__ = ["paged_attention", "update_cache", "update_paged_cache"]
 

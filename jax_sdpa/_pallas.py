@@ -17,25 +17,26 @@ from jax_sdpa._block_mask import blocked
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
 from jax_sdpa._kernel_calls import backward, fitted, forward, padded
-from jax_sdpa._kernels import BlockLists, Pallas
+from jax_sdpa._kernels import BlockLists
 from jax_sdpa._tiles import Tiles, differentiable
 from jax_sdpa._tiles_backward import backward_rows, sinks_grad
+from jax_sdpa._tunables import Pallas
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused(tiles: Tiles, options: Pallas, query, key, value, arrays: CallArrays, lists):
-    return forward(tiles, options, query, key, value, arrays, lists=lists)
+def _fused(tiles: Tiles, tunables: Pallas, query, key, value, arrays: CallArrays, lists):
+    return forward(tiles, tunables, query, key, value, arrays, lists=lists)
 
 
-def _fused_fwd(tiles: Tiles, options: Pallas, query, key, value, arrays: CallArrays, lists):
-    out, lse, top = forward(tiles, options, query, key, value, arrays, lists=lists)
+def _fused_fwd(tiles: Tiles, tunables: Pallas, query, key, value, arrays: CallArrays, lists):
+    out, lse, top = forward(tiles, tunables, query, key, value, arrays, lists=lists)
     return (out, lse, top), (query, key, value, arrays, lists, out, lse)
 
 
-def _fused_bwd(tiles: Tiles, options: Pallas, residuals: tuple, cotangents: tuple) -> tuple:
+def _fused_bwd(tiles: Tiles, tunables: Pallas, residuals: tuple, cotangents: tuple) -> tuple:
     query, key, value, arrays, lists, out, lse = residuals
     rows = backward_rows(out, lse, cotangents, tiles.formula.sigmoid)
-    grads = backward(tiles, options, query, key, value, arrays, rows, lists=lists)
+    grads = backward(tiles, tunables, query, key, value, arrays, rows, lists=lists)
     operands = (query, key, value, differentiable(arrays.score_consts))
     d_query, d_key, d_value, d_consts = jax.tree.map(
         lambda d, x: d.astype(x.dtype), grads, operands
@@ -48,7 +49,7 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def pallas_sequence(
-    formula: Formula, options: Pallas, query, key, value, arrays: CallArrays
+    formula: Formula, tunables: Pallas, query, key, value, arrays: CallArrays
 ) -> Result:
     """The fused kernels on one sequence, all heads: ``(out, lse, None)`` in jax.nn's layout.
 
@@ -58,11 +59,11 @@ def pallas_sequence(
     exclude.
     """
     (seq_q, _, _), value_width = query.shape, value.shape[-1]
-    tiles = fitted(formula, options, query, key)
+    tiles = fitted(formula, tunables, query, key)
     query, key, value, arrays = padded(tiles, query, key, value, arrays)
     lists = None
     if arrays.rule is not None and arrays.rule.opaque:
         rule = blocked(tiles, arrays, seq_q, key.shape[0])
         arrays, lists = dataclasses.replace(arrays, rule=rule), BlockLists.of(rule)
-    out, lse, top = _fused(tiles, options, query, key, value, arrays, lists)
+    out, lse, top = _fused(tiles, tunables, query, key, value, arrays, lists)
     return Result(out[:seq_q, :, :value_width], lse[:seq_q], None, top[:seq_q])

@@ -20,26 +20,16 @@ mask that leaves device 0 almost idle and the last device with all the work; ``"
 import dataclasses
 import functools
 import math
-from typing import Literal
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from jax_sdpa import _kernel_calls as kernels
 from jax_sdpa._formula import CallArrays, Formula, block_of
 from jax_sdpa._heads import Result
-from jax_sdpa._kernels import Pallas
 from jax_sdpa._online_softmax import finish, from_result, init, max_scores, merge
-from jax_sdpa._tiles import (
-    DEFAULT_BLOCK_KV,
-    DEFAULT_BLOCK_Q,
-    Tiles,
-    check_sizes,
-    flat,
-    forward_sweep,
-    loop,
-)
+from jax_sdpa._ring_spec import RingSpec
+from jax_sdpa._tiles import Tiles, flat, forward_sweep, loop
 from jax_sdpa._tiles_backward import (
     backward_rows,
     backward_sweep,
@@ -47,84 +37,7 @@ from jax_sdpa._tiles_backward import (
     sinks_grad,
     zeros_like_grads,
 )
-
-Layout = Literal["contiguous", "striped"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Ring:
-    """Ring attention's tile: ``ring_attention(..., implementation=Ring(block_q=256))``.
-
-    Attributes:
-        block_q: Queries per tile, at most: each run of a shard is cut into the largest tiles
-            that divide it (shards are never padded; unused with ``kernel``).
-        block_kv: Keys per tile, likewise.
-        kernel: If given, each step's tiles are computed by the fused kernel, with its own
-            tiles, each run padded to them (``ring_attention(..., implementation="pallas")`` or
-            ``Pallas(...)`` gives it).
-    """
-
-    block_q: int = DEFAULT_BLOCK_Q
-    block_kv: int = DEFAULT_BLOCK_KV
-    kernel: Pallas | None = None
-
-    def __post_init__(self):
-        check_sizes(self, ("block_q", "block_kv"))
-        if not isinstance(self.kernel, (Pallas, type(None))):
-            raise TypeError(f"`Ring.kernel` must be None or a Pallas(...); got {self.kernel!r}.")
-
-
-@dataclasses.dataclass(frozen=True)
-class RingSpec:
-    """The ring a call runs on (static): the mesh axis, its size and the sequence layout."""
-
-    axis_name: str
-    shards: int
-    layout: Layout
-    batch_axis: str | None = None  # the mesh axes the batch and the heads are split over,
-    head_axis: str | None = None
-    batch_shards: int = 1  # and the devices along each
-    head_shards: int = 1
-
-    @property
-    def axes(self) -> frozenset:
-        """The mesh axes the call's positions, batch and head indices vary over."""
-        return frozenset({self.axis_name, self.batch_axis, self.head_axis} - {None})
-
-    @property
-    def pieces(self) -> int:
-        """The contiguous runs of positions each device holds: 1, or 2 when striped."""
-        return 1 if self.layout == "contiguous" else 2
-
-    def piece(self, shard, n, length: int):
-        """Run ``n`` of a shard of ``length``: ``(local start, global start, size)``.
-
-        Striped, device ``d`` holds chunks ``d`` and ``2P − 1 − d`` of the ``2P``.
-        """
-        size = length // self.pieces
-        chunk = (
-            shard
-            if self.layout == "contiguous"
-            else jnp.where(n == 0, shard, 2 * self.shards - 1 - shard)
-        )
-        return n * size, chunk * size, size
-
-    def rotate(self, xs):
-        """Passes ``xs`` to the next device of the ring."""
-        perm = [(i, (i + 1) % self.shards) for i in range(self.shards)]
-        return lax.ppermute(xs, self.axis_name, perm)
-
-    def run(self, n, me, src, seq_q: int, seq_kv: int):
-        """Pair ``n`` of (query run, key run) at one step: ``((start, size), global start)`` each.
-
-        There are ``pieces²`` pairs, looped over (one copy of the sweep in the program, not one
-        per pair). The key run's columns in a bias or mask follow the sharded key order: shard
-        ``src`` starts at column ``src · seq_kv``.
-        """
-        q_start, q_offset, q_size = self.piece(me, n // self.pieces, seq_q)
-        kv_start, kv_offset, kv_size = self.piece(src, n % self.pieces, seq_kv)
-        kv_columns = (src * seq_kv + kv_start, kv_size)
-        return ((q_start, q_size), q_offset), ((kv_start, kv_size), kv_offset), kv_columns
+from jax_sdpa._tunables import Pallas, Ring
 
 
 def _slice(x, run, axis: int = 0):
@@ -287,24 +200,24 @@ _around_ring.defvjp(_around_ring_fwd, _around_ring_bwd)
 
 
 def ring_sequence(
-    formula: Formula, options: Ring, ring: RingSpec, query, key, value, arrays: CallArrays
+    formula: Formula, tunables: Ring, ring: RingSpec, query, key, value, arrays: CallArrays
 ) -> Result:
     """Ring attention for this device's queries ``(T/P, N, H)``, all heads.
 
     :func:`jax_sdpa._chunked.chunked_sequence` on a ring: ``(out, lse, None)`` for this device's
     queries, in jax.nn's layout. Shards are never padded: each tile is the largest divisor of a
-    run's length not above the options' (with ``options.kernel``, each run is padded to the
+    run's length not above the tunables' (with ``tunables.kernel``, each run is padded to the
     kernel's tiles instead).
     """
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
     runs = 2 if ring.layout == "striped" else 1
     tiles = Tiles(
         formula,
-        _largest_divisor(seq_q // runs, options.block_q),
-        _largest_divisor(seq_kv // runs, options.block_kv),
+        _largest_divisor(seq_q // runs, tunables.block_q),
+        _largest_divisor(seq_kv // runs, tunables.block_kv),
         (kv_heads, heads // kv_heads),
     )
-    out, lse, top = _around_ring(tiles, ring, options.kernel, query, key, value, arrays)
+    out, lse, top = _around_ring(tiles, ring, tunables.kernel, query, key, value, arrays)
     return Result(out, lse, None, top)
 
 

@@ -14,7 +14,7 @@ from jax_sdpa import _checks
 from jax_sdpa._indices import INDEX
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized, scale_shape
-from jax_sdpa._ring import RingSpec
+from jax_sdpa._ring_spec import RingSpec
 
 
 class Shapes(NamedTuple):

@@ -22,8 +22,8 @@ from jaxtyping import Array, ArrayLike
 
 from jax_sdpa import _checks
 from jax_sdpa._dot_product import ring_attention
-from jax_sdpa._options import RingOptions
-from jax_sdpa._ring import Layout
+from jax_sdpa._keywords import RingKeywords
+from jax_sdpa._ring_spec import Layout
 
 if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no dependency
     from typing_extensions import Unpack
@@ -196,7 +196,7 @@ def ring_dot_product_attention(
     layout: Layout = "contiguous",
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
-    **options: Unpack[RingOptions],
+    **options: Unpack[RingKeywords],
 ) -> Array: ...
 
 
@@ -217,7 +217,7 @@ def ring_dot_product_attention(
     layout: Layout = "contiguous",
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
-    **options: Unpack[RingOptions],
+    **options: Unpack[RingKeywords],
 ) -> tuple[Array, Array]: ...
 
 
@@ -238,7 +238,7 @@ def ring_dot_product_attention(
     layout: Layout = "contiguous",
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
-    **options: Unpack[RingOptions],
+    **options: Unpack[RingKeywords],
 ) -> tuple[Array, ...]: ...
 
 
@@ -258,7 +258,7 @@ def ring_dot_product_attention(
     key_value_seq_lengths: ArrayLike | None = None,
     return_residual: bool = False,
     return_max_scores: bool = False,
-    **options: Unpack[RingOptions],
+    **options: Unpack[RingKeywords],
 ) -> Array | tuple[Array, ...]:
     """:func:`jax_sdpa.dot_product_attention` on a mesh, the sequence split over ``seq_axis``.
 

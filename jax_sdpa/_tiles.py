@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa import _checks
 from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import over_heads
@@ -37,21 +36,6 @@ from jax_sdpa._indices import INDEX, indices, positions
 from jax_sdpa._masks import LengthMask, MaskRule
 from jax_sdpa._online_softmax import State
 from jax_sdpa._steps import cast_product, raw_scores
-
-# The fastest tile measured on a 2-core CPU, causal or not, forward and backward (BENCHMARKS.md):
-# smaller tiles pay more per-iteration overhead than they save in cache misses.
-DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_KV = 512
-
-
-def check_sizes(options, names: tuple[str, ...] | None = None) -> None:
-    """The fields ``names`` of an implementation's options (all by default) are positive ints.
-
-    Each is a size: a tile's side, a count of warps.
-    """
-    names = [f.name for f in dataclasses.fields(options)] if names is None else names
-    for name in names:
-        _checks.check_positive_int(f"{type(options).__name__}.{name}", getattr(options, name))
 
 
 class BackwardRows(NamedTuple):

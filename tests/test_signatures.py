@@ -17,8 +17,8 @@ import pytest
 from flax import linen
 
 import jax_sdpa as js
-from jax_sdpa import _options
-from jax_sdpa._options import Options, RingOptions, WeightsOptions
+from jax_sdpa import _keywords
+from jax_sdpa._keywords import Keywords, RingKeywords, WeightsKeywords
 
 # Every parameter of each public function, written out: a keyword must not vanish silently.
 PARAMETERS = {
@@ -56,11 +56,11 @@ POSITIONAL = {
 # Each TypedDict and the function whose keywords it holds, but for those the function names itself
 # in its overloads.
 GROUPS = [
-    (js.dot_product_attention, Options, {"return_residual", "return_max_scores", "implementation"}),
-    (js.dot_product_attention_weights, WeightsOptions, set()),
+    (js.dot_product_attention, Keywords, {"return_residual", "return_max_scores", "implementation"}),
+    (js.dot_product_attention_weights, WeightsKeywords, set()),
     (
         js.ring_attention,
-        RingOptions,
+        RingKeywords,
         {
             "return_residual",
             "return_max_scores",
@@ -93,7 +93,7 @@ def _accepted(fn) -> set[str]:
     for p in inspect.signature(fn).parameters.values():
         if p.kind is p.VAR_KEYWORD:
             (typed_dict,) = re.fullmatch(r"Unpack\[(\w+)\]", p.annotation).groups()
-            keys = getattr(_options, typed_dict).__optional_keys__
+            keys = getattr(_keywords, typed_dict).__optional_keys__
             assert not names & keys, f"`{p.name}` repeats named keywords"  # PEP 692
             names |= keys
     return names

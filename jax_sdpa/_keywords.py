@@ -12,9 +12,8 @@ from typing import Any, Literal, TypedDict
 from jax import lax
 from jaxtyping import ArrayLike
 
-from jax_sdpa._kernels import Pallas
 from jax_sdpa._masks import MaskRule
-from jax_sdpa._ring import Ring
+from jax_sdpa._tunables import Pallas, Ring
 
 CausalAlignment = Literal["top_left", "bottom_right"]
 Normalizer = Literal["softmax", "sigmoid"]
@@ -77,7 +76,7 @@ class _FlaxAccepted(TypedDict, total=False):
     attn_weights_value_einsum: Callable | None
 
 
-class WeightsOptions(_Formula, _Masks, _Lengths, _Segments, _Flax):
+class WeightsKeywords(_Formula, _Masks, _Lengths, _Segments, _Flax):
     """The keywords of :func:`dot_product_attention_weights`."""
 
 
@@ -87,11 +86,11 @@ class _Selection(TypedDict, total=False):
     key_indices: ArrayLike | None
 
 
-class Options(WeightsOptions, _FlaxAccepted, _Selection):
+class Keywords(WeightsKeywords, _FlaxAccepted, _Selection):
     """:func:`dot_product_attention`'s keywords but ``return_residual`` and ``implementation``."""
 
 
-class RingOptions(_Formula, _Masks, total=False):
+class RingKeywords(_Formula, _Masks, total=False):
     """What :func:`jax_sdpa.ring_dot_product_attention` passes on to :func:`ring_attention`."""
 
     implementation: Ring | Pallas | Literal["pallas"] | None
