@@ -24,6 +24,7 @@ from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._implementations import choose
 from jax_sdpa._indices import Index, positions
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule, SegmentMask
+from jax_sdpa._online_softmax import SIGMOID
 from jax_sdpa._ring_spec import RingSpec
 from jax_sdpa._shapes import Shapes
 from jax_sdpa._steps import accumulation_dtype
@@ -315,7 +316,7 @@ def _sigmoid_bias(
     all the keys (on a ring, of the whole sequence); masks do not change it. A constant of the
     call (no gradient reaches it), in the scores' dtype.
     """
-    if not formula.sigmoid:
+    if formula.normalizer is not SIGMOID:
         if sigmoid_bias is not None:
             raise ValueError("`sigmoid_bias` needs `normalizer='sigmoid'`; got 'softmax'.")
         return None

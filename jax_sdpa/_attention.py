@@ -20,10 +20,7 @@ from jax_sdpa._heads import Result, over_heads
 from jax_sdpa._masks import CausalMask
 from jax_sdpa._steps import (
     default_scale,
-    log_total,
     max_allowed,
-    sigmoid_parts,
-    softmax_with_logsumexp,
     weighted_sum,
 )
 
@@ -39,11 +36,7 @@ def attention_head(
 ) -> Result:
     """The dense single-head composition, unchecked: ``(out, logsumexp, weights)``."""
     scores, allowed = formula.scores(query, key, arrays)
-    if formula.sigmoid:
-        weights = sigmoid_parts(scores, allowed, arrays.sigmoid_bias)
-        lse = log_total(weights)
-    else:
-        weights, lse = softmax_with_logsumexp(scores, allowed, arrays.sinks)
+    weights, lse = formula.normalizer.weights(scores, allowed, arrays.sigmoid_bias, arrays.sinks)
     dropped = formula.drop(weights, arrays.dropout_rng)
     out = weighted_sum(dropped, value, precision=formula.precision)
     return Result(out.astype(value.dtype), lse, weights, max_allowed(scores, allowed))

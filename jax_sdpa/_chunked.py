@@ -55,7 +55,7 @@ def _flash_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
         state = online_softmax.init(queries, block, (*block, value.shape[-1]), sink)
         state = sweep_keys(tiles, q_i, keys, values, arrays, state, i, 0, 0)
         parts = (
-            *online_softmax.finish(state, value.dtype, tiles.formula.sigmoid),
+            *tiles.formula.normalizer.finish(state, value.dtype),
             online_softmax.max_scores(state),
         )
         return tuple(

@@ -127,14 +127,14 @@ def _chunk_state(formula: Formula, query, keys, values, arrays: CallArrays, q_of
     scores, allowed = over_heads(head, raw.shape[:2], (raw, arrays))
     shape = raw.shape[:-1]
     state = online_softmax.init(query, shape, (*shape, values.shape[-1]))
-    return online_softmax.update(
+    return formula.normalizer.update(
         state,
         scores,
         allowed,
         values,
         precision=formula.precision,
         product=_blend,
-        sigmoid_bias=None if arrays.sigmoid_bias is None else arrays.sigmoid_bias[..., None],
+        bias=None if arrays.sigmoid_bias is None else arrays.sigmoid_bias[..., None],
     )
 
 
@@ -188,7 +188,7 @@ def split_keys(
         state = online_softmax.merge(
             state, online_softmax.init(per_query, state.denom.shape, state.acc.shape, sink)
         )
-    out, lse = online_softmax.finish(state, values.dtype, formula.sigmoid)  # (K, G, T, ·)
+    out, lse = formula.normalizer.finish(state, values.dtype)  # (K, G, T, ·)
     out = jnp.moveaxis(out[..., :features], 2, 0).reshape(seq_q, heads, -1)
     rows = [
         jnp.moveaxis(x, 2, 0).reshape(seq_q, heads) for x in (lse, online_softmax.max_scores(state))

@@ -25,6 +25,7 @@ from jaxtyping import Array, Bool, Float
 from jax_sdpa import _checks
 from jax_sdpa._indices import Index, indices, positions
 from jax_sdpa._masks import MaskRule
+from jax_sdpa._online_softmax import NORMALIZERS, SOFTMAX, Normalization
 from jax_sdpa._steps import (
     default_scale,
     dropout_weights,
@@ -55,7 +56,7 @@ class Formula:
     dropout_rate: float = 0.0
     precision: Any = None
     score_mod: Callable | None = None
-    normalizer: str = "softmax"
+    normalizer: Normalization = SOFTMAX
 
     @classmethod
     def of(
@@ -70,7 +71,7 @@ class Formula:
     ) -> "Formula":
         """A call's formula from its keywords, checked: the scale is ``1/√d_k`` by default."""
         _checks.check_range("dropout_rate", dropout_rate, 0.0, 1.0)
-        _checks.check_choice("normalizer", normalizer, ("softmax", "sigmoid"))
+        _checks.check_choice("normalizer", normalizer, tuple(NORMALIZERS))
         if logits_soft_cap is not None:
             logits_soft_cap = _checks.static_float("logits_soft_cap", logits_soft_cap)
             if not logits_soft_cap > 0:
@@ -80,13 +81,8 @@ class Formula:
             soft_cap=logits_soft_cap,
             dropout_rate=float(dropout_rate),
             precision=precision,
-            normalizer=normalizer,
+            normalizer=NORMALIZERS[normalizer],
         )
-
-    @property
-    def sigmoid(self) -> bool:
-        """Whether the weights are the sigmoid's (no normalisation over the row)."""
-        return self.normalizer == "sigmoid"
 
     def scores(
         self,

@@ -41,6 +41,7 @@ from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._jax_compat import carries, enclosing_traces, is_batching, is_differentiating, is_jvp
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
+from jax_sdpa._online_softmax import SIGMOID
 from jax_sdpa._pallas import pallas_sequence
 from jax_sdpa._ring import ring_sequence
 from jax_sdpa._steps import accumulation_dtype
@@ -237,7 +238,7 @@ def _beyond_jax_nn(inputs: Inputs, config: Config) -> list[str]:
         ),
         "score_mod": config.formula.score_mod is not None,
         "sinks": inputs.arrays.sinks is not None,
-        "normalizer='sigmoid'": config.formula.sigmoid,
+        "normalizer='sigmoid'": config.formula.normalizer is SIGMOID,
         "return_max_scores": config.max_scores,
         "dropout_rate": inputs.arrays.dropout_rng is not None,
         "module": config.output != "attention",

@@ -41,6 +41,7 @@ from jax_sdpa._block_mask import EMPTY, BlockMask
 from jax_sdpa._formula import CallArrays
 from jax_sdpa._indices import INDEX
 from jax_sdpa._kernel_reads import evaluate
+from jax_sdpa._online_softmax import SIGMOID
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import BackwardRows, Tiles, classified, loop, sweep, tile_class
 from jax_sdpa._tunables import Pallas
@@ -99,7 +100,7 @@ class Kernel:
         """
         head, *refs = refs
         sink = refs.pop(0)[n] if self.sinks else None
-        bias = refs.pop(0)[n] if self.tiles.formula.sigmoid else None
+        bias = refs.pop(0)[n] if self.tiles.formula.normalizer is SIGMOID else None
         head = head[n]
 
         def with_values(*shared):
@@ -239,7 +240,7 @@ def forward_kernel(kernel: Kernel, q_ref, k_ref, v_ref, *refs):
             return tiles.forward_tile(state, q, k_j, v_j, tile, tile_q, tile_kv)
 
         state = sweep(step, "kv", i, state)
-        out, lse = online_softmax.finish(state, o_ref.dtype, tiles.formula.sigmoid)
+        out, lse = tiles.formula.normalizer.finish(state, o_ref.dtype)
         return out, lse, online_softmax.max_scores(state)
 
     out, lse, top = kernel.run(body, inputs, n)

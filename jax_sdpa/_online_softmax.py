@@ -36,10 +36,12 @@ from jax_sdpa._steps import (
     has_key,
     large_negative,
     log_of_sum,
+    log_total,
     logsumexp,
     masked_scores,
     normalize,
     sigmoid_parts,
+    softmax_with_logsumexp,
     weighted_sum,
 )
 
@@ -89,56 +91,185 @@ def init(query: Array, shape: tuple, output: tuple, sink: Array | None = None) -
     return State(zeros + jnp.broadcast_to(sink.astype(dtype), shape), zeros + 1, output, fill)
 
 
-def update(
-    state: State,
-    scores: Float[Array, "*q kv"],
-    allowed: Bool[Array, "*#q #kv"] | None,
-    value: Any,
-    *,
-    precision=None,
-    drop=lambda p: p,
-    product=weighted_sum,
-    sigmoid_bias: Float[Array, "..."] | None = None,
-    top_first: bool = False,
-) -> State:
-    """The state of ``(..., q)`` rows after one more block of keys: their scores and values.
+class Softmax:
+    r"""The softmax normaliser: each row's weights :math:`e^{s}` over their sum, the online way.
 
-    ``drop`` is applied to the block's un-normalised weights before they meet the values
-    (dropout: the denominator counts every weight, as the dense softmax does); ``product`` is
-    how they meet them, :func:`~jax_sdpa._steps.weighted_sum` or the same sum formed otherwise
-    (``value`` is what ``product`` reads: an array, or a :class:`~jax_sdpa.Quantized` cache).
-    With a ``sigmoid_bias``, the weights are the sigmoid's (no shift: they simply add); with
-    ``top_first`` too, XLA takes the block's largest score (if it is used) before the weights.
+    The state keeps a running max, by which every block's weights are shifted, and a running
+    denominator; its residual is the log-sum-exp. One instance, :data:`SOFTMAX`.
     """
-    if sigmoid_bias is not None:
+
+    name = "softmax"
+
+    def __repr__(self) -> str:
+        return "Softmax()"
+
+    def weights(self, scores, allowed, bias, sinks) -> tuple[Array, Array]:
+        """A dense block's ``(weights, lse)``, every key of its rows at once."""
+        return softmax_with_logsumexp(scores, allowed, sinks)
+
+    def update(
+        self,
+        state: State,
+        scores: Float[Array, "*q kv"],
+        allowed: Bool[Array, "*#q #kv"] | None,
+        value: Any,
+        *,
+        bias=None,
+        precision=None,
+        drop=lambda p: p,
+        product=weighted_sum,
+        top_first: bool = False,
+    ) -> State:
+        """The state of ``(..., q)`` rows after one more block of keys: their scores and values.
+
+        ``drop`` is applied to the block's un-normalised weights before they meet the values
+        (dropout: the denominator counts every weight, as the dense softmax does); ``product``
+        is how they meet them, :func:`~jax_sdpa._steps.weighted_sum` or the same sum formed
+        otherwise (``value`` is what ``product`` reads: an array, or a
+        :class:`~jax_sdpa.Quantized` cache). ``bias`` and ``top_first`` are the sigmoid's.
+        """
+        masked = masked_scores(scores, allowed)
+        tile_max = masked.max(axis=-1)
+        top = jnp.maximum(state.top, tile_max)  # dead, and dropped by XLA, unless it is returned
+        # max(row max, top), as top is at least the fill, without reading top (so that it can
+        # drop).
+        new_max = jnp.maximum(state.row_max, jnp.maximum(tile_max, large_negative(tile_max.dtype)))
+        # Until a row meets its first allowed key, its max stays at the fill and p counts masked
+        # entries as 1; the correction e^{fill − real max} = 0 erases them when it does.
+        p = exp_scores(masked, new_max)
+        denom, acc = _shifted(state, new_max)
+        return State(
+            new_max,
+            denom + p.sum(axis=-1),
+            acc + product(drop(p), value, precision=precision),
+            top,
+        )
+
+    def recompute(self, scores, allowed, lse, bias=None) -> Array:
+        """A block's normalised weights from its rows' final log-sum-exp: :math:`P = e^{S - lse}`.
+
+        ``lse`` must be finite (0 for a row with no key, whose weights then come out 0).
+        """
+        return exp_scores(masked_scores(scores, allowed), lse)
+
+    def score_gradient(self, p: Array, d_p: Array, delta: Array) -> Array:
+        r"""The scores' cotangent: :math:`dS = P \circ (dP - \delta)`.
+
+        :math:`\delta_i = \sum_j P_{ij} dP_{ij}` less the log-sum-exp's cotangent (:meth:`delta`).
+        """
+        return p * (d_p - delta[:, None])
+
+    def delta(self, rows: Array, out: Array, d_lse: Array, shift: Array, seen: Array) -> Array:
+        r"""The rows' :math:`\delta`: :math:`\mathrm{rowsum}(dO \circ O)` less ``d_lse``.
+
+        As :math:`\partial\,\mathrm{lse}_i / \partial s_{ij} = P_{ij}`, the log-sum-exp's
+        cotangent joins the scores' gradient through it. ``rows`` are the output's cotangent
+        ``(T, N, V)``, ``out`` the output.
+        """
+        return jnp.sum(rows * out.astype(rows.dtype), axis=-1) - d_lse
+
+    def finish(self, state: State, dtype) -> tuple[Array, Array]:
+        """``(out, lse)``, ``(..., r, V)`` and ``(..., r)``, from a final state of ``r`` rows.
+
+        A row that met no key gives 0 and −∞.
+        """
+        flat = state.acc.reshape(-1, state.acc.shape[-1])
+        out = normalize(flat, state.denom.reshape(-1), state.row_max.reshape(-1))
+        lse = logsumexp(state.row_max, state.denom)
+        return out.reshape(state.acc.shape).astype(dtype), lse
+
+    def from_result(self, out: Array, lse: Array, top: Array | None = None) -> State:
+        """The state that :meth:`finish` turns back into ``(out, lse)``: max lse, denominator 1.
+
+        ``top``: the rows' largest scores (:func:`max_scores`), if known.
+        """
+        dtype, lse, top = _result_parts(out, lse, top)
+        row_max = jnp.where(jnp.isfinite(lse), lse, large_negative(dtype))
+        return State(row_max, jnp.ones_like(lse), out.astype(dtype), top)
+
+
+class Sigmoid:
+    r"""The sigmoid normaliser: each weight :math:`\sigma(s + b)` on its own, rows not normalised.
+
+    The state keeps no running max (it stays at the fill, so every correction is
+    :math:`e^0 = 1`): a block's weighted values and weights just add, the denominator becoming
+    the row's total weight, whose log is the residual. ``b`` is the call's per-head bias. One
+    instance, :data:`SIGMOID`.
+    """
+
+    name = "sigmoid"
+
+    def __repr__(self) -> str:
+        return "Sigmoid()"
+
+    def weights(self, scores, allowed, bias, sinks) -> tuple[Array, Array]:
+        """A dense block's ``(weights, log of each row's total weight)``."""
+        weights = sigmoid_parts(scores, allowed, bias)
+        return weights, log_total(weights)
+
+    def update(
+        self,
+        state: State,
+        scores,
+        allowed,
+        value: Any,
+        *,
+        bias,
+        precision=None,
+        drop=lambda p: p,
+        product=weighted_sum,
+        top_first: bool = False,
+    ) -> State:
+        r"""As :meth:`Softmax.update`, the weights :math:`\sigma(s + b)` added as they are.
+
+        With ``top_first``, XLA takes the block's largest score (if it is used) before the
+        weights.
+        """
         # The weights need no row max: the top is a pass of its own over the tile (dead, and
         # dropped by XLA, unless it is returned), made before the weights while the tile is in
         # cache: XLA otherwise runs it after them, where it costs twice as much (BENCHMARKS.md).
         tile_max = masked_scores(scores, allowed).max(axis=-1)
         if top_first:  # not in a Pallas kernel, which has no barrier
             scores, tile_max = lax.optimization_barrier((scores, tile_max))
-        w = sigmoid_parts(scores, allowed, sigmoid_bias)
+        w = sigmoid_parts(scores, allowed, bias)
         return State(
             state.row_max,
             state.denom + w.sum(axis=-1),
             state.acc + product(drop(w), value, precision=precision),
             jnp.maximum(state.top, tile_max),
         )
-    masked = masked_scores(scores, allowed)
-    tile_max = masked.max(axis=-1)
-    top = jnp.maximum(state.top, tile_max)  # dead, and dropped by XLA, unless it is returned
-    # max(row max, top), as top is at least the fill, without reading top (so that it can drop).
-    new_max = jnp.maximum(state.row_max, jnp.maximum(tile_max, large_negative(tile_max.dtype)))
-    # Until a row meets its first allowed key, its max stays at the fill and p counts masked
-    # entries as 1; the correction e^{fill − real max} = 0 erases them when it does.
-    p = exp_scores(masked, new_max)
-    denom, acc = _shifted(state, new_max)
-    return State(
-        new_max,
-        denom + p.sum(axis=-1),
-        acc + product(drop(p), value, precision=precision),
-        top,
-    )
+
+    def recompute(self, scores, allowed, lse, bias=None) -> Array:
+        """A block's weights, which need no row statistic."""
+        return sigmoid_parts(scores, allowed, bias)
+
+    def score_gradient(self, p: Array, d_p: Array, delta: Array) -> Array:
+        r""":math:`dS = P(1 - P) \circ (dP - \delta)` (:meth:`delta`)."""
+        return p * (1 - p) * (d_p - delta[:, None])
+
+    def delta(self, rows: Array, out: Array, d_lse: Array, shift: Array, seen: Array) -> Array:
+        r"""The rows' :math:`\delta`: the log total weight's cotangent over :math:`-e^{lse}`.
+
+        The log of the total weight :math:`\ell_i` has :math:`\partial \log \ell_i / \partial
+        s_{ij} = P_{ij}(1 - P_{ij}) / \ell_i`; the rows are not normalised, so no
+        :math:`\mathrm{rowsum}(dO \circ O)`. 0 for a row that met no key (``seen`` False).
+        """
+        return jnp.where(seen, -d_lse * jnp.exp(-shift), 0)
+
+    def finish(self, state: State, dtype) -> tuple[Array, Array]:
+        """``(out, log of the total weight)``: the state is already the output."""
+        return state.acc.astype(dtype), log_of_sum(state.denom)
+
+    def from_result(self, out: Array, lse: Array, top: Array | None = None) -> State:
+        """The state of a result: the fill for its max, the total weight :math:`e^{lse}`."""
+        dtype, lse, top = _result_parts(out, lse, top)
+        fill = jnp.full_like(lse, large_negative(dtype))
+        return State(fill, jnp.exp(lse), out.astype(dtype), top)
+
+
+SOFTMAX, SIGMOID = Softmax(), Sigmoid()
+NORMALIZERS = {"softmax": SOFTMAX, "sigmoid": SIGMOID}
+Normalization = Softmax | Sigmoid
 
 
 def _shifted(state: State, row_max: Array) -> tuple[Array, Array]:
@@ -147,61 +278,12 @@ def _shifted(state: State, row_max: Array) -> tuple[Array, Array]:
     return correction * state.denom, correction[..., None] * state.acc
 
 
-def recompute(
-    scores: Float[Array, "q kv"],
-    allowed: Bool[Array, "#q #kv"] | None,
-    lse: Float[Array, " q"],
-    sigmoid_bias: Float[Array, "..."] | None = None,
-) -> Float[Array, "q kv"]:
-    """A block's normalised weights from its rows' final log-sum-exp: :math:`P = e^{S - lse}`.
-
-    ``lse`` must be finite (0 for a row with no key, whose weights then come out 0). With a
-    ``sigmoid_bias``, the sigmoid's weights, which need no row statistic.
-    """
-    if sigmoid_bias is not None:
-        return sigmoid_parts(scores, allowed, sigmoid_bias)
-    return exp_scores(masked_scores(scores, allowed), lse)
-
-
-def score_gradient(p: Array, d_p: Array, delta: Array, sigmoid: bool) -> Array:
-    r"""The scores' cotangent from the weights' (``d_p``) and the rows' ``delta``.
-
-    Softmax: :math:`dS = P \circ (dP - \delta)` (:math:`\delta_i = \sum_j P_{ij} dP_{ij}`
-    less the log-sum-exp's cotangent). Sigmoid: :math:`dS = P(1 - P) \circ (dP - \delta)`,
-    :math:`\delta_i` the log of the total weight's cotangent over :math:`-e^{\mathrm{lse}_i}`.
-    """
-    slope = p * (1 - p) if sigmoid else p
-    return slope * (d_p - delta[:, None])
-
-
-def finish(state: State, dtype, sigmoid: bool = False) -> tuple[Array, Array]:
-    """``(out, lse)``, ``(..., r, V)`` and ``(..., r)``, from a final state of ``(..., r)`` rows.
-
-    A row that met no key gives 0 and −∞. A sigmoid state (``sigmoid``) is already the output;
-    its ``lse`` is the log of the row's total weight.
-    """
-    if sigmoid:
-        return state.acc.astype(dtype), log_of_sum(state.denom)
-    flat = state.acc.reshape(-1, state.acc.shape[-1])
-    out = normalize(flat, state.denom.reshape(-1), state.row_max.reshape(-1))
-    lse = logsumexp(state.row_max, state.denom)
-    return out.reshape(state.acc.shape).astype(dtype), lse
-
-
-def from_result(out: Array, lse: Array, sigmoid: bool = False, top: Array | None = None) -> State:
-    r"""The state that :func:`finish` turns back into ``(out, lse)``: max lse, denominator 1.
-
-    A sigmoid state: the fill for its max, the total weight :math:`e^{\mathrm{lse}}`. ``top``:
-    the rows' largest scores (:func:`max_scores`), if known.
-    """
+def _result_parts(out: Array, lse: Array, top: Array | None) -> tuple:
+    """A result's accumulation dtype, its lse in it, and its rows' top (the fill if unknown)."""
     dtype = accumulation_dtype(out.dtype)
     lse = lse.astype(dtype)
     fill = jnp.full_like(lse, large_negative(dtype))
-    top = fill if top is None else jnp.maximum(top.astype(dtype), fill)
-    if sigmoid:
-        return State(fill, jnp.exp(lse), out.astype(dtype), top)
-    row_max = jnp.where(jnp.isfinite(lse), lse, large_negative(dtype))
-    return State(row_max, jnp.ones_like(lse), out.astype(dtype), top)
+    return dtype, lse, fill if top is None else jnp.maximum(top.astype(dtype), fill)
 
 
 def max_scores(state: State) -> Array:
@@ -283,7 +365,7 @@ def merge_attention(
     for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
         _checks.check_float(name, lse)
         _checks.check_shape(name, lse, out_a.shape[:-1], "out.shape[:-1]")
-    _checks.check_choice("normalizer", normalizer, ("softmax", "sigmoid"))
-    sigmoid = normalizer == "sigmoid"
-    states = (from_result(out, lse, sigmoid) for out, lse in ((out_a, lse_a), (out_b, lse_b)))
-    return finish(merge(*states), out_a.dtype, sigmoid)
+    _checks.check_choice("normalizer", normalizer, tuple(NORMALIZERS))
+    normalizer = NORMALIZERS[normalizer]
+    states = (normalizer.from_result(out, lse) for out, lse in ((out_a, lse_a), (out_b, lse_b)))
+    return normalizer.finish(merge(*states), out_a.dtype)

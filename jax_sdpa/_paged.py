@@ -13,7 +13,6 @@ contiguous or a paged cache: pure functions of the cache, to ``jax.jit`` with th
 """
 
 import math
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from jaxtyping import Array, ArrayLike, Float, Integer
 from jax_sdpa._arguments import bind
 from jax_sdpa._implementations import check_implementation, run
 from jax_sdpa._indices import indices
+from jax_sdpa._keywords import Normalizer
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized, quantize_like
 from jax_sdpa._tunables import Paged
@@ -43,7 +43,7 @@ def paged_attention(
     score_mod=None,
     mask_mod=None,
     sinks: ArrayLike | None = None,
-    normalizer: Literal["softmax", "sigmoid"] = "softmax",
+    normalizer: Normalizer = "softmax",
     sigmoid_bias: ArrayLike | float | None = None,
     return_residual: bool = False,
     return_max_scores: bool = False,

@@ -35,7 +35,7 @@ def _fused_fwd(tiles: Tiles, tunables: Pallas, query, key, value, arrays: CallAr
 
 def _fused_bwd(tiles: Tiles, tunables: Pallas, residuals: tuple, cotangents: tuple) -> tuple:
     query, key, value, arrays, lists, out, lse = residuals
-    rows = backward_rows(out, lse, cotangents, tiles.formula.sigmoid)
+    rows = backward_rows(out, lse, cotangents, tiles.formula.normalizer)
     grads = backward(tiles, tunables, query, key, value, arrays, rows, lists=lists)
     operands = (query, key, value, differentiable(arrays.score_consts))
     d_query, d_key, d_value, d_consts = jax.tree.map(

@@ -27,7 +27,7 @@ from jax import lax
 from jax_sdpa import _kernel_calls as kernels
 from jax_sdpa._formula import CallArrays, Formula, block_of
 from jax_sdpa._heads import Result
-from jax_sdpa._online_softmax import finish, from_result, init, max_scores, merge
+from jax_sdpa._online_softmax import init, max_scores, merge
 from jax_sdpa._ring_spec import RingSpec
 from jax_sdpa._tiles import Tiles, flat, forward_sweep, loop
 from jax_sdpa._tiles_backward import (
@@ -70,7 +70,7 @@ def _kernel_forward(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, s
     fitted, (q, _, v), padded = _on_kernel(kernel, tiles, queries, key, value, arrays, offsets[1])
     out, lse, top = kernels.forward(fitted, kernel, *padded, offsets, out_dtype=state.acc.dtype)
     rows, heads, width = q.shape[0], q.shape[1], v.shape[-1]
-    part = from_result(out[:rows, :, :width], lse[:rows], tiles.formula.sigmoid, top[:rows])
+    part = tiles.formula.normalizer.from_result(out[:rows, :, :width], lse[:rows], top[:rows])
     merged = merge(state._replace(acc=_heads(state.acc, heads)), part)
     return merged._replace(acc=merged.acc.reshape(rows, -1))
 
@@ -138,13 +138,13 @@ def _around_ring_fwd(
     state = init(queries, shape, (shape[0], shape[1] * value.shape[-1]), arrays.sinks)
     state, _, _ = loop(0, ring.shards, step, (state, flat(key), flat(value)))
     state = state._replace(acc=state.acc.reshape(*shape, -1))
-    out, lse = finish(state, value.dtype, tiles.formula.sigmoid)
+    out, lse = tiles.formula.normalizer.finish(state, value.dtype)
     return (out, lse, max_scores(state)), (query, key, value, arrays, out, lse)
 
 
 def _around_ring_bwd(tiles: Tiles, ring: RingSpec, kernel: Pallas | None, residuals, cotangents):
     query, key, value, arrays, out, lse = residuals
-    row_terms = backward_rows(out, lse, cotangents, tiles.formula.sigmoid)
+    row_terms = backward_rows(out, lse, cotangents, tiles.formula.normalizer)
     me = lax.axis_index(ring.axis_name)
     seq_q, seq_kv = query.shape[0], key.shape[0]
     queries, keys, values = flat(query), flat(key), flat(value)

@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import over_heads
 from jax_sdpa._indices import INDEX, indices, positions
@@ -94,14 +93,14 @@ class Tiles:
         """One online-softmax update of one head's state by one tile."""
         scores, allowed = self.scores(q_i, k_j, arrays, q_offset, kv_offset)
         drop = self.drop_at(arrays, q_offset, kv_offset)
-        return online_softmax.update(
+        return self.formula.normalizer.update(
             state,
             scores,
             allowed,
             v_j,
             precision=self.formula.precision,
             drop=drop,
-            sigmoid_bias=arrays.sigmoid_bias,
+            bias=arrays.sigmoid_bias,
             top_first=not self.fused,
         )
 
@@ -131,12 +130,12 @@ class Tiles:
             tile_logits, raw, arrays.bias, differentiable(arrays.score_consts), has_aux=True
         )
         # The weights: P = e^{S − lse}, or the sigmoid's.
-        p = online_softmax.recompute(scores, allowed, row_terms.shift, arrays.sigmoid_bias)
+        p = formula.normalizer.recompute(scores, allowed, row_terms.shift, arrays.sigmoid_bias)
         drop = self.drop_at(arrays, q_offset, kv_offset)
         product = functools.partial(cast_product, precision=formula.precision)
         d_v_j = product("ts,td->sd", drop(p), row_terms.d_out, v_j.dtype)
         d_p = drop(product("td,sd->ts", row_terms.d_out, v_j, v_j.dtype))  # dropout: self-adjoint
-        d_scores = online_softmax.score_gradient(p, d_p, row_terms.delta, formula.sigmoid)
+        d_scores = formula.normalizer.score_gradient(p, d_p, row_terms.delta)
         d_raw, d_bias_ij, d_consts = logits_vjp(d_scores)
         d_q_i = product("ts,sd->td", d_raw, k_j, q_i.dtype)
         if formula is not self.formula:  # the scale multiplied the queries: their gradient too

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jax_sdpa._formula import CallArrays, block_of
 from jax_sdpa._heads import over_heads
-from jax_sdpa._online_softmax import zeros_from
+from jax_sdpa._online_softmax import Normalization, zeros_from
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import (
     BackwardRows,
@@ -156,29 +156,18 @@ def sinks_grad(
     return (-jnp.sum(weight * row_terms.delta, axis=0)).astype(sinks.dtype)
 
 
-def backward_rows(out, lse, cotangents, sigmoid: bool = False) -> BackwardRows:
-    r"""The :class:`BackwardRows` of ``(T, N, V)`` outputs and their ``(T, N)`` log-sum-exp.
+def backward_rows(out, lse, cotangents, normalizer: Normalization) -> BackwardRows:
+    """The :class:`BackwardRows` of ``(T, N, V)`` outputs and their ``(T, N)`` log-sum-exp.
 
-    ``cotangents = (d_out, d_lse, …)``. As :math:`\partial\,\mathrm{lse}_i / \partial s_{ij} =
-    P_{ij}`, the log-sum-exp's cotangent joins the scores' gradient as
-    :math:`dS = P \circ (dP - D + d\mathrm{lse})`: it is subtracted from :math:`D`.
-
-    For sigmoid weights (``sigmoid``) the rows are not normalised, so :math:`D` has no
-    :math:`\mathrm{rowsum}(dO \circ O)`; the log of the total weight :math:`\ell_i` has
-    :math:`\partial \log \ell_i / \partial s_{ij} = P_{ij}(1 - P_{ij}) / \ell_i`, so
-    :math:`D = -d\mathrm{lse}\, e^{-\mathrm{lse}}`
-    (:func:`~jax_sdpa._online_softmax.score_gradient`).
+    ``cotangents = (d_out, d_lse, …)``; the rows' term of the scores' gradient is the
+    normaliser's (:meth:`~jax_sdpa._online_softmax.Softmax.delta`).
     """
     d_out, d_lse = cotangents[:2]  # the max scores' (a third output) are not differentiated
     d_out = d_out.astype(accumulation_dtype(out.dtype))
-    rows = d_out.reshape(d_out.shape[0], -1)
     seen = jnp.isfinite(lse)
     shift = jnp.where(seen, lse, 0)  # rows without keys: e^{fill − 0} = 0
-    d_lse = d_lse.astype(d_out.dtype)
-    if sigmoid:
-        return BackwardRows(rows, jnp.where(seen, -d_lse * jnp.exp(-shift), 0), shift)
-    delta = jnp.sum(d_out * out.astype(d_out.dtype), axis=-1)  # D = rowsum(dO ∘ O) = rowsum(P ∘ dP)
-    return BackwardRows(rows, delta - d_lse, shift)
+    delta = normalizer.delta(d_out, out, d_lse.astype(d_out.dtype), shift, seen)
+    return BackwardRows(d_out.reshape(d_out.shape[0], -1), delta, shift)
 
 
 def backward(tiles: Tiles, residuals: tuple, cotangents: tuple) -> tuple:
@@ -188,7 +177,7 @@ def backward(tiles: Tiles, residuals: tuple, cotangents: tuple) -> tuple:
     tiles; returns ``(dq, dk, dv, darrays)``: a ``jax.custom_vjp``'s backward rule.
     """
     query, key, value, arrays, out, lse = residuals
-    row_terms = backward_rows(out, lse, cotangents, tiles.formula.sigmoid)
+    row_terms = backward_rows(out, lse, cotangents, tiles.formula.normalizer)
     queries, keys, values = flat(query), flat(key), flat(value)
     grads = zeros_like_grads(queries, keys, values, arrays)
     grads = backward_sweep(tiles, queries, keys, values, arrays, row_terms, grads, 0, 0)
