@@ -4,7 +4,7 @@ The library evaluates two kinds of programs equation by equation. A user's ``sco
 ``mask_mod`` is replayed per tile, inside ``jax.shard_map`` with every operand cast to vary over
 the ring's axes (:mod:`jax_sdpa._user_functions`); a kernel's body is rewritten so that the
 arrays it reads stay in memory until read, its reads become loads and its scatters one-hot sums
-or atomic adds (:mod:`jax_sdpa._kernel_reads`). Both are :func:`interpret` with their
+or atomic adds (:mod:`jax_sdpa._kernels.reads`). Both are :func:`interpret` with their
 :class:`Rules`:
 
 1. Each equation's operands are read (a literal with its own dtype, never JAX's weak one) and

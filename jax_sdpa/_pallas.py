@@ -16,8 +16,8 @@ import jax
 from jax_sdpa._block_mask import blocked
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
-from jax_sdpa._kernel_calls import backward, fitted, forward, padded
-from jax_sdpa._kernels import BlockLists
+from jax_sdpa._kernels.calls import backward, fitted, forward, padded
+from jax_sdpa._kernels.programs import BlockLists
 from jax_sdpa._tiles import Tiles, differentiable
 from jax_sdpa._tiles_backward import backward_rows, sinks_grad
 from jax_sdpa._tunables import Pallas
@@ -54,7 +54,7 @@ def pallas_sequence(
     """The fused kernels on one sequence, all heads: ``(out, lse, None)`` in jax.nn's layout.
 
     ``(T, N, H)`` queries and ``(S, K, ·)`` keys and values, padded to whole tiles
-    (:func:`jax_sdpa._kernel_calls.padded`). An opaque rule's tiles are classified once, and listed
+    (:func:`jax_sdpa._kernels.calls.padded`). An opaque rule's tiles are classified once, and listed
     (:class:`~jax_sdpa._kernels.BlockLists`): the kernels visit only the blocks it does not
     exclude.
     """

@@ -24,9 +24,9 @@ import math
 import jax
 from jax import lax
 
-from jax_sdpa import _kernel_calls as kernels
 from jax_sdpa._formula import CallArrays, Formula, block_of
 from jax_sdpa._heads import Result
+from jax_sdpa._kernels import calls as kernels
 from jax_sdpa._online_softmax import init, max_scores, merge
 from jax_sdpa._ring_spec import RingSpec
 from jax_sdpa._tiles import Tiles, flat, forward_sweep, loop
@@ -52,7 +52,7 @@ def _heads(x, heads: int):
 def _on_kernel(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, kv_offset) -> tuple:
     """``(tiles, (q, k, v), padded)``: a run's rows ``(r, heads·d)`` as the kernel takes them.
 
-    ``(q, k, v)`` are ``(r, heads, d)``; ``padded`` is :func:`jax_sdpa._kernel_calls.padded`'s
+    ``(q, k, v)`` are ``(r, heads, d)``; ``padded`` is :func:`jax_sdpa._kernels.calls.padded`'s
     ``(q, k, v, arrays)``, without the sinks (the ring's state met them from the start).
     """
     heads, kv_heads = math.prod(tiles.groups), tiles.groups[0]

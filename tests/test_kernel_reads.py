@@ -1,8 +1,8 @@
-"""Reading captured arrays inside a kernel (``jax_sdpa._kernel_reads``): the values are the
+"""Reading captured arrays inside a kernel (``jax_sdpa._kernels.reads``): the values are the
 function's own.
 
 Each case runs a function of some arrays twice: directly, and inside a Pallas kernel (in the
-interpreter) through :func:`~jax_sdpa._kernel_reads.evaluate`, which leaves the arrays in
+interpreter) through :func:`~jax_sdpa._kernels.reads.evaluate`, which leaves the arrays in
 memory and rewrites how they are read (slices as loads at indices, point gathers as loads at
 vectors of indices, their transposes as one-hot sums, a mapped while loop's predicate per
 element, booleans reduced as integers). Out-of-bounds reads must come out as ``lax`` defines
@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jax_sdpa._kernel_reads import evaluate
+from jax_sdpa._kernels.reads import evaluate
 
 # Under x64 the kernels' reads run in test_pallas.py and the pallas sweep.
 pytestmark = pytest.mark.x64_sampled

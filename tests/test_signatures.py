@@ -56,7 +56,11 @@ POSITIONAL = {
 # Each TypedDict and the function whose keywords it holds, but for those the function names itself
 # in its overloads.
 GROUPS = [
-    (js.dot_product_attention, Keywords, {"return_residual", "return_max_scores", "implementation"}),
+    (
+        js.dot_product_attention,
+        Keywords,
+        {"return_residual", "return_max_scores", "implementation"},
+    ),
     (js.dot_product_attention_weights, WeightsKeywords, set()),
     (
         js.ring_attention,

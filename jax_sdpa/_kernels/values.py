@@ -1,8 +1,8 @@
-"""Values of a kernel's rewritten program (:mod:`jax_sdpa._kernel_reads`) not arrays yet.
+"""Values of a kernel's rewritten program (:mod:`jax_sdpa._kernels.reads`) not arrays yet.
 
 A :class:`Lazy` value stands for an array the program has not needed whole: part of a ref not
 yet read (:class:`Unread`), the parts of a gather's indices (:class:`Joined`), positions
-(:mod:`jax_sdpa._kernel_positions`), a scatter not yet done (:mod:`jax_sdpa._kernel_scatters`).
+(:mod:`jax_sdpa._kernels.positions`), a scatter not yet done (:mod:`jax_sdpa._kernels.scatters`).
 :func:`value` reads one where an array is needed. Here too the helpers every rewrite shares.
 """
 

@@ -1,7 +1,7 @@
 r"""The engine's kernels as functions of arrays: layouts, block specs, padding.
 
 :func:`forward` and :func:`backward` call the kernels of :mod:`jax_sdpa._kernels` on
-``(T, N, ·)`` queries and ``(S, K, ·)`` keys and values (heads first in_bounds, one program per
+``(T, N, ·)`` queries and ``(S, K, ·)`` keys and values (heads first, one program per
 head and block), for queries and keys at any global position; :func:`fitted` and
 :func:`padded` fit the tiles to the sequences and the sequences to the tiles.
 """
@@ -11,20 +11,30 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import shaped_like
-from jax_sdpa._kernel_scatters import ONE_HOT_MAX
-from jax_sdpa._kernels import (
+from jax_sdpa._kernels.backend import Backend
+from jax_sdpa._kernels.interpreter import INTERPRETER, tpu_simulator
+from jax_sdpa._kernels.mosaic_tpu import MOSAIC_TPU
+from jax_sdpa._kernels.programs import (
+    BackwardIn,
     BlockLists,
-    Kernel,
-    dkv_kernel,
-    dq_kernel,
-    forward_kernel,
+    ForwardIn,
+    ForwardOut,
+    KeysOut,
+    Plan,
+    forward_program,
+    keys_program,
+    queries_program,
     shared_arrays,
 )
+from jax_sdpa._kernels.scatters import ONE_HOT_MAX
+from jax_sdpa._kernels.triton import TRITON
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import BackwardRows, Tiles, differentiable, pad_keys
 from jax_sdpa._tunables import MIN_SIDE, Pallas
@@ -88,29 +98,32 @@ def forward(
     ``arrays``, the rows start from them. ``out`` is in ``out_dtype`` (the values' by default).
     ``lists``: those of the call's block mask (its tiles the kernel's), to visit only its blocks.
     """
-    kernel = _kernel(tiles, tunables, query, key, arrays, lists)
+    plan = _plan(tiles, tunables, query, key, arrays, lists)
     (seq_q, heads, width), value_width = query.shape, value.shape[-1]
-    groups = kernel.group
-    inputs = kernel.inputs(arrays, offsets, lists)
-    result = functools.partial(shaped_like, like=query)
-    call = kernel.call(
-        forward_kernel,
-        grid=(heads, seq_q // kernel.tiles.block_q),
-        in_specs=[
-            _block(tiles.block_q, width),
-            _head(kernel.seq_kv, width, groups),
-            _head(kernel.seq_kv, value_width, groups),
-            *map(_whole, inputs),
-        ],
-        out_specs=[_block(tiles.block_q, value_width), _lse(tiles.block_q), _lse(tiles.block_q)],
-        out_shape=[
-            result((heads, seq_q, value_width), out_dtype or value.dtype),
-            *[result((heads, seq_q, 1), accumulation_dtype(query.dtype))] * 2,
-        ],
-        name="jax_sdpa_forward",
+    inputs = ForwardIn(
+        *map(_heads_leading, (query, key, value)), plan.inputs(arrays, offsets, lists)
     )
-    out, lse, top = call(*map(_heads_leading, (query, key, value)), *inputs)
-    return jnp.swapaxes(out, 0, 1), lse[:, :, 0].T, top[:, :, 0].T
+    specs = ForwardIn(
+        _block(tiles.block_q, width),
+        _head(plan.seq_kv, width, plan.group),
+        _head(plan.seq_kv, value_width, plan.group),
+        jax.tree.map(_whole, inputs.shared),
+    )
+    rows = shaped_like((heads, seq_q, 1), accumulation_dtype(query.dtype), query)
+    outs = _compiled(
+        plan,
+        forward_program,
+        grid=(heads, seq_q // tiles.block_q),
+        in_specs=specs,
+        out_specs=ForwardOut(
+            _block(tiles.block_q, value_width), _lse(tiles.block_q), _lse(tiles.block_q)
+        ),
+        out_shape=ForwardOut(
+            shaped_like((heads, seq_q, value_width), out_dtype or value.dtype, query), rows, rows
+        ),
+        name="jax_sdpa_forward",
+    )(inputs)
+    return jnp.swapaxes(outs.out, 0, 1), outs.lse[:, :, 0].T, outs.top[:, :, 0].T
 
 
 def backward(
@@ -131,108 +144,153 @@ def backward(
     gradients (None for the others). All in the accumulation dtype; the sinks' gradient is the
     caller's.
     """
-    kernel = _kernel(tiles, tunables, query, key, arrays, lists)
+    plan = _plan(tiles, tunables, query, key, arrays, lists)
     (seq_q, heads, _), value_width = query.shape, value.shape[-1]
     # (in the values' dtype, which the products cast it to: half the bytes of 16-bit values)
     d_out = rows.d_out.reshape(seq_q, heads, value_width).astype(value.dtype)
-    operands = [*map(_heads_leading, (query, key, value, d_out, rows.delta, rows.shift))]
-    inputs = kernel.inputs(arrays, offsets, lists)
+    inputs = BackwardIn(
+        *map(_heads_leading, (query, key, value)),
+        BackwardRows(*map(_heads_leading, (d_out, rows.delta, rows.shift))),
+        plan.inputs(arrays, offsets, lists),
+    )
     consts = [c for c in differentiable(arrays.score_consts) if c is not None]
-    dq = _query_gradients(kernel, operands, inputs)
-    dk, dv, d_consts = _key_gradients(kernel, operands, inputs, consts)
-    groups = kernel.group
+    dq = _query_gradients(plan, inputs)
+    dk, dv, d_consts = _key_gradients(plan, inputs, consts)
 
     def per_kv_head(d):  # (N, S, d) → (S, K, d), summed over the heads that share one
-        return jnp.swapaxes(d.reshape(heads // groups, groups, *d.shape[1:]).sum(1), 0, 1)
+        return jnp.swapaxes(d.reshape(heads // plan.group, plan.group, *d.shape[1:]).sum(1), 0, 1)
 
     sums = iter(d.sum(axis=(0, 1, 2, 3)) for d in d_consts)
     d_consts = tuple(None if c is None else next(sums) for c in differentiable(arrays.score_consts))
     return jnp.swapaxes(dq, 0, 1), per_kv_head(dk), per_kv_head(dv), d_consts
 
 
-def _query_gradients(kernel: Kernel, operands: list, inputs: list):
+def _query_gradients(plan: Plan, inputs: BackwardIn):
     """The queries' gradients, ``(N, T, H)``: a program per head and query block."""
-    query, key, value = operands[:3]
-    (heads, seq_q, width), value_width = query.shape, value.shape[-1]
-    tiles, groups = kernel.tiles, kernel.group
-    (dq,) = kernel.call(
-        dq_kernel,
+    (heads, seq_q, width), value_width = inputs.query.shape, inputs.value.shape[-1]
+    tiles = plan.tiles
+    specs = BackwardIn(
+        _block(tiles.block_q, width),
+        _head(plan.seq_kv, width, plan.group),
+        _head(plan.seq_kv, value_width, plan.group),
+        BackwardRows(_block(tiles.block_q, value_width), *[_lse(tiles.block_q)] * 2),
+        jax.tree.map(_whole, inputs.shared),
+    )
+    d_query = shaped_like(
+        (heads, seq_q, width), accumulation_dtype(inputs.query.dtype), inputs.query
+    )
+    return _compiled(
+        plan,
+        queries_program,
         grid=(heads, seq_q // tiles.block_q),
-        in_specs=[
-            _block(tiles.block_q, width),
-            _head(kernel.seq_kv, width, groups),
-            _head(kernel.seq_kv, value_width, groups),
-            _block(tiles.block_q, value_width),
-            _lse(tiles.block_q),
-            _lse(tiles.block_q),
-            *map(_whole, inputs),
-        ],
-        out_specs=[_block(tiles.block_q, width)],
-        out_shape=[shaped_like((heads, seq_q, width), accumulation_dtype(query.dtype), query)],
+        in_specs=specs,
+        out_specs=_block(tiles.block_q, width),
+        out_shape=d_query,
         name="jax_sdpa_backward_queries",
-    )(*operands, *inputs)
-    return dq
+    )(inputs)
 
 
-def _key_gradients(kernel: Kernel, operands: list, inputs: list, consts: list):
+def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list):
     """Each query head's key and value gradients ``(N, S, ·)``; per program, ``consts``'.
 
     ``consts`` are the ``score_mod``'s arrays with gradients; a program per query head and key
     block.
     """
-    query, key, value = operands[:3]
+    query, key, value = inputs.query, inputs.key, inputs.value
     (heads, seq_q, width), value_width = query.shape, value.shape[-1]
-    tiles, groups = kernel.tiles, kernel.group
-    kv_blocks = kernel.seq_kv // tiles.block_kv
-    result = functools.partial(shaped_like, like=query)
+    tiles = plan.tiles
+    kv_blocks = plan.seq_kv // tiles.block_kv
     # A gradient per program, or one that all programs add to where it is summed in memory
     # (starting as zeros: an output aliased to an input).
-    in_memory = kernel.in_memory
-    summed = [n for n, one in enumerate(in_memory) if one]
-    d_specs = [_gradient(c.shape, one) for c, one in zip(consts, in_memory, strict=True)]
-    d_shapes = [
-        result(
-            ((1, 1) if one else (heads, kv_blocks)) + (1, 1, *c.shape), accumulation_dtype(c.dtype)
+    in_memory = plan.in_memory
+    d_specs = tuple(_gradient(c.shape, one) for c, one in zip(consts, in_memory, strict=True))
+    d_shapes = tuple(
+        shaped_like(
+            ((1, 1) if one else (heads, kv_blocks)) + (1, 1, *c.shape),
+            accumulation_dtype(c.dtype),
+            query,
         )
         for c, one in zip(consts, in_memory, strict=True)
-    ]
-    zeros = [jnp.zeros(d_shapes[n].shape, d_shapes[n].dtype) for n in summed]
-    zeros_at = len(operands) + len(inputs)  # the first aliased zeros input
-    dk, dv, *d_consts = kernel.call(
-        dkv_kernel,
+    )
+    summed = [n for n, one in enumerate(in_memory) if one]
+    inputs = dataclasses.replace(
+        inputs, sums=tuple(jnp.zeros(d_shapes[n].shape, d_shapes[n].dtype) for n in summed)
+    )
+    specs = BackwardIn(
+        _head(seq_q, width),
+        _head(tiles.block_kv, width, plan.group, block=True),
+        _head(tiles.block_kv, value_width, plan.group, block=True),
+        BackwardRows(_head(seq_q, value_width), *[_lse(seq_q, block=False)] * 2),
+        jax.tree.map(_whole, inputs.shared),
+        tuple(d_specs[n] for n in summed),
+    )
+    first_sum = len(jax.tree.leaves(inputs)) - len(summed)  # (the sums come last)
+    outs = _compiled(
+        plan,
+        keys_program,
         grid=(heads, kv_blocks),
-        in_specs=[
-            _head(seq_q, width),
-            _head(tiles.block_kv, width, groups, block=True),
-            _head(tiles.block_kv, value_width, groups, block=True),
-            _head(seq_q, value_width),
-            _lse(seq_q, block=False),
-            _lse(seq_q, block=False),
-            *map(_whole, inputs),
-            *(d_specs[n] for n in summed),
-        ],
-        out_specs=[_block(tiles.block_kv, width), _block(tiles.block_kv, value_width), *d_specs],
-        out_shape=[
-            result((heads, kernel.seq_kv, width), accumulation_dtype(key.dtype)),
-            result((heads, kernel.seq_kv, value_width), accumulation_dtype(value.dtype)),
-            *d_shapes,
-        ],
-        aliases={zeros_at + k: 2 + n for k, n in enumerate(summed)},
+        in_specs=specs,
+        out_specs=KeysOut(
+            _block(tiles.block_kv, width), _block(tiles.block_kv, value_width), d_specs
+        ),
+        out_shape=KeysOut(
+            shaped_like((heads, plan.seq_kv, width), accumulation_dtype(key.dtype), query),
+            shaped_like((heads, plan.seq_kv, value_width), accumulation_dtype(value.dtype), query),
+            d_shapes,
+        ),
+        # each sum's zeros become its output (KeysOut's leaves: key, value, then the consts)
+        aliases={first_sum + k: 2 + n for k, n in enumerate(summed)},
         name="jax_sdpa_backward_keys",
-    )(*operands, *inputs, *zeros)
-    return dk, dv, d_consts
+    )(inputs)
+    return outs.key, outs.value, outs.consts
 
 
-def _kernel(tiles: Tiles, tunables: Pallas, query, key, arrays: CallArrays, lists) -> Kernel:
+def _compiled(plan: Plan, program, grid, in_specs, out_specs, out_shape, name: str, aliases=None):
+    """``program`` as a ``pallas_call`` of one pytree of inputs, for the backend that runs it.
+
+    That is the platform's the program is lowered for (:func:`jax.lax.platform_dependent`):
+    Triton on ``cuda``/``rocm``, Mosaic on ``tpu``, the interpreter on any other (a CPU); or the
+    interpreter, or the TPU simulator, where ``Pallas.interpret`` asks for it. ``aliases``:
+    ``pallas_call``'s ``input_output_aliases`` (outputs that start as inputs).
+    """
+
+    def on(backend: Backend):
+        return pl.pallas_call(
+            functools.partial(program, dataclasses.replace(plan, backend=backend)),
+            grid=grid,
+            in_specs=(in_specs,),
+            out_specs=out_specs,
+            out_shape=out_shape,
+            interpret=backend.interpret,
+            compiler_params=backend.compiler_params(plan.tunables),
+            name=name,
+            input_output_aliases=aliases or {},
+        )
+
+    interpret = plan.tunables.interpret
+    if isinstance(interpret, pltpu.InterpretParams):
+        return on(tpu_simulator(interpret))
+    if interpret:
+        return on(INTERPRETER)
+    triton, mosaic, interpreter = on(TRITON), on(MOSAIC_TPU), on(INTERPRETER)
+
+    def lowered(inputs):
+        return lax.platform_dependent(
+            inputs, cuda=triton, rocm=triton, tpu=mosaic, default=interpreter
+        )
+
+    return lowered
+
+
+def _plan(tiles: Tiles, tunables: Pallas, query, key, arrays: CallArrays, lists) -> Plan:
     leaves, shared = jax.tree.flatten(shared_arrays(arrays, (0, 0), lists))
-    return Kernel(
+    return Plan(
         tiles,
         tunables,
         query.shape[0],
         key.shape[0],
         shared,
         tuple(jnp.shape(x) for x in leaves),
-        arrays.sinks is not None,
         tuple(c.size > ONE_HOT_MAX for c in differentiable(arrays.score_consts) if c is not None),
     )
 

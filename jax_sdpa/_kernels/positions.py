@@ -2,7 +2,7 @@
 
 A tile's positions are followed from their ``iota`` (:class:`Run`) through adds, reshapes and
 the ``jnp`` negative-index wrap, so that a read at them (``documents[q_idx]``) is one load of a
-contiguous window, which is all a TPU loads (:mod:`jax_sdpa._kernel_reads`).
+contiguous window, which is all a TPU loads (:mod:`jax_sdpa._kernels.reads`).
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_sdpa._indices import INDEX
-from jax_sdpa._kernel_values import Lazy, Unread, fill_value, in_bounds, is_zero
+from jax_sdpa._kernels.values import Lazy, Unread, fill_value, in_bounds, is_zero
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Uniform(Lazy):
     """An integer scalar broadcast to ``shape``: an index the same at every point of a tile.
 
     A gather at positions along one axis and at such an index along the others (``doc[b, i]``)
-    reads a window of one row (:func:`jax_sdpa._kernel_reads._gather`).
+    reads a window of one row (:func:`jax_sdpa._kernels.reads._gather`).
     """
 
     scalar: Any
@@ -83,11 +83,6 @@ class Negative(Lazy):
 
     def read(self):
         return self.run.read() < 0
-
-
-# The most entries a scatter is read as one-hot products for: they hold this many per entry of
-# the tile. A larger array (a table per position) is read as a scatter, which only the
-# interpreter runs; a kernel adds it into memory instead (``Kernel.in_memory``).
 
 
 def read_run(operand: Unread, run: Run, params):

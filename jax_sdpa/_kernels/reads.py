@@ -7,12 +7,12 @@ index, they do not slice registers). :func:`evaluate` runs a function of such ar
 array left in memory (a Pallas ref) until it is read: slices, dynamic slices and point gathers
 of it become loads at those indices (``ref[pl.ds(h, 1)]``, ``ref[q_idx]``); anything else loads
 it whole. Positions are followed from their ``iota`` (a
-:class:`~jax_sdpa._kernel_positions.Run`): a read at a tile's positions is one load of a
+:class:`~jax_sdpa._kernels.positions.Run`): a read at a tile's positions is one load of a
 contiguous window (``ref[pl.ds(q_offset, block_q)]``), which is all a TPU loads (Mosaic has no
 load at a vector of indices). The gradients of a ``score_mod``'s arrays are the transposes of
 those reads (``scatter-add`` into zeros, placed in a row of a table by
 ``dynamic_update_slice``), which the kernels do not lower either: they are kept as a
-:class:`~jax_sdpa._kernel_scatters.Scatter` of points and updates until read, then spelled as
+:class:`~jax_sdpa._kernels.scatters.Scatter` of points and updates until read, then spelled as
 sums of one-hot products, ``d[m] = Σ_e g_e [idx_e = m]``, for arrays of up to ``ONE_HOT_MAX``
 entries, or added into memory at their points by a kernel's ``atomic_add`` (and ``all``, ``any``
 of booleans become ``min``, ``max`` of integers).
@@ -33,9 +33,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_sdpa._jaxpr import Rules, interpret, table
-from jax_sdpa._kernel_positions import POSITIONS, Run, Uniform, read_run
-from jax_sdpa._kernel_scatters import SCATTERS
-from jax_sdpa._kernel_values import (
+from jax_sdpa._kernels.positions import POSITIONS, Run, Uniform, read_run
+from jax_sdpa._kernels.scatters import SCATTERS
+from jax_sdpa._kernels.values import (
     Joined,
     Lazy,
     Unread,

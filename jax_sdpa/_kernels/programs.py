@@ -1,6 +1,6 @@
-r"""The engine's tiles as Pallas kernels: Triton on GPUs, Mosaic on TPUs.
+r"""The kernels' programs, written once for every backend over named refs.
 
-The kernels are the engine's sweeps (:mod:`jax_sdpa._tiles`), with the loop over query blocks
+The programs are the engine's sweeps (:mod:`jax_sdpa._tiles`), with the loop over query blocks
 (and, in the backward pass, over key blocks) turned into a grid of programs, one per head and
 block, for queries and keys that start at any global position (a ring's shards)::
 
@@ -17,12 +17,10 @@ head ``n // G`` (GQA without copying); the key gradients of the ``G`` heads that
 head are summed after the kernel. The arrays a call brings besides ``q``, ``k``, ``v`` (the
 rule's, the mods' captured arrays, the sinks) enter whole.
 
-Which kernel runs is chosen by the platform the program is lowered for
-(:func:`jax.lax.platform_dependent`): Triton on ``cuda``/``rocm``, Mosaic on ``tpu``, the
-Pallas interpreter on any other (a CPU), where it is exact but slow: a test oracle, not a
-fast path. ``Pallas(interpret=True)`` runs the interpreter everywhere;
-``Pallas(interpret=pltpu.InterpretParams())`` the TPU simulator, which raises on out-of-bounds
-reads that the interpreter clamps.
+Each program's refs are named (:class:`Shared`, ``ForwardIn``, …: pytrees of refs, as
+``pallas_call`` hands them over), and what it reads whole besides (:class:`Shared`) is read where
+its body reads it (:func:`jax_sdpa._kernels.reads.evaluate`). The backend
+(:mod:`jax_sdpa._kernels.backend`) decides only how a gradient all programs add into is summed.
 """
 
 import dataclasses
@@ -31,81 +29,139 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array
 
 from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._block_mask import EMPTY, BlockMask
 from jax_sdpa._formula import CallArrays
 from jax_sdpa._indices import INDEX
-from jax_sdpa._kernel_reads import evaluate
-from jax_sdpa._online_softmax import SIGMOID
+from jax_sdpa._kernels.backend import Backend
+from jax_sdpa._kernels.interpreter import INTERPRETER
+from jax_sdpa._kernels.reads import evaluate
+from jax_sdpa._kernels.triton import atomic_add
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import BackwardRows, Tiles, classified, loop, sweep, tile_class
 from jax_sdpa._tunables import Pallas
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Kernel:
-    """What the kernels of one call share (static): tiles, tunables, the arrays' layout.
+class Shared:
+    """What every program reads whole (refs in a program, arrays outside).
 
-    Besides queries, keys and values, every program reads whole: the query heads' indices, the
-    sinks and the sigmoid's biases (if any) and the ``shared`` arrays (the rule's, the batch
-    index, the ``score_mod``'s arrays, the global positions of the first query and key, a block
-    mask's lists), each with two leading axes of 1.
+    The query heads' indices ``(N,)``; the sinks and the sigmoid's biases ``(N,)``, None where
+    the call has none (then no ref at all); and the call's other arrays, ``arrays`` (the rule's,
+    the batch index, the ``score_mod``'s arrays, the global positions of the first query and
+    key, a block mask's lists: :func:`shared_arrays`), each with two leading axes of 1.
+    """
+
+    head: Array
+    sinks: Array | None
+    sigmoid_bias: Array | None
+    arrays: tuple
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardIn:
+    """The forward program's inputs: its query block, its key/value head, what all share."""
+
+    query: Array
+    key: Array
+    value: Array
+    shared: Shared
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardOut:
+    """The forward program's outputs: its rows' output, log-sum-exp and largest scores."""
+
+    out: Array
+    lse: Array
+    top: Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BackwardIn:
+    """A backward program's inputs: the forward's and the rows' backward terms.
+
+    ``sums``: the queries' program has none; the keys' program has, for each gradient summed
+    in memory, the zeros it starts as (an input its output is aliased to).
+    """
+
+    query: Array
+    key: Array
+    value: Array
+    rows: BackwardRows  # d_out (T, V), delta (T, 1), shift (T, 1)
+    shared: Shared
+    sums: tuple = ()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KeysOut:
+    """The keys' program's outputs: its key block's gradients, and the mods' arrays'.
+
+    ``consts``: one per ``score_mod`` array with a gradient, in order: this program's part, or
+    (summed in memory) the one gradient all programs add into.
+    """
+
+    key: Array
+    value: Array
+    consts: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the programs of one call share (static): tiles, tunables, layout, backend.
+
+    ``shared``, ``shapes``: the treedef of :func:`shared_arrays` and its leaves' shapes.
+    ``in_memory``: for each of the ``score_mod``'s arrays with a gradient (floating point),
+    whether it is summed in memory (an array too large to hold as one-hot sums: a table per
+    position).
     """
 
     tiles: Tiles
     tunables: Pallas
     seq_q: int  # padded to whole tiles
     seq_kv: int
-    shared: Any  # the treedef of (rule, batch, score_consts, offsets, lists)
-    shapes: tuple  # the shapes of its leaves
-    sinks: bool
-    # For each of the ``score_mod``'s arrays with a gradient (floating point): whether it is
-    # summed in memory (an array too large to hold as one-hot sums: a table per position).
+    shared: Any
+    shapes: tuple
     in_memory: tuple[bool, ...]
-    atomics: bool = False  # in memory, summed by atomic adds (Triton's programs run at once)
-
-    @property
-    def gradients(self) -> int:
-        """How many of the ``score_mod``'s arrays have a gradient."""
-        return len(self.in_memory)
+    backend: Backend = INTERPRETER
 
     @property
     def group(self) -> int:
         """``G``, the query heads per key/value head."""
         return self.tiles.groups[1]
 
-    def inputs(self, arrays: CallArrays, offsets, lists) -> list:
-        """The arrays every program reads, in the order :meth:`run` takes their refs."""
+    def inputs(self, arrays: CallArrays, offsets, lists) -> Shared:
+        """What every program reads whole, as arrays (:class:`Shared`)."""
         leaves = jax.tree.leaves(shared_arrays(arrays, offsets, lists))
         shapes = zip(leaves, self.shapes, strict=True)
         # Two axes of 1 first: under vmap a batch axis joins them, and TPU blocks end in two
         # whole axes.
-        shared = [jnp.reshape(x, (1, 1, *shape)) for x, shape in shapes]
-        heads = [arrays.head, arrays.sinks, arrays.sigmoid_bias]
-        return [x for x in heads if x is not None] + shared
+        shared = tuple(jnp.reshape(x, (1, 1, *shape)) for x, shape in shapes)
+        return Shared(arrays.head, arrays.sinks, arrays.sigmoid_bias, shared)
 
-    def run(self, body, refs: list, n):
+    def run(self, body, shared: Shared, n):
         """``body(arrays, sink, (q_offset, kv_offset), sweep)`` in a program of query head ``n``.
 
-        ``arrays`` are head ``n``'s, read from the refs of :meth:`inputs`; ``sweep(step, axis,
-        block, carry)`` is :meth:`sweep` with this program's arrays, offsets and block lists.
-
-        The shared arrays stay in memory, read where ``body`` reads them
-        (:func:`jax_sdpa._kernel_reads.evaluate`).
+        ``arrays`` are head ``n``'s, read from the refs ``shared``; ``sweep(step, axis, block,
+        carry)`` is :meth:`sweep` with this program's arrays, offsets and block lists. The
+        shared arrays stay in memory, read where ``body`` reads them
+        (:func:`jax_sdpa._kernels.reads.evaluate`).
         """
-        head, *refs = refs
-        sink = refs.pop(0)[n] if self.sinks else None
-        bias = refs.pop(0)[n] if self.tiles.formula.normalizer is SIGMOID else None
-        head = head[n]
+        sink = None if shared.sinks is None else shared.sinks[n]
+        bias = None if shared.sigmoid_bias is None else shared.sigmoid_bias[n]
+        head = shared.head[n]
 
-        def with_values(*shared):
-            shared = [x.reshape(shape) for x, shape in zip(shared, self.shapes, strict=True)]
-            rule, batch, consts, offsets, lists = jax.tree.unflatten(self.shared, shared)
+        def with_values(*arrays):
+            arrays = [x.reshape(shape) for x, shape in zip(arrays, self.shapes, strict=True)]
+            rule, batch, consts, offsets, lists = jax.tree.unflatten(self.shared, arrays)
             arrays = CallArrays(
                 rule=rule, batch=batch, head=head, score_consts=consts, sigmoid_bias=bias
             )
@@ -113,47 +169,7 @@ class Kernel:
             sweep = functools.partial(self.sweep, arrays, offsets=offsets, head_lists=(n, lists))
             return body(arrays, sink, offsets, sweep)
 
-        return evaluate(with_values, refs)
-
-    def call(self, kernel, grid, in_specs, out_specs, out_shape, name: str, aliases=None):
-        """``kernel`` as a ``pallas_call``, compiled for the platform the program is lowered for.
-
-        ``aliases``: ``pallas_call``'s ``input_output_aliases`` (outputs that start as inputs).
-        """
-
-        def on(interpret, params, atomics=False):
-            return pl.pallas_call(
-                functools.partial(kernel, dataclasses.replace(self, atomics=atomics)),
-                grid=grid,
-                in_specs=in_specs,
-                out_specs=out_specs,
-                out_shape=out_shape,
-                interpret=interpret,
-                compiler_params=params,
-                name=name,
-                input_output_aliases=aliases or {},
-            )
-
-        interpret = self.tunables.interpret
-        if isinstance(interpret, pltpu.InterpretParams):
-            return on(interpret, pltpu.CompilerParams())
-        if interpret:
-            return on(True, None)
-        tunables = self.tunables
-        triton = on(
-            False,
-            pltriton.CompilerParams(num_warps=tunables.num_warps, num_stages=tunables.num_stages),
-            atomics=True,
-        )
-        mosaic = on(False, pltpu.CompilerParams())
-        interpreter = on(True, None)
-
-        def lowered(*args):
-            return lax.platform_dependent(
-                *args, cuda=triton, rocm=triton, tpu=mosaic, default=interpreter
-            )
-
-        return lowered
+        return evaluate(with_values, list(shared.arrays))
 
     def sweep(self, arrays: CallArrays, step, axis: str, block, carry, *, offsets, head_lists):
         """``carry = step(m, carry, rule)`` over the ``axis`` blocks ``m`` the rule may allow.
@@ -219,34 +235,34 @@ class BlockLists:
         return (self.kv_count, self.kv_blocks) if axis == "kv" else (self.q_count, self.q_blocks)
 
 
-def forward_kernel(kernel: Kernel, q_ref, k_ref, v_ref, *refs):
-    *inputs, o_ref, lse_ref, top_ref = refs
-    tiles = kernel.tiles
+def forward_program(plan: Plan, refs: ForwardIn, outs: ForwardOut):
+    """Program ``(n, i)``: query block ``i`` of head ``n`` against the keys it may see."""
+    tiles = plan.tiles
     n, i = pl.program_id(0), pl.program_id(1)
-    q = q_ref[...]
+    q = refs.query[...]
 
     def body(arrays: CallArrays, sink, offsets, sweep):
         q_offset, kv_offset = offsets
         tile_q = q_offset + i * tiles.block_q
         like = jnp.zeros((), q.dtype)  # in a kernel the state's zeros need not vary (shard_map)
         shape = (tiles.block_q,)
-        state = online_softmax.init(like, shape, (tiles.block_q, v_ref.shape[-1]), sink)
+        state = online_softmax.init(like, shape, (tiles.block_q, refs.value.shape[-1]), sink)
 
         def step(j, state, rule):
             keys = pl.ds(j * tiles.block_kv, tiles.block_kv)
             tile = dataclasses.replace(arrays, rule=rule)
-            k_j, v_j = k_ref[keys, :], v_ref[keys, :]
+            k_j, v_j = refs.key[keys, :], refs.value[keys, :]
             tile_kv = kv_offset + j * tiles.block_kv
             return tiles.forward_tile(state, q, k_j, v_j, tile, tile_q, tile_kv)
 
         state = sweep(step, "kv", i, state)
-        out, lse = tiles.formula.normalizer.finish(state, o_ref.dtype)
+        out, lse = tiles.formula.normalizer.finish(state, outs.out.dtype)
         return out, lse, online_softmax.max_scores(state)
 
-    out, lse, top = kernel.run(body, inputs, n)
-    o_ref[...] = out
-    lse_ref[...] = lse[:, None]
-    top_ref[...] = top[:, None]
+    out, lse, top = plan.run(body, refs.shared, n)
+    outs.out[...] = out
+    outs.lse[...] = lse[:, None]
+    outs.top[...] = top[:, None]
 
 
 def _zeros(x):
@@ -254,12 +270,13 @@ def _zeros(x):
     return jnp.zeros(x.shape, accumulation_dtype(x.dtype))
 
 
-def dq_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_ref, *refs):
-    *inputs, dq_ref = refs
-    tiles = kernel.tiles
+def queries_program(plan: Plan, refs: BackwardIn, d_query):
+    """Program ``(n, i)``: query block ``i``'s gradient, a sweep over the keys it saw."""
+    tiles = plan.tiles
     n, i = pl.program_id(0), pl.program_id(1)
-    q = q_ref[...]
-    terms = BackwardRows(d_out_ref[...], delta_ref[:, 0], shift_ref[:, 0])
+    q = refs.query[...]
+    rows = refs.rows
+    terms = BackwardRows(rows.d_out[...], rows.delta[:, 0], rows.shift[:, 0])
 
     def body(arrays: CallArrays, _, offsets, sweep):
         q_offset, kv_offset = offsets
@@ -268,40 +285,37 @@ def dq_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_r
         def step(j, dq, rule):
             keys = pl.ds(j * tiles.block_kv, tiles.block_kv)
             tile = dataclasses.replace(arrays, rule=rule)
-            k_j, v_j = k_ref[keys, :], v_ref[keys, :]
+            k_j, v_j = refs.key[keys, :], refs.value[keys, :]
             tile_kv = kv_offset + j * tiles.block_kv
             return dq + tiles.backward_tile(q, k_j, v_j, tile, terms, tile_q, tile_kv)[0]
 
         return sweep(step, "kv", i, _zeros(q))
 
-    dq_ref[...] = kernel.run(body, inputs, n).astype(dq_ref.dtype)
+    d_query[...] = plan.run(body, refs.shared, n).astype(d_query.dtype)
 
 
-def dkv_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_ref, *refs):
+def keys_program(plan: Plan, refs: BackwardIn, outs: KeysOut):
     """Program ``(n, j)``: key block ``j``'s gradients, and its part of the mods' arrays'.
 
     An array's gradient is carried through the loop; one summed in memory
-    (``kernel.in_memory``) is an output all programs add to at each step. On a GPU its programs
-    run at once: it starts as zeros (an input it is aliased to) and takes atomic adds, which
-    also add a scatter's repeated points (a table read at ``q_idx − kv_idx``). Elsewhere they
-    run one after another, and the first zeroes it (a TPU keeps the block in VMEM throughout,
+    (``plan.in_memory``) is an output all programs add to at each step. Where the programs run
+    at once (a GPU's), it starts as zeros (an input it is aliased to) and takes atomic adds,
+    which also add a scatter's repeated points (a table read at ``q_idx − kv_idx``). Where they
+    run one after another, the first zeroes it (a TPU keeps the block in VMEM throughout,
     never loading the aliased zeros).
     """
-    first_output = len(refs) - 2 - kernel.gradients  # after the inputs and the aliased zeros
-    inputs = refs[: first_output - sum(kernel.in_memory)]
-    dk_ref, dv_ref, *d_const_refs = refs[first_output:]
-    tiles = kernel.tiles
+    tiles = plan.tiles
     n, j = pl.program_id(0), pl.program_id(1)
-    k, v = k_ref[...], v_ref[...]
+    k, v = refs.key[...], refs.value[...]
 
-    def split(xs: list, in_memory: bool) -> list:
-        return [x for x, m in zip(xs, kernel.in_memory, strict=True) if m == in_memory]
+    def split(xs, in_memory: bool) -> list:
+        return [x for x, m in zip(xs, plan.in_memory, strict=True) if m == in_memory]
 
-    if not kernel.atomics:
+    if not plan.backend.concurrent:
 
         @pl.when((n == 0) & (j == 0))
         def _():
-            for ref in split(d_const_refs, True):
+            for ref in split(outs.consts, True):
                 ref[...] = jnp.zeros(ref.shape, ref.dtype)
 
     def body(arrays: CallArrays, _, offsets, sweep):
@@ -310,28 +324,28 @@ def dkv_kernel(kernel: Kernel, q_ref, k_ref, v_ref, d_out_ref, delta_ref, shift_
 
         def step(i, grads, rule):
             rows = pl.ds(i * tiles.block_q, tiles.block_q)
-            terms = BackwardRows(d_out_ref[rows, :], delta_ref[rows, 0], shift_ref[rows, 0])
+            r = refs.rows
+            terms = BackwardRows(r.d_out[rows, :], r.delta[rows, 0], r.shift[rows, 0])
             tile = dataclasses.replace(arrays, rule=rule)
             tile_q = q_offset + i * tiles.block_q
             _, dk, dv, _, d_consts = tiles.backward_tile(
-                q_ref[rows, :], k, v, tile, terms, tile_q, tile_kv
+                refs.query[rows, :], k, v, tile, terms, tile_q, tile_kv
             )
             d_consts = [d for d in d_consts if d is not None]
-            for ref, d in zip(split(d_const_refs, True), split(d_consts, True), strict=True):
-                if kernel.atomics:
-                    pltriton.atomic_add(ref, (0, 0), d.astype(ref.dtype))
+            for ref, d in zip(split(outs.consts, True), split(d_consts, True), strict=True):
+                if plan.backend.concurrent:
+                    atomic_add(ref, (0, 0), d.astype(ref.dtype))
                 else:
                     ref[0, 0] += d.astype(ref.dtype)
             return jax.tree.map(jnp.add, grads, (dk, dv, split(d_consts, False)))
 
-        consts = [jnp.zeros(r.shape[2:], r.dtype) for r in split(d_const_refs, False)]
-        zeros = (_zeros(k), _zeros(v), consts)
-        return sweep(step, "q", j, zeros)
+        consts = [jnp.zeros(r.shape[2:], r.dtype) for r in split(outs.consts, False)]
+        return sweep(step, "q", j, (_zeros(k), _zeros(v), consts))
 
-    dk, dv, d_consts = kernel.run(body, inputs, n)
-    dk_ref[...] = dk
-    dv_ref[...] = dv
-    for ref, d in zip(split(d_const_refs, False), d_consts, strict=True):
+    dk, dv, d_consts = plan.run(body, refs.shared, n)
+    outs.key[...] = dk
+    outs.value[...] = dv
+    for ref, d in zip(split(outs.consts, False), d_consts, strict=True):
         ref[0, 0] = d
 
 

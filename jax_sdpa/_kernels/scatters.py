@@ -2,7 +2,7 @@
 
 A point ``scatter-add`` (a point gather's transpose) is kept as a :class:`Scatter` of points
 and updates until it is read (one-hot sums, or a scatter-add only the interpreter runs) or
-added into memory by a kernel's ``atomic_add`` at its points (:mod:`jax_sdpa._kernel_reads`).
+added into memory by a kernel's ``atomic_add`` at its points (:mod:`jax_sdpa._kernels.reads`).
 """
 
 import dataclasses
@@ -17,9 +17,12 @@ from jax.experimental.pallas import triton as pltriton
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import atomic_kind, bind
 from jax_sdpa._jaxpr import table
-from jax_sdpa._kernel_values import Lazy, in_bounds, index_arrays, is_zero, value
+from jax_sdpa._kernels.values import Lazy, in_bounds, index_arrays, is_zero, value
 from jax_sdpa._masks import all_of
 
+# The most entries a scatter is read as one-hot products for: they hold this many per entry of
+# the tile. A larger array (a table per position) is read as a scatter, which only the
+# interpreter runs; a kernel adds it into memory instead (``Plan.in_memory``).
 ONE_HOT_MAX = 256
 
 
