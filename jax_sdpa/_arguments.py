@@ -193,17 +193,7 @@ def _causal_offset(shapes: Shapes, causal_alignment="top_left", **_) -> int:
 
 
 def _mask_rule(
-    shapes: Shapes,
-    diagonal: tuple[int, jax.Array | None],
-    first_sequence: Index = 0,
-    is_causal=False,
-    local_window_size=None,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
-    query_segment_ids=None,
-    key_value_segment_ids=None,
-    mask_mod=None,
-    **_,
+    shapes: Shapes, diagonal: tuple[int, jax.Array | None], first_sequence: Index = 0, **keywords
 ) -> MaskRule | None:
     """The mask rules a call asks for, as one :class:`~jax_sdpa.AndMask` (``None``: none).
 
@@ -211,36 +201,13 @@ def _mask_rule(
     (a paged call's); ``first_sequence``: this device's first sequence, on a ring that splits
     the batch.
     """
-    offset, offsets = diagonal
-    rules: list[MaskRule] = [CausalMask(offset, offsets)] if is_causal else []
-    if local_window_size is not None:
-        rules.append(LocalWindowMask(*_window(local_window_size), offset, offsets))
-    if query_seq_lengths is not None or key_value_seq_lengths is not None:
-        lengths = {
-            "query_seq_lengths": query_seq_lengths,
-            "key_value_seq_lengths": key_value_seq_lengths,
-        }
-        rules.append(
-            LengthMask(
-                *(None if x is None else _per_batch(n, x, shapes) for n, x in lengths.items())
-            )
-        )
-    if query_segment_ids is not None or key_value_segment_ids is not None:
-        if key_value_segment_ids is None and shapes.seq_q == shapes.seq_kv:
-            key_value_segment_ids = query_segment_ids
-        if query_segment_ids is None or key_value_segment_ids is None:
-            raise ValueError(
-                "`query_segment_ids` and `key_value_segment_ids` must both be given when "
-                f"q_seq != kv_seq; got q_seq {shapes.seq_q} and kv_seq {shapes.seq_kv}."
-            )
-        rules.append(
-            SegmentMask(
-                _per_batch("query_segment_ids", query_segment_ids, shapes, shapes.seq_q),
-                _per_batch("key_value_segment_ids", key_value_segment_ids, shapes, shapes.seq_kv),
-            )
-        )
-    if mask_mod is not None:
-        rules.append(_mask_mod(shapes, mask_mod))
+    rules = [
+        *_diagonal_rules(diagonal, **keywords),
+        *_length_rules(shapes, **keywords),
+        *_segment_rules(shapes, **keywords),
+    ]
+    if keywords.get("mask_mod") is not None:
+        rules.append(_mask_mod(shapes, keywords["mask_mod"]))
     if not rules:
         return None
     sizes = {"q_seq": shapes.seq_q * shapes.shards, "kv_seq": shapes.seq_kv * shapes.shards}
@@ -248,6 +215,50 @@ def _mask_rule(
     if shapes.batch_shards > 1:
         whole = (shapes.batch[0] * shapes.batch_shards, *shapes.batch[1:])
     return with_batch(AndMask(tuple(rules)), shapes.batch, sizes, whole, first_sequence)
+
+
+def _diagonal_rules(diagonal, is_causal=False, local_window_size=None, **_) -> list[MaskRule]:
+    """The causal mask and the local window, about the diagonal ``(offset, offsets)``."""
+    offset, offsets = diagonal
+    rules: list[MaskRule] = [CausalMask(offset, offsets)] if is_causal else []
+    if local_window_size is not None:
+        rules.append(LocalWindowMask(*_window(local_window_size), offset, offsets))
+    return rules
+
+
+def _length_rules(
+    shapes: Shapes, query_seq_lengths=None, key_value_seq_lengths=None, **_
+) -> list[MaskRule]:
+    """Each sequence's lengths, as one rule (or none)."""
+    lengths = {
+        "query_seq_lengths": query_seq_lengths,
+        "key_value_seq_lengths": key_value_seq_lengths,
+    }
+    if all(x is None for x in lengths.values()):
+        return []
+    per_batch = (None if x is None else _per_batch(n, x, shapes) for n, x in lengths.items())
+    return [LengthMask(*per_batch)]
+
+
+def _segment_rules(
+    shapes: Shapes, query_segment_ids=None, key_value_segment_ids=None, **_
+) -> list[MaskRule]:
+    """Packed sequences' segment ids, as one rule (or none)."""
+    if query_segment_ids is None and key_value_segment_ids is None:
+        return []
+    if key_value_segment_ids is None and shapes.seq_q == shapes.seq_kv:
+        key_value_segment_ids = query_segment_ids
+    if query_segment_ids is None or key_value_segment_ids is None:
+        raise ValueError(
+            "`query_segment_ids` and `key_value_segment_ids` must both be given when "
+            f"q_seq != kv_seq; got q_seq {shapes.seq_q} and kv_seq {shapes.seq_kv}."
+        )
+    return [
+        SegmentMask(
+            _per_batch("query_segment_ids", query_segment_ids, shapes, shapes.seq_q),
+            _per_batch("key_value_segment_ids", key_value_segment_ids, shapes, shapes.seq_kv),
+        )
+    ]
 
 
 def _mask_mod(shapes: Shapes, mask_mod) -> MaskRule:

@@ -59,14 +59,6 @@ class Inputs:
         """The values, or the shape and dtype that :class:`~jax_sdpa.LatentValues` stand for."""
         return self.value.like(self.key) if isinstance(self.value, LatentValues) else self.value
 
-    @property
-    def tiles_classified(self) -> bool:
-        """Whether the tiled paths read each tile's class of the rule (which depends on data).
-
-        They then map the batch sequence by sequence, so that empty tiles are still skipped.
-        """
-        return self.arrays.rule is not None and self.arrays.rule.opaque
-
 
 @dataclasses.dataclass(frozen=True)
 class Config:

@@ -26,11 +26,11 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jax_sdpa._attention import dense_sequence
 from jax_sdpa._call import Config, Inputs
 from jax_sdpa._chunked import chunked_sequence
+from jax_sdpa._cudnn import cudnn_unsupported, run_cudnn
 from jax_sdpa._decode import (
     BLOCK_DIAGONAL_COLUMNS,
     decode_sequence,
@@ -38,10 +38,8 @@ from jax_sdpa._decode import (
     selected_sequence,
 )
 from jax_sdpa._heads import Result, over_batch
-from jax_sdpa._jax_compat import carries, enclosing_traces, is_batching, is_differentiating, is_jvp
+from jax_sdpa._jax_compat import differentiated_twice, under_jvp_of
 from jax_sdpa._latent import LatentValues
-from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
-from jax_sdpa._online_softmax import SIGMOID
 from jax_sdpa._pallas import pallas_sequence
 from jax_sdpa._ring import ring_sequence
 from jax_sdpa._steps import accumulation_dtype
@@ -68,8 +66,8 @@ class Entry:
 
     ``jvp``: whether it has a forward-mode derivative. Without one (a ``jax.custom_vjp``), it
     still has forward over reverse (``jax.hessian``, ``jax.jvp`` of a ``jax.grad``): forward mode
-    of its own backward pass, if that pass is differentiable (``second_order``; the fused
-    kernel's is not, nor a ring's whose tunables give its steps to the kernel).
+    of its own backward pass, if that pass is differentiable (``second_order(tunables)``; the
+    fused kernel's is not, nor a ring's whose tunables give its steps to the kernel).
     ``asked_as``: how a user asks for it, for messages (``implementation=...`` by default).
     ``tunables``: the class of its tunables (``Chunked``), whose instance the call's ``run``
     finds in ``config.tunables``; ``None`` where it has none.
@@ -81,14 +79,10 @@ class Entry:
     run: Callable[[Inputs, Config], Result]
     unsupported: Callable[[Inputs, Config], str | None] = lambda inputs, config: None
     jvp: bool = False
-    second_order: bool = True
+    second_order: Callable[[Any], bool] = lambda tunables: True
     asked_as: str | None = None
     tunables: type | None = None
     serving_caches: bool = False
-
-    def second_order_with(self, tunables) -> bool:
-        """Whether its backward pass is differentiable, run with ``tunables``."""
-        return self.second_order and getattr(tunables, "kernel", None) is None
 
     def refuses(self, name: str, inputs: Inputs, config: Config) -> str | None:
         """Why this entry (``name`` in the table) cannot run the call, or None."""
@@ -117,14 +111,20 @@ def _run_dense(inputs: Inputs, config: Config) -> Result:
 def _tiled(sequence_fn: Callable) -> Callable[[Inputs, Config], Result]:
     """The ``run`` of a tiled implementation, ``sequence_fn(formula, tunables, ...)`` a sequence.
 
-    Mapped over the batch, or sequence by sequence where its tiles' classes depend on data.
+    Mapped over the batch, or sequence by sequence where its tiles' classes depend on data
+    (:func:`_classified`), so that each sequence's empty tiles are still skipped.
     """
 
     def run(inputs: Inputs, config: Config) -> Result:
         sequence = functools.partial(sequence_fn, config.formula, config.tunables)
-        return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
+        return inputs.over_batch(sequence, sequential=_classified(inputs))
 
     return run
+
+
+def _classified(inputs: Inputs) -> bool:
+    """Whether the tiled paths read each tile's class of the rule (which depends on data)."""
+    return inputs.arrays.rule is not None and inputs.arrays.rule.opaque
 
 
 def _no_weights(name: str, config: Config) -> str | None:
@@ -183,7 +183,7 @@ def _paged_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 def _run_ring(inputs: Inputs, config: Config) -> Result:
     sequence = functools.partial(ring_sequence, config.formula, config.tunables, config.ring)
-    return inputs.over_batch(sequence, sequential=inputs.tiles_classified)
+    return inputs.over_batch(sequence, sequential=_classified(inputs))
 
 
 def _kernel_lacks(inputs: Inputs, asked: str, instead: str) -> str | None:
@@ -215,83 +215,6 @@ def _ring_unsupported(inputs: Inputs, config: Config) -> str | None:
     return _kernel_lacks(inputs, asked, "the ring's own tiles (implementation=None)")
 
 
-def _rule_parts(rule: MaskRule | None) -> tuple[MaskRule, ...]:
-    if rule is None:
-        return ()
-    return rule.rules if isinstance(rule, AndMask) else (rule,)
-
-
-def _offset(rule: MaskRule) -> bool:
-    """Whether ``rule`` moves its diagonal: an offset, or one per sequence."""
-    return getattr(rule, "offset", 0) != 0 or getattr(rule, "offsets", None) is not None
-
-
-def _beyond_jax_nn(inputs: Inputs, config: Config) -> list[str]:
-    """The arguments of the call that ``jax.nn.dot_product_attention`` does not take."""
-    parts = _rule_parts(inputs.arrays.rule)
-    used = {
-        "more than one batch axis": inputs.query.ndim > 4,
-        "causal_alignment='bottom_right'": any(_offset(r) for r in parts),
-        "logits_soft_cap": config.formula.soft_cap is not None,
-        "segment ids or mask_mod": any(
-            not isinstance(r, (CausalMask, LocalWindowMask, LengthMask)) for r in parts
-        ),
-        "score_mod": config.formula.score_mod is not None,
-        "sinks": inputs.arrays.sinks is not None,
-        "normalizer='sigmoid'": config.formula.normalizer is SIGMOID,
-        "return_max_scores": config.max_scores,
-        "dropout_rate": inputs.arrays.dropout_rng is not None,
-        "module": config.output != "attention",
-    }
-    return [name for name, on in used.items() if on]
-
-
-def _cudnn_unsupported(inputs: Inputs, config: Config) -> str | None:
-    backend = jax.default_backend()
-    if backend != "gpu":
-        return (
-            f"`implementation='cudnn'` needs a CUDA GPU with cuDNN; JAX's backend is {backend!r}. "
-            "Use implementation=None or 'xla'."
-        )
-    used = _beyond_jax_nn(inputs, config)
-    if used:
-        return f"`implementation='cudnn'` supports only jax.nn's arguments; got {', '.join(used)}."
-    return None
-
-
-def _jax_nn_arguments(inputs: Inputs, config: Config) -> dict:
-    """The call in ``jax.nn.dot_product_attention``'s own arguments (mask rules as flags)."""
-    arrays = inputs.arrays
-    kwargs = dict(
-        query=inputs.query,
-        key=inputs.key,
-        value=inputs.value,
-        bias=arrays.bias,
-        mask=arrays.mask,
-        scale=config.formula.scale,
-    )
-    for rule in _rule_parts(arrays.rule):
-        if isinstance(rule, CausalMask):
-            kwargs["is_causal"] = True
-        elif isinstance(rule, LocalWindowMask):
-            kwargs["local_window_size"] = (rule.left, rule.right)
-        elif isinstance(rule, LengthMask):
-            lengths = (rule.q_length, rule.kv_length)
-            kwargs["query_seq_lengths"], kwargs["key_value_seq_lengths"] = (
-                None if x is None else jnp.reshape(x, (-1,)).astype(jnp.int32) for x in lengths
-            )
-    return kwargs
-
-
-def _run_cudnn(inputs: Inputs, config: Config) -> Result:
-    out, lse = jax.nn.dot_product_attention(
-        **_jax_nn_arguments(inputs, config), implementation="cudnn", return_residual=True
-    )
-    # jax.nn's cuDNN backward drops the log-sum-exp's cotangent: say so rather than be wrong.
-    lse = lax.stop_gradient(lse.astype(accumulation_dtype(lse.dtype)))
-    return Result(out, lse, None)
-
-
 IMPLEMENTATIONS: dict[str, Entry] = {
     "xla": Entry(_run_dense, jvp=True),
     "chunked": Entry(_tiled(chunked_sequence), _chunked_unsupported, tunables=Chunked),
@@ -305,10 +228,19 @@ IMPLEMENTATIONS: dict[str, Entry] = {
         tunables=Paged,
         serving_caches=True,
     ),
-    "cudnn": Entry(_run_cudnn, _cudnn_unsupported),
-    "ring": Entry(_run_ring, _ring_unsupported, asked_as="`ring_attention`", tunables=Ring),
+    "cudnn": Entry(run_cudnn, cudnn_unsupported),
+    "ring": Entry(
+        _run_ring,
+        _ring_unsupported,
+        second_order=lambda ring: ring.kernel is None,
+        asked_as="`ring_attention`",
+        tunables=Ring,
+    ),
     "pallas": Entry(
-        _tiled(pallas_sequence), _pallas_unsupported, second_order=False, tunables=Pallas
+        _tiled(pallas_sequence),
+        _pallas_unsupported,
+        second_order=lambda pallas: False,
+        tunables=Pallas,
     ),
 }
 
@@ -328,29 +260,6 @@ def _preference(inputs: Inputs) -> tuple[str, ...]:
     if jax.default_backend() == "cpu" or scores > _DENSE_MAX_SCORES:
         return ("chunked", "xla")
     return ("xla", "chunked")
-
-
-def _under_jvp(inputs: Inputs) -> bool:
-    """Whether the innermost transformation of the call, looking through ``vmap``, is a JVP.
-
-    That is ``jax.jvp`` or ``jax.jacfwd`` of the call, with a tangent in some input; a JVP
-    further out, over a reverse-mode one (``jax.hessian``), differentiates the backward pass
-    instead. Not seen from here: a JVP of a ``jax.jit`` or a ``jax.checkpoint`` that calls
-    attention (the call is traced first, transformed afterwards).
-    """
-    trace = next((t for t in enclosing_traces() if not is_batching(t)), None)
-    return trace is not None and is_jvp(trace) and carries(jax.tree.leaves(inputs), trace)
-
-
-def _differentiated_twice(inputs: Inputs) -> bool:
-    """Whether two derivatives enclose the call: ``jax.hessian``, a jvp or grad of a ``jax.grad``.
-
-    Seen as two differentiating traces (forward mode's or reverse mode's linearization) that the
-    inputs carry; not seen, as for :func:`_under_jvp`, where a ``jax.jit`` between them traced
-    the call first.
-    """
-    leaves = jax.tree.leaves(inputs)
-    return sum(is_differentiating(t) and carries(leaves, t) for t in enclosing_traces()) >= 2
 
 
 def check_implementation(implementation, names: tuple[str, ...], *, by_name: bool = True) -> None:
@@ -400,12 +309,12 @@ def choose(inputs: Inputs, config: Config, implementation) -> Config:
         TypeError: If the one asked for has no forward mode and ``jax.jvp`` differentiates the
             call, or no second derivatives and two derivatives enclose it.
     """
-    under_jvp, twice = _under_jvp(inputs), _differentiated_twice(inputs)
+    under_jvp, twice = under_jvp_of(inputs), differentiated_twice(inputs)
     asked = requested(implementation)
 
     def takes(name: str) -> bool:
         entry = IMPLEMENTATIONS[name]
-        twice_ok = entry.second_order_with(tunables(name, implementation)) or not twice
+        twice_ok = entry.second_order(tunables(name, implementation)) or not twice
         return (entry.jvp or not under_jvp) and twice_ok
 
     if asked is not None and not takes(asked):

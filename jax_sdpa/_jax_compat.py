@@ -131,3 +131,26 @@ def carries(leaves, trace) -> bool:
         if x is not None and isinstance(x, _core.Tracer):
             return True
     return False
+
+
+def under_jvp_of(tree) -> bool:
+    """Whether the innermost transformation of a call on ``tree``, through ``vmap``, is a JVP.
+
+    That is ``jax.jvp`` or ``jax.jacfwd`` of the call, with a tangent in some leaf; a JVP further
+    out, over a reverse-mode one (``jax.hessian``), differentiates the backward pass instead.
+    Not seen from here: a JVP of a ``jax.jit`` or a ``jax.checkpoint`` that calls attention (the
+    call is traced first, transformed afterwards).
+    """
+    trace = next((t for t in enclosing_traces() if not is_batching(t)), None)
+    return trace is not None and is_jvp(trace) and carries(jax.tree.leaves(tree), trace)
+
+
+def differentiated_twice(tree) -> bool:
+    """Whether two derivatives enclose a call on ``tree``.
+
+    That is ``jax.hessian``, or a jvp or grad of a ``jax.grad``: two differentiating traces
+    (forward mode's or reverse mode's linearization) that the leaves carry. Not seen, as for
+    :func:`under_jvp_of`, where a ``jax.jit`` between them traced the call first.
+    """
+    leaves = jax.tree.leaves(tree)
+    return sum(is_differentiating(t) and carries(leaves, t) for t in enclosing_traces()) >= 2

@@ -1,0 +1,92 @@
+"""``implementation="cudnn"``: the call handed to ``jax.nn``'s cuDNN kernel, after our checks.
+
+Only for what ``jax.nn.dot_product_attention`` takes (its arguments, the mask rules it has as
+flags), and only on a CUDA GPU; anything else is refused with the arguments it does not take.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_sdpa._call import Config, Inputs
+from jax_sdpa._heads import Result
+from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
+from jax_sdpa._online_softmax import SIGMOID
+from jax_sdpa._steps import accumulation_dtype
+
+
+def _rule_parts(rule: MaskRule | None) -> tuple[MaskRule, ...]:
+    if rule is None:
+        return ()
+    return rule.rules if isinstance(rule, AndMask) else (rule,)
+
+
+def _offset(rule: MaskRule) -> bool:
+    """Whether ``rule`` moves its diagonal: an offset, or one per sequence."""
+    return getattr(rule, "offset", 0) != 0 or getattr(rule, "offsets", None) is not None
+
+
+def _beyond_jax_nn(inputs: Inputs, config: Config) -> list[str]:
+    """The arguments of the call that ``jax.nn.dot_product_attention`` does not take."""
+    parts = _rule_parts(inputs.arrays.rule)
+    used = {
+        "more than one batch axis": inputs.query.ndim > 4,
+        "causal_alignment='bottom_right'": any(_offset(r) for r in parts),
+        "logits_soft_cap": config.formula.soft_cap is not None,
+        "segment ids or mask_mod": any(
+            not isinstance(r, (CausalMask, LocalWindowMask, LengthMask)) for r in parts
+        ),
+        "score_mod": config.formula.score_mod is not None,
+        "sinks": inputs.arrays.sinks is not None,
+        "normalizer='sigmoid'": config.formula.normalizer is SIGMOID,
+        "return_max_scores": config.max_scores,
+        "dropout_rate": inputs.arrays.dropout_rng is not None,
+        "module": config.output != "attention",
+    }
+    return [name for name, on in used.items() if on]
+
+
+def cudnn_unsupported(inputs: Inputs, config: Config) -> str | None:
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return (
+            f"`implementation='cudnn'` needs a CUDA GPU with cuDNN; JAX's backend is {backend!r}. "
+            "Use implementation=None or 'xla'."
+        )
+    used = _beyond_jax_nn(inputs, config)
+    if used:
+        return f"`implementation='cudnn'` supports only jax.nn's arguments; got {', '.join(used)}."
+    return None
+
+
+def _jax_nn_arguments(inputs: Inputs, config: Config) -> dict:
+    """The call in ``jax.nn.dot_product_attention``'s own arguments (mask rules as flags)."""
+    arrays = inputs.arrays
+    kwargs = dict(
+        query=inputs.query,
+        key=inputs.key,
+        value=inputs.value,
+        bias=arrays.bias,
+        mask=arrays.mask,
+        scale=config.formula.scale,
+    )
+    for rule in _rule_parts(arrays.rule):
+        if isinstance(rule, CausalMask):
+            kwargs["is_causal"] = True
+        elif isinstance(rule, LocalWindowMask):
+            kwargs["local_window_size"] = (rule.left, rule.right)
+        elif isinstance(rule, LengthMask):
+            lengths = (rule.q_length, rule.kv_length)
+            kwargs["query_seq_lengths"], kwargs["key_value_seq_lengths"] = (
+                None if x is None else jnp.reshape(x, (-1,)).astype(jnp.int32) for x in lengths
+            )
+    return kwargs
+
+
+def run_cudnn(inputs: Inputs, config: Config) -> Result:
+    out, lse = jax.nn.dot_product_attention(
+        **_jax_nn_arguments(inputs, config), implementation="cudnn", return_residual=True
+    )
+    # jax.nn's cuDNN backward drops the log-sum-exp's cotangent: say so rather than be wrong.
+    lse = lax.stop_gradient(lse.astype(accumulation_dtype(lse.dtype)))
+    return Result(out, lse, None)
