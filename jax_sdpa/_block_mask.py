@@ -15,7 +15,7 @@ from jaxtyping import Array, ArrayLike, Integer
 
 from jax_sdpa import _checks
 from jax_sdpa._formula import CallArrays
-from jax_sdpa._indices import Index, indices, positions
+from jax_sdpa._indices import INDEX, Index, indices, listed, positions
 from jax_sdpa._masks import AndMask, MaskRule, rule_class, static_field
 from jax_sdpa._tiles import Tiles
 from jax_sdpa._tunables import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q
@@ -148,9 +148,7 @@ class BlockMask(MaskRule):
         holds the others. :meth:`from_kv_blocks` of these and the mask's rule attends as this
         mask does; its listed blocks are all partial (which of them were full is not kept).
         """
-        visited = self.classes != EMPTY
-        order = jnp.argsort(~visited, axis=-1, stable=True)
-        return visited.sum(axis=-1).astype(jnp.int32), order.astype(jnp.int32)
+        return listed(self.classes != EMPTY)
 
     @property
     def opaque(self) -> bool:
@@ -319,12 +317,12 @@ def create_block_mask(
     for name, size in (sizes | dict(block_q=block_q, block_kv=block_kv)).items():
         _checks.check_positive_int(name, size)
     block_q, block_kv = min(block_q, q_len), min(block_kv, kv_len)
-    head_index = jnp.arange(heads, dtype=jnp.int32)
+    head_index = jnp.arange(heads, dtype=INDEX)
 
     def sequence(b):
         return classify_blocks(rule, q_len, kv_len, block_q, block_kv, b, head_index)
 
-    classes = lax.map(sequence, jnp.arange(batch, dtype=jnp.int32))
+    classes = lax.map(sequence, jnp.arange(batch, dtype=INDEX))
     return BlockMask(rule, classes, block_q, block_kv, q_len, kv_len)
 
 

@@ -48,7 +48,7 @@ from jax_sdpa._indices import positions
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized, per_token
 from jax_sdpa._steps import accumulation_dtype, raw_scores, weighted_sum
-from jax_sdpa._tiles import Tiles, over_listed, pad_keys, visited_blocks
+from jax_sdpa._tiles import Tiles, listed_blocks, loop, pad_keys
 from jax_sdpa._tiles_backward import backward
 from jax_sdpa._tunables import Decode, Paged, Selected
 
@@ -147,7 +147,7 @@ def split_keys(
     *,
     q_offset=0,
     key_positions=None,
-    visited=None,
+    lists=None,
 ) -> Result:
     """Attention of ``(T, N, H)`` queries to keys in chunks, all heads, in jax.nn's layout.
 
@@ -156,8 +156,8 @@ def split_keys(
     ``C·L`` keys: positions past the sequence must be masked by its rule. ``values`` may be
     :class:`~jax_sdpa.LatentValues`: the keys' leading features, read with the keys. The
     queries sit at positions ``q_offset`` onwards; the keys at ``key_positions`` ``(C, L)``,
-    if given (keys gathered from the sequence), else ``0 … C·L − 1``. With ``visited``
-    ``(C,)``, a block mask's list (:func:`~jax_sdpa._tiles.visited_blocks`), only the chunks it
+    if given (keys gathered from the sequence), else ``0 … C·L − 1``. With ``lists``, a block
+    mask's list of the chunks (:func:`~jax_sdpa._tiles.listed_blocks`), only the chunks it
     lists are attended, one after the other (a loop: forward only, for a custom backward).
     """
     seq_q, heads, _ = query.shape
@@ -175,14 +175,17 @@ def split_keys(
         at = start if key_positions is None else key_positions[n]
         return _chunk_state(formula, per_query, keys, values, tile, q_offset, at)
 
-    if visited is None:
+    if lists is None:
         state = online_softmax.combine(jax.vmap(one_chunk)(positions(0, count), keys, values))
     else:
-        rows = (*groups, seq_q)
+        rows, (listed, order) = (*groups, seq_q), lists
         empty = online_softmax.init(per_query, rows, (*rows, values.shape[-1]))
-        state = over_listed(
-            visited, lambda n, s: online_softmax.merge(s, one_chunk(n, keys[n], values[n])), empty
-        )
+
+        def merged(m, state):
+            n = order[m]
+            return online_softmax.merge(state, one_chunk(n, keys[n], values[n]))
+
+        state = loop(0, listed, merged, empty)
     if arrays.sinks is not None:
         sink = arrays.sinks.reshape(*groups, 1)
         state = online_softmax.merge(
@@ -209,8 +212,8 @@ def _split_attention(tiles: Tiles, query, key, value, arrays: CallArrays):
 def _split_attention_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
     """The keys and values, whole chunks of ``tiles.block_kv``, split and their states merged."""
     keys, values = _chunks(tiles.block_kv, key, value)
-    visited = visited_blocks(tiles, arrays, "kv", 0, (0, 0), keys.shape[0])
-    out, lse, _, top = split_keys(tiles.formula, query, keys, values, arrays, visited=visited)
+    lists = listed_blocks(tiles, arrays, "kv", 0, (0, 0), keys.shape[0])
+    out, lse, _, top = split_keys(tiles.formula, query, keys, values, arrays, lists=lists)
     return (out, lse, top), (query, key, value, arrays, out, lse)
 
 

@@ -24,3 +24,13 @@ def indices(*starts: Index) -> tuple[Integer[Array, ""], ...]:
 def positions(start: Index, count: int) -> Integer[Array, " count"]:
     """``start, start + 1, …, start + count − 1``: a run of positions, as :data:`INDEX`."""
     return jnp.asarray(start, INDEX) + jnp.arange(count, dtype=INDEX)
+
+
+def listed(visited: Array) -> tuple[Array, Array]:
+    """The visited blocks along the last axis, listed: FlexAttention's counts and indices.
+
+    ``(count, order)``: how many of the boolean ``visited`` are, and all the blocks' indices with
+    those first, in order (a stable sort).
+    """
+    order = jnp.argsort(~visited, axis=-1, stable=True)
+    return visited.sum(axis=-1).astype(INDEX), order.astype(INDEX)

@@ -31,7 +31,7 @@ from jax import lax
 
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import over_heads
-from jax_sdpa._indices import INDEX, indices, positions
+from jax_sdpa._indices import INDEX, Index, indices, listed, positions
 from jax_sdpa._masks import LengthMask, MaskRule
 from jax_sdpa._online_softmax import State
 from jax_sdpa._steps import cast_product, raw_scores
@@ -208,77 +208,86 @@ def loop(lower, upper, body, carry):
     return lax.fori_loop(lower, upper, lambda n, c: body(n.astype(INDEX), c), carry)
 
 
-def sweep(
-    step,
-    rule: MaskRule | None,
-    axis: Literal["kv", "q"],
-    span: tuple,
-    offset,
-    block: int,
-    count: int,
-    carry,
-    visited=None,
-):
-    """``carry = step(n, carry, tile_rule)`` over the ``axis`` blocks ``n`` that ``rule`` may allow.
+class Blocks(NamedTuple):
+    """What a sweep goes over: ``count`` blocks of ``size`` positions along ``axis``.
 
-    ``visited`` ``(count,)``, a block mask's list (:func:`visited_blocks`), if there is one: the
-    loop then runs over the blocks it lists, no others, each with the rule.
+    ``axis`` is ``"kv"`` (the keys) or ``"q"``; the first block starts at global ``offset``.
+    """
+
+    axis: Literal["kv", "q"]
+    offset: Index
+    size: int
+    count: int
+
+    def tile(self, n) -> tuple:
+        """Block ``n`` as ``(global start, size)``."""
+        return self.offset + n * self.size, self.size
+
+
+def sweep(step, rule: MaskRule | None, blocks: Blocks, span: tuple, carry, lists=None):
+    """``carry = step(n, carry, tile_rule)`` over the blocks ``n`` that ``rule`` may allow.
+
+    ``lists`` ``(count, order)``, a block mask's list of the blocks (:func:`listed_blocks`), if
+    there is one: the loop then runs over the blocks it lists, no others, each with the rule.
 
     ``span`` is the global ``(lo, hi)`` of the other axis's block: the rule's
     ``kv_range(*span)`` (or ``q_range``) is where it may allow anything, its ``kv_full_range``
-    where it allows everything. Block ``n`` covers global indices ``offset + n·block`` onwards.
-    Blocks outside the first range are skipped; blocks wholly inside the second run with
-    ``tile_rule=None``, no mask to evaluate; the blocks in between run with the rule.
+    where it allows everything. Blocks outside the first range are skipped; blocks wholly
+    inside the second run with ``tile_rule=None``, no mask to evaluate; the blocks in between
+    run with the rule.
     """
     if rule is None:
-        return loop(0, count, lambda n, c: step(n, c, None), carry)
-    if visited is not None:
-        return over_listed(visited, lambda n, c: step(n, c, rule), carry)
+        return loop(0, blocks.count, lambda n, c: step(n, c, None), carry)
+    if lists is not None:
+        count, order = lists
+        return loop(0, count, lambda m, c: step(order[m], c, rule), carry)
     reach, full_reach = {
         "kv": (rule.kv_range, rule.kv_full_range),
         "q": (rule.q_range, rule.q_full_range),
-    }[axis]
+    }[blocks.axis]
+    offset, size, count = blocks.offset, blocks.size, blocks.count
     lo, hi = (x - offset for x in reach(*span))
-    lo, hi = jnp.clip(lo // block, 0, count), jnp.clip(-(-hi // block), 0, count)
+    lo, hi = jnp.clip(lo // size, 0, count), jnp.clip(-(-hi // size), 0, count)
     full_lo, full_hi = (x - offset for x in full_reach(*span))
-    full_lo = jnp.clip(-(-full_lo // block), lo, hi)
-    full_hi = jnp.clip(full_hi // block, full_lo, hi)
+    full_lo = jnp.clip(-(-full_lo // size), lo, hi)
+    full_hi = jnp.clip(full_hi // size, full_lo, hi)
     runs = ((lo, full_lo, rule), (full_lo, full_hi, None), (full_hi, hi, rule))
     for start, stop, tile_rule in runs:
         carry = loop(start, stop, functools.partial(step, rule=tile_rule), carry)
     return carry
 
 
-def over_listed(visited, step, carry):
-    """``carry = step(n, carry)`` over the blocks ``n`` where ``visited`` ``(count,)``, in order."""
-    order = jnp.argsort(~visited, stable=True).astype(INDEX)
-    return loop(0, visited.sum(), lambda m, c: step(order[m], c), carry)
-
-
-def visited_blocks(tiles: Tiles, arrays: CallArrays, axis: str, block, offsets, count: int):
+def listed_blocks(tiles: Tiles, arrays: CallArrays, axis: str, block, offsets, count: int):
     """The ``axis`` blocks a block mask lists for ``block`` of the other axis, or None.
 
-    Read where the ``axis`` tiles are the mask's blocks, the other axis's tiles lie within its
-    blocks, and both axes start at position 0 (the chunked and decode paths; a ring's shards
-    start elsewhere and keep the ranges' loops).
+    As :func:`~jax_sdpa._indices.listed` gives them. Read where the ``axis`` tiles are the
+    mask's blocks, the other axis's tiles lie within its blocks, and both axes start at
+    position 0 (the chunked and decode paths; a ring's shards start elsewhere and keep the
+    ranges' loops).
     """
     if arrays.rule is None or any(not isinstance(x, int) or x != 0 for x in offsets):
         return None
     sizes = (tiles.block_q, tiles.block_kv) if axis == "kv" else (tiles.block_kv, tiles.block_q)
     batch, heads = arrays.indices()
     visited = arrays.rule.visited(axis, block, sizes, batch, jnp.atleast_1d(heads))
-    return None if visited is None or visited.shape[0] != count else visited
+    return None if visited is None or visited.shape[0] != count else listed(visited)
 
 
-def classified(tile, classify, skip):
-    """``tile(n, x, rule)`` that first reads the class of an opaque rule's tile (``classify``).
+def guarded(tile, skip, arrays: CallArrays, blocks: Blocks, other: tuple):
+    """``tile(n, x, rule)`` that first reads the class of an opaque rule's tile.
 
-    A tile the rule excludes entirely gives ``skip(n, x)``; one it allows entirely runs without
-    the rule. Rules with exact ranges (the built-in ones) are left to :func:`sweep`. ``x`` is
-    what the branches take and give: keep it small (a whole-sequence array there is copied).
+    The tile is block ``n`` of ``blocks`` against the block ``other``, ``(global start, size)``,
+    of the other axis. A tile the rule excludes entirely gives ``skip(n, x)``; one it allows
+    entirely runs without the rule. Rules with exact ranges (the built-in ones) are left to
+    :func:`sweep`. ``x`` is what the branches take and give: keep it small (a whole-sequence
+    array there is copied).
     """
 
-    def guarded(n, x, rule):
+    def classify(n, rule):
+        pair = (other, blocks.tile(n)) if blocks.axis == "kv" else (blocks.tile(n), other)
+        return tile_class(rule, arrays, *pair)
+
+    def guard(n, x, rule):
         if rule is None or not rule.opaque:
             return tile(n, x, rule)
         empty, full = classify(n, rule)
@@ -289,7 +298,7 @@ def classified(tile, classify, skip):
 
         return lax.cond(empty, functools.partial(skip, n), run, x)
 
-    return guarded
+    return guard
 
 
 def tile_class(rule: MaskRule, arrays: CallArrays, q_block: tuple, kv_block: tuple):
@@ -320,15 +329,10 @@ def sweep_keys(
         kv = (tiles.keys(key, j), tiles.keys(value, j))
         return over_heads(head, tiles.groups, (state, q_i, tiles.tile(arrays, i, j, rule)), kv)
 
-    def classify(j, rule):
-        kv_block = (kv_offset + j * tiles.block_kv, tiles.block_kv)
-        return tile_class(rule, arrays, (tile_q, tiles.block_q), kv_block)
-
-    guarded = classified(step, classify, skip=lambda j, state: state)
-    span = (tile_q, tile_q + tiles.block_q)
-    count = key.shape[0] // tiles.block_kv
-    visited = visited_blocks(tiles, arrays, "kv", i, (q_offset, kv_offset), count)
-    return sweep(guarded, arrays.rule, "kv", span, kv_offset, tiles.block_kv, count, state, visited)
+    blocks = Blocks("kv", kv_offset, tiles.block_kv, key.shape[0] // tiles.block_kv)
+    step = guarded(step, lambda j, state: state, arrays, blocks, (tile_q, tiles.block_q))
+    lists = listed_blocks(tiles, arrays, "kv", i, (q_offset, kv_offset), blocks.count)
+    return sweep(step, arrays.rule, blocks, (tile_q, tile_q + tiles.block_q), state, lists)
 
 
 def forward_sweep(

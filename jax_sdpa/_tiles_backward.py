@@ -23,16 +23,16 @@ from jax_sdpa._online_softmax import Normalization, zeros_from
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import (
     BackwardRows,
+    Blocks,
     Tiles,
     add_at,
-    classified,
     differentiable,
     flat,
+    guarded,
+    listed_blocks,
     loop,
     rows_first,
     sweep,
-    tile_class,
-    visited_blocks,
 )
 
 
@@ -92,23 +92,18 @@ def backward_sweep(
             per_query = (tiles.queries(query, i), terms_i, tiles.tile(arrays, i, j, rule))
             return over_heads(head, tiles.groups, per_query, kv)
 
-        def classify(i, rule):
-            q_block = (q_offset + i * tiles.block_q, tiles.block_q)
-            return tile_class(rule, arrays, q_block, (tile_kv, tiles.block_kv))
-
         def skip(i, _):  # a skipped tile's gradients: zeros, for the accumulators to stay out
             shapes = jax.eval_shape(functools.partial(tile, i, None, rule=None))
             return jax.tree.map(lambda x: zeros_from(query, x.dtype, x.shape), shapes)
 
-        guarded = classified(tile, classify, skip)
+        blocks = Blocks("q", q_offset, tiles.block_q, query.shape[0] // tiles.block_q)
+        guarded_tile = guarded(tile, skip, arrays, blocks, (tile_kv, tiles.block_kv))
 
         def step(i, grads, rule):
-            return _accumulate(tiles, grads, guarded(i, None, rule), i, j)
+            return _accumulate(tiles, grads, guarded_tile(i, None, rule), i, j)
 
-        span = (tile_kv, tile_kv + tiles.block_kv)
-        count = query.shape[0] // tiles.block_q
-        visited = visited_blocks(tiles, arrays, "q", j, (q_offset, kv_offset), count)
-        return sweep(step, arrays.rule, "q", span, q_offset, tiles.block_q, count, grads, visited)
+        lists = listed_blocks(tiles, arrays, "q", j, (q_offset, kv_offset), blocks.count)
+        return sweep(step, arrays.rule, blocks, (tile_kv, tile_kv + tiles.block_kv), grads, lists)
 
     return loop(0, key.shape[0] // tiles.block_kv, key_block, grads)
 

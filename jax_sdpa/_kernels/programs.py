@@ -35,13 +35,13 @@ from jaxtyping import Array
 from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._block_mask import EMPTY, BlockMask
 from jax_sdpa._formula import CallArrays
-from jax_sdpa._indices import INDEX
+from jax_sdpa._indices import INDEX, listed
 from jax_sdpa._kernels.backend import Backend
 from jax_sdpa._kernels.interpreter import INTERPRETER
 from jax_sdpa._kernels.reads import evaluate
 from jax_sdpa._kernels.triton import atomic_add
 from jax_sdpa._steps import accumulation_dtype
-from jax_sdpa._tiles import BackwardRows, Tiles, classified, loop, sweep, tile_class
+from jax_sdpa._tiles import BackwardRows, Blocks, Tiles, guarded, sweep
 from jax_sdpa._tunables import Pallas
 
 
@@ -187,22 +187,16 @@ class Plan:
             (tiles.block_q, tiles.block_kv) if forward else (tiles.block_kv, tiles.block_q)
         )
         start = offsets[1 - forward] + block * this
-        first = offsets[1] if forward else offsets[0]
         count = (self.seq_kv if forward else self.seq_q) // other
-
-        def classify(m, rule):
-            blocks = ((start, this), (first + m * other, other))
-            return tile_class(rule, arrays, *(blocks if forward else blocks[::-1]))
-
-        guarded = classified(step, classify, skip=lambda m, carry: carry)
-        n, lists = head_lists
-        if lists is None:
-            span = (start, start + this)
-            return sweep(guarded, arrays.rule, axis, span, first, other, count, carry)
-        counts, blocks = lists.along(axis)
-        head = 0 if counts.shape[0] == 1 else n
-        listed = lambda m, carry: guarded(blocks[head, block, m], carry, arrays.rule)  # noqa: E731
-        return loop(0, counts[head, block], listed, carry)
+        blocks = Blocks(axis, offsets[1] if forward else offsets[0], other, count)
+        step = guarded(step, lambda m, carry: carry, arrays, blocks, (start, this))
+        n, block_lists = head_lists
+        lists = None
+        if block_lists is not None:
+            counts, order = block_lists.along(axis)
+            head = 0 if counts.shape[0] == 1 else n
+            lists = (counts[head, block], order[head, block])
+        return sweep(step, arrays.rule, blocks, (start, start + this), carry, lists)
 
 
 @jax.tree_util.register_dataclass
@@ -224,12 +218,7 @@ class BlockLists:
     def of(cls, mask: BlockMask) -> "BlockLists":
         """The lists of one sequence's :class:`~jax_sdpa.BlockMask` (a batch axis of 1)."""
         visited = mask.classes[0] != EMPTY
-
-        def lists(x):
-            order = jnp.argsort(~x, axis=-1, stable=True)
-            return x.sum(axis=-1).astype(INDEX), order.astype(INDEX)
-
-        return cls(*lists(visited), *lists(jnp.swapaxes(visited, -1, -2)))
+        return cls(*listed(visited), *listed(jnp.swapaxes(visited, -1, -2)))
 
     def along(self, axis: str) -> tuple:
         return (self.kv_count, self.kv_blocks) if axis == "kv" else (self.q_count, self.q_blocks)
