@@ -1,11 +1,12 @@
 r"""jax_sdpa: scaled dot-product attention, ``softmax(Q Kᵀ / √d_k) V``, as pure JAX functions.
 
 One function per step of the formula (:func:`raw_scores`, :func:`scale_scores`,
-:func:`softmax_weights`, :func:`weighted_sum`), composed for one head by :func:`attention`, and
-``jax.vmap``-ed over heads and batch by :func:`dot_product_attention`, a drop-in for
-``jax.nn.dot_product_attention`` and a flax ``attention_fn`` that can also run in memory linear
-in the sequence length (``implementation="chunked"``). :func:`ring_attention` spreads one long
-sequence over many devices.
+:func:`softmax_weights`, :func:`weighted_sum`), composed for one head by :func:`attention`;
+:func:`dot_product_attention`, a drop-in for ``jax.nn.dot_product_attention`` and a flax
+``attention_fn``, runs that composition over heads and batch (``implementation="xla"``), over
+tiles in memory linear in the sequence length (``"chunked"``), against a long cache
+(``"decode"``), as a fused kernel (``"pallas"``) or by cuDNN. :func:`paged_attention` reads a
+paged cache; :func:`ring_attention` spreads one long sequence over many devices.
 """
 
 from jax_sdpa import mods as mods

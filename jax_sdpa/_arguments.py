@@ -9,7 +9,6 @@ The result is one :class:`~jax_sdpa._call.Inputs` pytree and one static
 :class:`~jax_sdpa._call.Config`, with the implementation chosen from the table.
 """
 
-import dataclasses
 import math
 
 import jax
@@ -61,7 +60,7 @@ def bind(
         keywords = dict(keywords, key_value_seq_lengths=lengths)
         diagonal = (0, lengths - shapes.seq_q)  # each sequence's queries are its last positions
     score_mod, score_consts = _score_mod(shapes, query.dtype, **keywords)
-    formula = dataclasses.replace(Formula.of(query.shape[-1], **keywords), score_mod=score_mod)
+    formula = Formula.of(query.shape[-1], **dict(keywords, score_mod=score_mod))
     first_sequence = _first(ring, "batch_axis", math.prod(shapes.batch))
     arrays = CallArrays(
         bias=_per_logit("bias", bias, shapes),

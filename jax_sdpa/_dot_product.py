@@ -6,9 +6,10 @@ sequence over the devices of a mesh axis) check their arguments with
 :func:`jax_sdpa._arguments.bind` and run the implementation it chooses from the table in
 :mod:`jax_sdpa._implementations`: ``"xla"`` maps the dense single-head composition over heads
 and batch (``jax.vmap``); ``"chunked"`` runs the online softmax over tiles that cover all heads,
-with its own backward; ``"decode"`` reads a long key/value cache in chunks for a few queries;
-the ring passes those tiles' keys from device to device; ``"cudnn"`` hands the call to
-``jax.nn``'s fused kernel.
+with its own backward; ``"decode"`` reads a long key/value cache in chunks for a few queries
+(``"paged"`` through a page table, :mod:`jax_sdpa._paged`); ``"selected"`` gathers each
+query's listed keys; ``"pallas"`` runs the tiles as fused kernels; the ring passes the tiles'
+keys from device to device; ``"cudnn"`` hands the call to ``jax.nn``'s fused kernel.
 
 Shape letters (as ``jax.nn.dot_product_attention``)::
 
@@ -127,7 +128,7 @@ def dot_product_attention(
     force_fp32_for_softmax: bool = False,
     qk_attn_weights_einsum: Callable | None = None,
     attn_weights_value_einsum: Callable | None = None,
-) -> Float[Array, "*batch q_seq heads d_v"] | tuple[Array, Array]:
+) -> Float[Array, "*batch q_seq heads d_v"] | tuple[Array, ...]:
     r"""Scaled dot-product attention over heads and batch; a drop-in for ``jax.nn``'s.
 
     .. math:: \mathrm{Attention}(Q, K, V) = \mathrm{softmax}\Big(

@@ -67,9 +67,14 @@ class Formula:
         dropout_rate=0.0,
         precision=None,
         normalizer="softmax",
+        score_mod=None,
         **_,
     ) -> "Formula":
-        """A call's formula from its keywords, checked: the scale is ``1/√d_k`` by default."""
+        """A call's formula from its keywords, checked: the scale is ``1/√d_k`` by default.
+
+        ``score_mod`` is the user's function as a program of its arrays
+        (:func:`jax_sdpa._user_functions.convert`).
+        """
         _checks.check_range("dropout_rate", dropout_rate, 0.0, 1.0)
         _checks.check_choice("normalizer", normalizer, tuple(NORMALIZERS))
         if logits_soft_cap is not None:
@@ -82,6 +87,7 @@ class Formula:
             dropout_rate=float(dropout_rate),
             precision=precision,
             normalizer=NORMALIZERS[normalizer],
+            score_mod=score_mod,
         )
 
     def scores(

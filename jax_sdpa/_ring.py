@@ -210,7 +210,7 @@ def ring_sequence(
     kernel's tiles instead).
     """
     (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
-    runs = 2 if ring.layout == "striped" else 1
+    runs = ring.pieces
     tiles = Tiles(
         formula,
         _largest_divisor(seq_q // runs, tunables.block_q),
