@@ -109,3 +109,21 @@ def test_the_landing_page_has_the_quick_start_and_the_formula(site):
     assert "pip install" in text and "python -m jax_sdpa.demo" in text
     assert "softmax_weights(scores, mask)" in text and "(T, S) → (T, S)" in text
     assert 'href="api.html"' in page and 'href="design.html"' in page
+
+
+def test_the_guides_are_pages_of_the_site_and_the_readme_links_them(site):
+    readme = (ROOT / "README.md").read_text()
+    guides = sorted(path.stem for path in (ROOT / "docs" / "guides").glob("*.md"))
+    assert guides
+    for guide in guides:
+        assert f"](docs/guides/{guide}.md)" in readme, guide
+        assert (site / "guides" / f"{guide}.html").exists(), guide
+    drop_in = re.sub(r"<[^>]+>", "", (site / "guides" / "drop_in.html").read_text())
+    assert "Complex inputs are refused" in drop_in  # the README's differences, included
+
+
+def test_the_readme_is_a_front_door():
+    # A newcomer's five minutes: at most 200 lines, the example on the first screen.
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200
+    assert any("import jax, jax_sdpa" in line for line in lines[:40])

@@ -158,7 +158,7 @@ def test_the_kernel_without_second_derivatives_says_so(rng, second, path):
             mesh=mesh,
             in_specs=(spec, spec),
             out_specs=spec,
-            check_vma=False,  # (the interpreter's needs, README: not the kernel's)
+            check_vma=False,  # (the interpreter's needs, docs/guides/kernels.md: not the kernel's)
         )
         asked = "`ring_attention`"
 

@@ -269,7 +269,7 @@ CHECKS = {
         {"query_seq_lengths": [64, 48], "key_value_seq_lengths": [56, 64]},
     ),
     # The striped half-swap (`_restripe`) moves rows between processes here: causal, the batch
-    # over the two rings, as the README's example call.
+    # over the two rings, as the scaling-out guide's example call.
     "ring_dot_product_attention striped causal, batch over devices, key lengths": lambda: ring_dpa(
         "batch2xseq4", "striped", True, {"key_value_seq_lengths": [40, 64]}
     ),
