@@ -8,6 +8,8 @@ entry once, in the forward pass (the backward pass reads the classes). A
 that share the mask, as PyTorch FlexAttention's ``create_block_mask`` does.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -326,15 +328,19 @@ def create_block_mask(
     return BlockMask(rule, classes, block_q, block_kv, q_len, kv_len)
 
 
-def blocked(tiles: Tiles, arrays: CallArrays, seq_q: int, seq_kv: int) -> BlockMask:
-    """The call's opaque rule with the class of each of its tiles, for both passes to read.
+def blocked(tiles: Tiles, arrays: CallArrays, seq_q: int, seq_kv: int) -> CallArrays:
+    """``arrays`` with an opaque rule classified at ``tiles``, for both passes to read.
 
-    Classifying once costs one evaluation of the rule per entry; the backward pass then reads
-    the classes instead of evaluating it again. The padded keys count (the rule masks them),
-    the padded queries do not (they are dropped). Where the rule is a :class:`BlockMask` made
-    with these tiles for these lengths, it holds these classes already: they are read.
+    The rule becomes a :class:`BlockMask` of these tiles, the class of each of its tiles kept;
+    a rule with exact ranges (or none) is left as it is. Classifying once costs one evaluation
+    of the rule per entry; the backward pass then reads the classes instead of evaluating it
+    again. The padded keys count (the rule masks them), the padded queries do not (they are
+    dropped). Where the rule is a :class:`BlockMask` made with these tiles for these lengths,
+    it holds these classes already: they are read.
     """
     rule, (batch, heads) = arrays.rule, arrays.indices()
+    if rule is None or not rule.opaque:
+        return arrays
     heads = jnp.atleast_1d(heads)
     (mask,) = rule.rules if isinstance(rule, AndMask) and len(rule.rules) == 1 else (rule,)
     sizes = (tiles.block_q, tiles.block_kv, seq_q, seq_kv)
@@ -346,4 +352,5 @@ def blocked(tiles: Tiles, arrays: CallArrays, seq_q: int, seq_kv: int) -> BlockM
     else:
         classes = classify_blocks(rule, seq_q, seq_kv, tiles.block_q, tiles.block_kv, batch, heads)
     # One sequence's classes, which its batch index need not pick: a batch axis of 1.
-    return BlockMask(rule, classes[None], tiles.block_q, tiles.block_kv, seq_q, seq_kv)
+    mask = BlockMask(rule, classes[None], tiles.block_q, tiles.block_kv, seq_q, seq_kv)
+    return dataclasses.replace(arrays, rule=mask)

@@ -92,7 +92,6 @@ def chunked_sequence(
         arrays, bias=pad_to(arrays.bias, -2, block_q), mask=pad_to(arrays.mask, -2, block_q, False)
     )
     query = pad_to(query, 0, block_q)
-    if arrays.rule is not None and arrays.rule.opaque:
-        arrays = dataclasses.replace(arrays, rule=blocked(tiles, arrays, seq_q, key.shape[0]))
+    arrays = blocked(tiles, arrays, seq_q, key.shape[0])
     out, lse, top = _flash(tiles, query, key, value, arrays)
     return Result(out[:seq_q], lse[:seq_q], None, top[:seq_q])

@@ -8,12 +8,11 @@ is the kernels' (``jax.custom_vjp``): the queries' gradients, then the keys', va
 ``score_mod``'s arrays'; the sinks' from the rows, as on every tiled path.
 """
 
-import dataclasses
 import functools
 
 import jax
 
-from jax_sdpa._block_mask import blocked
+from jax_sdpa._block_mask import BlockMask, blocked
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
 from jax_sdpa._kernels.calls import backward, fitted, forward, padded
@@ -61,9 +60,7 @@ def pallas_sequence(
     (seq_q, _, _), value_width = query.shape, value.shape[-1]
     tiles = fitted(formula, tunables, query, key)
     query, key, value, arrays = padded(tiles, query, key, value, arrays)
-    lists = None
-    if arrays.rule is not None and arrays.rule.opaque:
-        rule = blocked(tiles, arrays, seq_q, key.shape[0])
-        arrays, lists = dataclasses.replace(arrays, rule=rule), BlockLists.of(rule)
+    arrays = blocked(tiles, arrays, seq_q, key.shape[0])
+    lists = BlockLists.of(arrays.rule) if isinstance(arrays.rule, BlockMask) else None
     out, lse, top = _fused(tiles, tunables, query, key, value, arrays, lists)
     return Result(out[:seq_q, :, :value_width], lse[:seq_q], None, top[:seq_q])
