@@ -1,10 +1,12 @@
 """JAX's internals, and the differences between JAX versions, in one place.
 
-Tested with JAX 0.10.2 (what CI installs, Python 3.11), 0.11.2 (the GPU image) and 0.12.0.1
-(the newest release, Python 3.12 and 3.13). What the library needs of JAX that is not public, or
-that changed between those versions, is here, each with the versions that need it: no other
-module imports ``jax._src``, reads a version-dependent attribute or names a version-dependent
-primitive, so a JAX release that breaks the library breaks it here.
+Tested with JAX 0.6.2 (what Python 3.10 installs), 0.10.2 (what CI installs, Python 3.11), 0.11.2
+(the GPU image) and 0.12.0.1 (the newest release, Python 3.12 and 3.13). What the library needs
+of JAX that is not public, or that changed between those versions, is here, each with the
+versions that need it: no other module imports ``jax._src``, reads a version-dependent attribute
+or names a primitive whose name changed, so a JAX release that breaks the library breaks it
+here. (JAX's own warning that Pallas's Triton backend is deprecated, from 0.11, is left to be
+seen: it is true of the GPU kernel.)
 """
 
 import jax
@@ -12,6 +14,9 @@ from jax import lax
 from jax._src import core as _core  # the current trace and tracers: no public API says them
 from jax._src.interpreters import ad as _ad  # (reverse mode's LinearizeTrace is not public)
 from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import partial_eval as _pe  # (JAX before 0.7: reverse mode's tracers)
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 # --- shard_map's types ------------------------------------------------------------------------
 
@@ -24,6 +29,10 @@ def varying_axes_of(x) -> frozenset:
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)
     return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+
+
+# The primitives of ``shard_map``'s casts to varying (``pvary`` before JAX 0.8.2).
+VARYING_CASTS = ("pvary", "pcast")
 
 
 def cast_to_varying(x, axes: tuple):
@@ -71,8 +80,12 @@ def bind(eqn, operands: list):
 
     In the equation's context, with the parameters its primitive binds with.
     """
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # JAX before 0.7: (sub-functions, parameters)
+        subfuns, params = params
+        operands = [*subfuns, *operands]
     with eqn.ctx.manager:
-        return eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(eqn.params))
+        return eqn.primitive.bind(*operands, **params)
 
 
 def scan_operands(params, operands: list) -> tuple[list, list, list]:
@@ -92,6 +105,15 @@ def while_operands(params, operands: list) -> tuple[list, list, list]:
 
 def _split(xs: list, first: int, second: int) -> tuple[list, list, list]:
     return xs[:first], xs[first : first + second], xs[first + second :]
+
+
+def triton_atomic_add(ref, index, value) -> None:
+    """Pallas's atomic add on a GPU.
+
+    ``pallas.triton.atomic_add``; ``pallas.atomic_add`` before JAX 0.7.
+    """
+    add = getattr(pltriton, "atomic_add", None) or pl.atomic_add
+    add(ref, index, value)
 
 
 def atomic_kind(params) -> str:
@@ -142,7 +164,24 @@ def under_jvp_of(tree) -> bool:
     call is traced first, transformed afterwards).
     """
     trace = next((t for t in enclosing_traces() if not is_batching(t)), None)
-    return trace is not None and is_jvp(trace) and carries(jax.tree.leaves(tree), trace)
+    leaves = jax.tree.leaves(tree)
+    if trace is None or not is_jvp(trace) or not carries(leaves, trace):
+        return False
+    # JAX before 0.7 linearizes reverse mode through a JVP trace too, its tangents then partial
+    # evaluation's tracers.
+    reverse = not getattr(jax.config, "jax_use_direct_linearize", True) and any(
+        isinstance(tangent, _pe.JaxprTracer) for tangent in _tangents(leaves, trace)
+    )
+    return not reverse
+
+
+def _tangents(leaves, trace):
+    """The tangents ``trace`` carries in ``leaves`` (as :func:`carries` finds its tracers)."""
+    for x in leaves:
+        while isinstance(x, _core.Tracer) and x._trace is not trace:
+            x = getattr(x, "val", getattr(x, "primal", None))
+        if isinstance(x, _core.Tracer):
+            yield x.tangent
 
 
 def differentiated_twice(tree) -> bool:

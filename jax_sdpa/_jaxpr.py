@@ -16,8 +16,9 @@ or atomic adds (:mod:`jax_sdpa._kernels.reads`). Both are :func:`interpret` with
    in place with the same rules, and a ``cond``, ``scan`` or ``while`` is traced again around the
    interpretation of its bodies, so that the rules reach every equation; with ``rules.inline``
    off they are bound as they are.
-4. Any other equation is bound as ``jax.core.eval_jaxpr`` binds it, its operands first made
-   arrays by ``rules.array`` (the kernel's values not read yet are read then).
+4. Any other equation is bound by ``rules.bind`` (as ``jax.core.eval_jaxpr`` binds it, by
+   default), its operands first made arrays by ``rules.array`` (the kernel's values not read
+   yet are read then).
 
 A ``while`` mapped by ``jax.vmap`` (its predicate per element) runs while any element's holds,
 each element kept where its own does not, as JAX's lowering of such a loop does.
@@ -49,6 +50,7 @@ class Rules:
     operand: Callable = _identity
     array: Callable = _identity
     inline: bool = True
+    bind: Callable = bind  # bind(eqn, operands): as jax.core.eval_jaxpr binds, by default
 
 
 def table(*rule_sets: Mapping[str, tuple[Rule, ...]]) -> dict[str, tuple[Rule, ...]]:
@@ -92,7 +94,7 @@ def _equation(eqn, operands: list, rules: Rules) -> list:
         return interpret(*_program(eqn.params[CALLS[name]]), operands, rules)
     if rules.inline and name in _CONTROL_FLOW:
         return _CONTROL_FLOW[name](eqn.params, operands, rules)
-    outs = bind(eqn, [rules.array(x) for x in operands])
+    outs = rules.bind(eqn, [rules.array(x) for x in operands])
     return outs if eqn.primitive.multiple_results else [outs]
 
 

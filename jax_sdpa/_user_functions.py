@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.extend.core import Jaxpr, Literal
 
 from jax_sdpa._indices import INDEX
-from jax_sdpa._jax_compat import cast_to_varying, varying_axes_of
+from jax_sdpa._jax_compat import VARYING_CASTS, cast_to_varying, varying_axes_of
 from jax_sdpa._jaxpr import Rules, evaluate, read
 from jax_sdpa._masks import MaskRule, rule_class, static_field
 
@@ -48,7 +48,7 @@ def vary(x, axes: frozenset):
 # Inside shard_map the trace's own casts are already done: the replay casts every operand.
 _ALREADY_VARYING = {
     name: (lambda eqn, operands: operands if eqn.primitive.multiple_results else operands[0],)
-    for name in ("pvary", "pcast")
+    for name in VARYING_CASTS
 }
 
 
@@ -62,8 +62,19 @@ def _replay(eqns, env: dict, axes: frozenset) -> None:
     """
     if not axes:
         return evaluate(eqns, env, Rules(inline=False))
-    rules = Rules(table=_ALREADY_VARYING, operand=lambda x: vary(x, axes))
+    rules = Rules(
+        table=_ALREADY_VARYING, operand=lambda x: vary(x, axes), bind=_in_the_callers_context
+    )
     return evaluate(eqns, env, rules)
+
+
+def _in_the_callers_context(eqn, operands: list):
+    """The equation's primitive on ``operands``, in the context of the call that replays it.
+
+    Not the one the function was traced in (its mesh, its types): an evaluator is shared by
+    every call whose function traces to the same program.
+    """
+    return eqn.primitive.bind(*operands, **eqn.params)
 
 
 def _hoisted(fn, args: list) -> tuple:

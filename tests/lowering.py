@@ -33,7 +33,7 @@ from jax._src.lib import triton as jax_triton
 from jax._src.lib.mlir import ir, passmanager
 from jaxlib.mosaic.python import tpu as mosaic_tpu
 
-from tests.util import abstract_mesh
+from tests.util import abstract_devices, abstract_mesh
 
 CUSTOM_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 # Upstream Triton's wheels are for Linux x86-64 (the test dependencies install it there): on
@@ -64,7 +64,7 @@ def exported(program, *args, platform: str, mesh=None) -> str:
     over ``mesh`` (an abstract one, :func:`tests.util.abstract_mesh`, for a ``shard_map`` in
     ``program``) or one abstract chip."""
     unchecked = [export.DisabledSafetyCheck.custom_call(CUSTOM_CALLS["cuda"])]
-    with jax.sharding.use_abstract_mesh(mesh or abstract_mesh(platform)):
+    with abstract_devices(mesh or abstract_mesh(platform)):
         lowered = export.export(jax.jit(program), platforms=[platform], disabled_checks=unchecked)
         return lowered(*args).mlir_module()
 

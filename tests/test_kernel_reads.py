@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from jax_sdpa._kernels.reads import evaluate
+from jax_sdpa._kernels.triton import atomic_add
 
 # Under x64 the kernels' reads run in test_pallas.py and the pallas sweep.
 pytestmark = pytest.mark.x64_sampled
@@ -194,7 +194,7 @@ def added_into_memory(fn, array, indices, atomics: bool):
     def kernel(array_ref, indices_ref, zeros_ref, out):
         def add(a, i):
             if atomics:
-                pltriton.atomic_add(out, (0, 0), fn(a, i).astype(out.dtype))
+                atomic_add(out, (0, 0), fn(a, i).astype(out.dtype))
             else:
                 out[0, 0] += fn(a, i).astype(out.dtype)
             return jnp.zeros(())

@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import jax_sdpa as js
 from tests import reference as ref
-from tests.util import qkv
+from tests.util import enable_x64, qkv
 
 INTERPRET = js.Pallas(block_q=16, block_kv=16, interpret=True)
 
@@ -96,7 +96,7 @@ def test_captured_arrays_sinks_and_a_document_mask_get_the_reference_gradients(r
 
     args = (q, key, v, slopes, table, sinks)
     got = jax.grad(lambda *a: loss(INTERPRET, *a), argnums=range(6))(*args)
-    with jax.enable_x64(True):
+    with enable_x64():
         wide = jax.tree.map(lambda x: x.astype(jnp.float64), args)
         want = jax.grad(lambda *a: loss("xla", *a), argnums=range(6))(*wide)
     for name, g, w in zip(("q", "k", "v", "slopes", "table", "sinks"), got, want, strict=True):

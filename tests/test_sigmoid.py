@@ -17,7 +17,7 @@ from jax.test_util import check_grads
 import jax_sdpa as js
 from tests import reference as ref
 from tests.implementations import each_implementation
-from tests.util import qkv
+from tests.util import enable_x64, qkv
 
 SLOPES = jnp.array([0.3, -0.2, 0.5, 0.1], jnp.float32)
 
@@ -142,7 +142,7 @@ def test_dense_sigmoid_gradients_pass_check_grads(rng):
     fn = functools.partial(
         js.dot_product_attention, normalizer="sigmoid", is_causal=True, implementation="xla"
     )
-    with jax.enable_x64(True):
+    with enable_x64():
         wide = tuple(x.astype(jnp.float64) for x in (q, k, v))
         check_grads(fn, wide, order=2, modes=["rev"])
 

@@ -74,10 +74,25 @@ ABSTRACT_DEVICES = {"tpu": ("TPU v5 lite", 1), "cuda": ("NVIDIA H100", None)}
 
 
 def abstract_mesh(platform: str, sizes: tuple = (1,), names: tuple = ("x",)):
-    """A mesh of ``platform``'s abstract chips, to lower over on a CPU: a shard_map's, or none's."""
-    from jax._src.mesh import AbstractDevice, AbstractMesh
+    """A mesh of ``platform``'s abstract chips, to lower over on a CPU: a shard_map's, or none's.
+
+    None before JAX 0.7, which has no abstract chips (and lowers without).
+    """
+    from jax._src import mesh
+
+    if not hasattr(mesh, "AbstractDevice"):
+        return None
+    AbstractDevice, AbstractMesh = mesh.AbstractDevice, mesh.AbstractMesh  # noqa: N806
 
     kind, cores = ABSTRACT_DEVICES[platform]
     device = AbstractDevice(kind, cores, "gpu" if platform == "cuda" else platform)
     auto = (jax.sharding.AxisType.Auto,) * len(sizes)  # (arrays made outside keep their own)
     return AbstractMesh(sizes, names, axis_types=auto, abstract_device=device)
+
+
+def abstract_devices(mesh):
+    """A context in which lowering finds ``mesh``'s abstract chips.
+
+    JAX 0.7 and later ask for them; earlier JAX lowers for a GPU's default, sm_90, without.
+    """
+    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh)

@@ -2,11 +2,12 @@
 
 Its modules, from the bottom:
 
-- ``values``, ``positions``, ``scatters``, ``reads``: reading the arrays a call closes over
-  inside a kernel, each at the indices it uses (a rule set of :mod:`jax_sdpa._jaxpr`).
-- ``backend``: what a backend is (its compiler parameters, how its programs run); one module
+- ``backend``: what a backend is (its compiler parameters, how its programs add up); one module
   each for ``triton`` (GPUs), ``mosaic_tpu`` (TPUs) and the ``interpreter`` (anywhere: the
-  tests' oracle, and the TPU simulator). A new backend (Mosaic GPU) is one more module there.
+  tests' oracle, and the TPU simulator). A new backend (Mosaic GPU) is one more module there,
+  and a line of ``calls.PLATFORMS``.
+- ``values``, ``positions``, ``scatters``, ``reads``: reading the arrays a call closes over
+  inside a kernel, each at the indices it uses (rule sets of :mod:`jax_sdpa._jaxpr`).
 - ``programs``: the programs every backend runs, written once over named refs: the forward
   pass, the queries' gradients, the keys' and values' gradients.
 - ``calls``: the programs as functions of arrays: block specs, padding, the backend chosen by

@@ -1,9 +1,10 @@
-"""What a kernel backend is: how a ``pallas_call`` is compiled for it, and how its programs run.
+"""What a kernel backend is: how a ``pallas_call`` is made for it, and how its programs add up.
 
 The programs (:mod:`jax_sdpa._kernels.programs`) are the same on every backend; a backend says
-only what its hardware needs: the compiler parameters, and whether its programs run at once
-(a GPU's, which add into shared memory with atomic adds) or one after another (a TPU's, and
-the interpreter's, where the first program zeroes what all of them add into).
+only what its hardware needs: the compiler parameters, and how programs add into one output
+(a GPU's run at once and add atomically; a TPU's, and the interpreter's, run one after another,
+the first zeroing what all of them add into). A new backend is one more module beside
+``triton``, ``mosaic_tpu`` and ``interpreter``, and a line of ``calls.PLATFORMS``.
 """
 
 import dataclasses
@@ -15,13 +16,18 @@ from jax_sdpa._tunables import Pallas
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """A Pallas backend: how a ``pallas_call`` is made for it, and how its programs run.
+    """A Pallas backend: how a ``pallas_call`` is made for it, and how its programs add up.
 
-    ``compiler_params(tunables)`` and ``interpret`` as ``pallas_call`` takes them; whether its
-    programs run at once (``concurrent``).
+    ``compiler_params(tunables)`` and ``interpret`` as ``pallas_call`` takes them;
+    ``atomic_add(ref, index, value)`` where its programs run at once (None where they run one
+    after another).
     """
 
-    name: str
     compiler_params: Callable[[Pallas], Any]
     interpret: Any = False
-    concurrent: bool = False
+    atomic_add: Callable | None = None
+
+    @property
+    def concurrent(self) -> bool:
+        """Whether its programs run at once (and so add into memory atomically)."""
+        return self.atomic_add is not None

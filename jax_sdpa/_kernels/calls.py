@@ -245,6 +245,10 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list):
     return outs.key, outs.value, outs.consts
 
 
+# The backend for each platform a program may be lowered for; any other runs the interpreter.
+PLATFORMS = {"cuda": TRITON, "rocm": TRITON, "tpu": MOSAIC_TPU}
+
+
 def _compiled(plan: Plan, program, grid, in_specs, out_specs, out_shape, name: str, aliases=None):
     """``program`` as a ``pallas_call`` of one pytree of inputs, for the backend that runs it.
 
@@ -272,14 +276,8 @@ def _compiled(plan: Plan, program, grid, in_specs, out_specs, out_shape, name: s
         return on(tpu_simulator(interpret))
     if interpret:
         return on(INTERPRETER)
-    triton, mosaic, interpreter = on(TRITON), on(MOSAIC_TPU), on(INTERPRETER)
-
-    def lowered(inputs):
-        return lax.platform_dependent(
-            inputs, cuda=triton, rocm=triton, tpu=mosaic, default=interpreter
-        )
-
-    return lowered
+    calls = {platform: on(backend) for platform, backend in PLATFORMS.items()}
+    return lambda inputs: lax.platform_dependent(inputs, **calls, default=on(INTERPRETER))
 
 
 def _plan(tiles: Tiles, tunables: Pallas, query, key, arrays: CallArrays, lists) -> Plan:

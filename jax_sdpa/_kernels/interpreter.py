@@ -10,9 +10,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jax_sdpa._kernels.backend import Backend
 
-INTERPRETER = Backend("interpreter", lambda tunables: None, interpret=True)
+INTERPRETER = Backend(lambda tunables: None, interpret=True)
 
 
 def tpu_simulator(params: pltpu.InterpretParams) -> Backend:
     """The TPU simulator with ``params``."""
-    return Backend("tpu simulator", lambda tunables: pltpu.CompilerParams(), interpret=params)
+    return Backend(lambda tunables: pltpu.CompilerParams(), interpret=params)

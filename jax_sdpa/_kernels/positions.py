@@ -133,71 +133,85 @@ def _windowed(operand: Unread, points):
     return value.astype(operand.ref.dtype)
 
 
-def on_runs(eqn, invals: list):
-    """What an equation makes of positions, if it keeps them a :class:`Run`; else None.
+# Rules (:mod:`jax_sdpa._jaxpr`) for the equations that keep positions a :class:`Run`: an
+# integer iota, plus or minus a scalar, axes of 1 added or dropped, and a ``jnp`` index's wrap
+# (``select_n(x < 0, x, x + n)``); and an integer scalar broadcast (:class:`Uniform`). Each
+# answers None where the equation does not keep them so.
 
-    Those that do: an integer iota, plus or minus a scalar, axes of 1 added or dropped, and a
-    ``jnp`` index's wrap (``select_n(x < 0, x, x + n)``); and an integer scalar broadcast
-    (:class:`Uniform`).
-    """
-    name, params = eqn.primitive.name, eqn.params
-    if name == "iota" and jnp.issubdtype(params["dtype"], jnp.integer):
-        shape, axis = tuple(params["shape"]), params["dimension"]
-        if math.prod(shape) == shape[axis]:
-            return Run(jnp.zeros((), params["dtype"]), 0, shape, axis)
+
+def _iota(eqn, operands):
+    params = eqn.params
+    shape, axis = tuple(params["shape"]), params["dimension"]
+    if jnp.issubdtype(params["dtype"], jnp.integer) and math.prod(shape) == shape[axis]:
+        return Run(jnp.zeros((), params["dtype"]), 0, shape, axis)
+    return None
+
+
+def _reshaped(eqn, operands):
+    """``broadcast_in_dim``, ``squeeze`` or ``reshape`` of a run or an index that is uniform."""
+    first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
+    if eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is not None:
         return None
-    first = invals[0] if invals else None
-    shape = tuple(eqn.outvars[0].aval.shape)
-    reshaped = name in ("broadcast_in_dim", "squeeze") or (
-        name == "reshape" and params.get("dimensions") is None
-    )
-    if reshaped and isinstance(first, Uniform):
+    if isinstance(first, Uniform):
         return Uniform(first.scalar, shape)
-    if (
-        name == "broadcast_in_dim"
-        and not isinstance(first, Lazy)
-        and jnp.ndim(first) == 0
-        and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.integer)
-    ):
-        return Uniform(first, shape)
-    if name == "select_n" and isinstance(first, Negative) and len(invals) == 3:
-        run, (kept, wrapped) = first.run, invals[1:]
-        if (
-            kept is run
-            and isinstance(wrapped, Run)
-            and wrapped.base is run.base
-            and (wrapped.shape, wrapped.axis, wrapped.wrap) == (run.shape, run.axis, None)
-        ):
-            return dataclasses.replace(run, wrap=wrapped.shift - run.shift)
-        return None
-    if not isinstance(first, Run) and not (name == "add" and isinstance(invals[1], Run)):
-        return None
-    if reshaped:
+    if isinstance(first, Run):
         return first.reshaped(shape)
-    if name == "convert_element_type" and params["new_dtype"] == first.base.dtype:
+    integer = jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.integer)
+    scalar = not isinstance(first, Lazy) and jnp.ndim(first) == 0
+    if eqn.primitive.name == "broadcast_in_dim" and integer and scalar:
+        return Uniform(first, shape)
+    return None
+
+
+def _wrapped(eqn, operands):
+    """``select_n(run < 0, run, run + n)``: a ``jnp`` index's wrap of negative positions."""
+    first = operands[0]
+    if not isinstance(first, Negative) or len(operands) != 3:
+        return None
+    run, (kept, wrapped) = first.run, operands[1:]
+    if (
+        kept is run
+        and isinstance(wrapped, Run)
+        and wrapped.base is run.base
+        and (wrapped.shape, wrapped.axis, wrapped.wrap) == (run.shape, run.axis, None)
+    ):
+        return dataclasses.replace(run, wrap=wrapped.shift - run.shift)
+    return None
+
+
+def _converted(eqn, operands):
+    first = operands[0]
+    if isinstance(first, Run) and eqn.params["new_dtype"] == first.base.dtype:
         return first
-    if name == "add":
-        run, other = (first, invals[1]) if isinstance(first, Run) else (invals[1], first)
-        return run.shifted(other, 1)
-    if name == "sub":
-        return first.shifted(invals[1], -1)
-    if name == "lt" and is_zero(invals[1]) and first.wrap is None:
+    return None
+
+
+def _plus(eqn, operands):
+    first, second = operands
+    run, other = (first, second) if isinstance(first, Run) else (second, first)
+    return run.shifted(other, 1) if isinstance(run, Run) else None
+
+
+def _minus(eqn, operands):
+    first, second = operands
+    return first.shifted(second, -1) if isinstance(first, Run) else None
+
+
+def _negative(eqn, operands):
+    first, second = operands
+    if isinstance(first, Run) and is_zero(second) and first.wrap is None:
         return Negative(first)
     return None
 
 
-# on_runs for each primitive it may keep a run through.
 POSITIONS = {
-    name: (on_runs,)
-    for name in (
-        "iota",
-        "select_n",
-        "broadcast_in_dim",
-        "squeeze",
-        "reshape",
-        "convert_element_type",
-        "add",
-        "sub",
-        "lt",
-    )
+    "iota": (_iota,),
+    "broadcast_in_dim": (_reshaped,),
+    "squeeze": (_reshaped,),
+    "reshape": (_reshaped,),
+    "select_n": (_wrapped,),
+    "convert_element_type": (_converted,),
+    "add": (_plus,),
+    "sub": (_minus,),
+    "lt": (_negative,),
 }

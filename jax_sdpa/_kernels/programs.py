@@ -39,7 +39,6 @@ from jax_sdpa._indices import INDEX, listed
 from jax_sdpa._kernels.backend import Backend
 from jax_sdpa._kernels.interpreter import INTERPRETER
 from jax_sdpa._kernels.reads import evaluate
-from jax_sdpa._kernels.triton import atomic_add
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import BackwardRows, Blocks, Tiles, guarded, sweep
 from jax_sdpa._tunables import Pallas
@@ -323,7 +322,7 @@ def keys_program(plan: Plan, refs: BackwardIn, outs: KeysOut):
             d_consts = [d for d in d_consts if d is not None]
             for ref, d in zip(split(outs.consts, True), split(d_consts, True), strict=True):
                 if plan.backend.concurrent:
-                    atomic_add(ref, (0, 0), d.astype(ref.dtype))
+                    plan.backend.atomic_add(ref, (0, 0), d.astype(ref.dtype))
                 else:
                     ref[0, 0] += d.astype(ref.dtype)
             return jax.tree.map(jnp.add, grads, (dk, dv, split(d_consts, False)))

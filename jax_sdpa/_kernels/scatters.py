@@ -12,11 +12,10 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import atomic_kind, bind
-from jax_sdpa._jaxpr import table
+from jax_sdpa._kernels.triton import atomic_add
 from jax_sdpa._kernels.values import Lazy, in_bounds, index_arrays, is_zero, value
 from jax_sdpa._masks import all_of
 
@@ -176,38 +175,49 @@ def _one_hot_sum(points: list, updates, shape: tuple):
     return jnp.where(hits, values, 0).sum(axis=tuple(range(entries)))
 
 
-def on_scatters(eqn, invals: list):
-    """What an equation makes of a :class:`Scatter`, if it keeps it one; else None.
+# Rules (:mod:`jax_sdpa._jaxpr`) for the equations that keep a :class:`Scatter` one: sums,
+# widening casts, reshapes, axes of 1 added, placement in zeros (a row of a table:
+# ``table[h][idx]``'s transpose) and an ``atomic_add``. Each answers None where the equation
+# does not keep it so.
 
-    Those that do: sums, widening casts, reshapes, axes of 1 added, placement in zeros (a row
-    of a table: ``table[h][idx]``'s transpose) and an ``atomic_add``.
-    """
-    name, params = eqn.primitive.name, eqn.params
-    first = invals[0] if invals else None
-    if name in ("add", "add_any"):
-        second = invals[1]
-        if isinstance(second, Scatter):
-            first, second = second, first
-        return first.plus(second) if isinstance(first, Scatter) else None
-    if name == "atomic_rmw":
-        return _atomic_add(eqn, invals)
-    if name == "dynamic_update_slice" and isinstance(first, Zeros):
-        update = invals[1]
-        return update.placed(first.shape, invals[2:]) if isinstance(update, Scatter) else None
-    if not isinstance(first, Scatter):
-        return None
-    if name == "convert_element_type":
-        return first.widened(params["new_dtype"])
-    if name == "broadcast_in_dim":
+
+def _plus(eqn, operands):
+    first, second = operands
+    if isinstance(second, Scatter):
+        first, second = second, first
+    return first.plus(second) if isinstance(first, Scatter) else None
+
+
+def _placed(eqn, operands):
+    """``dynamic_update_slice`` of a scatter into zeros."""
+    zeros, update, *starts = operands
+    if isinstance(zeros, Zeros) and isinstance(update, Scatter):
+        return update.placed(zeros.shape, starts)
+    return None
+
+
+def _widened(eqn, operands):
+    first = operands[0]
+    return first.widened(eqn.params["new_dtype"]) if isinstance(first, Scatter) else None
+
+
+def _expanded(eqn, operands):
+    first, params = operands[0], eqn.params
+    if isinstance(first, Scatter):
         return first.expanded(tuple(params["shape"]), tuple(params["broadcast_dimensions"]))
-    if name == "reshape" and params.get("dimensions") is None:
+    return None
+
+
+def _reshaped(eqn, operands):
+    first, params = operands[0], eqn.params
+    if isinstance(first, Scatter) and params.get("dimensions") is None:
         return first.reshaped(tuple(params["new_sizes"]))
     return None
 
 
-def _atomic_add(eqn, invals: list):
+def _atomic_add(eqn, operands: list):
     """``atomic_add(ref, index, scatter)``: the scatter's base, then each part at its points."""
-    ref, transforms, value, mask = eqn.params["args_tree"].unflatten(invals)
+    ref, transforms, value, mask = eqn.params["args_tree"].unflatten(operands)
     if not isinstance(value, Scatter) or len(transforms) != 1 or mask is not None:
         return None
     (index,) = transforms
@@ -216,11 +226,11 @@ def _atomic_add(eqn, invals: list):
     if not adds or len(kept) != len(value.shape):
         return None
     if value.base is not None:
-        pltriton.atomic_add(ref, index.indices, value.base)
+        atomic_add(ref, index.indices, value.base)
     for points, updates in value.parts:
         points = iter(points)
         at = [next(points) + i.start if isinstance(i, pl.Slice) else i for i in index.indices]
-        pltriton.atomic_add(ref, tuple(at), updates)
+        atomic_add(ref, tuple(at), updates)
     return NotKept()
 
 
@@ -231,20 +241,14 @@ def _zeros(eqn, operands: list):
     return None
 
 
-# on_scatters for each primitive it may keep a scatter through; then broadcast zeros, and the
-# scatter-adds themselves.
-SCATTERS = table(
-    {
-        name: (on_scatters,)
-        for name in (
-            "add",
-            "add_any",
-            "atomic_rmw",
-            "dynamic_update_slice",
-            "convert_element_type",
-            "broadcast_in_dim",
-            "reshape",
-        )
-    },
-    {"broadcast_in_dim": (_zeros,), "scatter-add": (scatter_add,)},
-)
+# Then broadcast zeros, and the scatter-adds themselves.
+SCATTERS = {
+    "add": (_plus,),
+    "add_any": (_plus,),
+    "atomic_rmw": (_atomic_add,),
+    "dynamic_update_slice": (_placed,),
+    "convert_element_type": (_widened,),
+    "broadcast_in_dim": (_expanded, _zeros),
+    "reshape": (_reshaped,),
+    "scatter-add": (scatter_add,),
+}

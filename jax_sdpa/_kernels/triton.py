@@ -1,11 +1,12 @@
 """The Triton backend, on NVIDIA and AMD GPUs: its programs run at once, adding atomically.
 
-Pallas's Triton backend is deprecated from JAX 0.11 for Mosaic GPU; it is this library's GPU
-kernel until that port exists.
+Pallas's Triton backend is deprecated from JAX 0.11 for Mosaic GPU (JAX warns as it lowers it);
+it is this library's GPU kernel until that port exists.
 """
 
 from jax.experimental.pallas import triton as pltriton
 
+from jax_sdpa._jax_compat import triton_atomic_add
 from jax_sdpa._kernels.backend import Backend
 
 
@@ -13,9 +14,9 @@ def _params(tunables):
     return pltriton.CompilerParams(num_warps=tunables.num_warps, num_stages=tunables.num_stages)
 
 
-TRITON = Backend("triton", _params, concurrent=True)
-
-
 def atomic_add(ref, index, value) -> None:
     """``ref[index] += value`` by atomic adds, as programs that run at once must add."""
-    pltriton.atomic_add(ref, index, value)
+    triton_atomic_add(ref, index, value)
+
+
+TRITON = Backend(_params, atomic_add=atomic_add)
