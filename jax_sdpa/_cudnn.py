@@ -10,6 +10,7 @@ from jax import lax
 
 from jax_sdpa._call import Config, Inputs
 from jax_sdpa._heads import Result
+from jax_sdpa._jax_compat import JAX_NN_GIVES_LSE
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
 from jax_sdpa._online_softmax import SIGMOID
 from jax_sdpa._steps import accumulation_dtype
@@ -56,6 +57,11 @@ def cudnn_unsupported(inputs: Inputs, config: Config) -> str | None:
     used = _beyond_jax_nn(inputs, config)
     if used:
         return f"`implementation='cudnn'` supports only jax.nn's arguments; got {', '.join(used)}."
+    if not JAX_NN_GIVES_LSE:
+        return (
+            f"`implementation='cudnn'` needs JAX 0.7 or later (jax.nn's `return_residual`); "
+            f"JAX is {jax.__version__}. Use implementation=None or 'xla'."
+        )
     return None
 
 

@@ -9,6 +9,8 @@ here. (JAX's own warning that Pallas's Triton backend is deprecated, from 0.11, 
 seen: it is true of the GPU kernel.)
 """
 
+import inspect
+
 import jax
 from jax import lax
 from jax._src import core as _core  # the current trace and tracers: no public API says them
@@ -107,13 +109,22 @@ def _split(xs: list, first: int, second: int) -> tuple[list, list, list]:
     return xs[:first], xs[first : first + second], xs[first + second :]
 
 
+# ``jax.nn.dot_product_attention(..., return_residual=True)`` (its log-sum-exp): JAX 0.7 and after.
+JAX_NN_GIVES_LSE = "return_residual" in inspect.signature(jax.nn.dot_product_attention).parameters
+
+
 def triton_atomic_add(ref, index, value) -> None:
     """Pallas's atomic add on a GPU.
 
-    ``pallas.triton.atomic_add``; ``pallas.atomic_add`` before JAX 0.7.
+    ``pallas.triton.atomic_add``; ``pallas.atomic_add`` before JAX 0.7, whose indexer puts a
+    constant index on the device with ``device_put``, which Triton does not lower: a constant is
+    given as a value computed in the kernel.
     """
-    add = getattr(pltriton, "atomic_add", None) or pl.atomic_add
-    add(ref, index, value)
+    if hasattr(pltriton, "atomic_add"):
+        pltriton.atomic_add(ref, index, value)
+        return
+    computed = [i if isinstance(i, (pl.Slice, jax.core.Tracer)) else lax.full((), i) for i in index]
+    pl.atomic_add(ref, tuple(computed), value)
 
 
 def atomic_kind(params) -> str:

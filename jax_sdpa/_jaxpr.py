@@ -106,7 +106,9 @@ def _program(sub) -> tuple:
 def _while(params, operands: list, rules: Rules) -> list:
     cond_jaxpr, body_jaxpr = params["cond_jaxpr"], params["body_jaxpr"]
     cond_consts, body_consts, carry = while_operands(params, operands)
-    carry = [rules.array(x) for x in carry]
+    # The condition's constants are read once, before the loop (Pallas before JAX 0.7 has no
+    # condition that reads memory).
+    cond_consts, carry = [rules.array(x) for x in cond_consts], [rules.array(x) for x in carry]
 
     def holds(carry):
         return interpret(*_program(cond_jaxpr), [*cond_consts, *carry], rules)[0]

@@ -288,7 +288,15 @@ def _result_parts(out: Array, lse: Array, top: Array | None) -> tuple:
 
 def max_scores(state: State) -> Array:
     """Each row's largest allowed score, −∞ for a row that met none (not differentiated)."""
-    return lax.stop_gradient(jnp.where(has_key(state.top), state.top, -jnp.inf))
+    return lax.stop_gradient(top_scores(state))
+
+
+def top_scores(state: State) -> Array:
+    """:func:`max_scores` for a kernel, which nothing differentiates.
+
+    (Pallas TPU lowers no ``stop_gradient`` before JAX 0.7.)
+    """
+    return jnp.where(has_key(state.top), state.top, -jnp.inf)
 
 
 def merge(a: State, b: State) -> State:

@@ -115,7 +115,8 @@ def _backend_config(call) -> dict:
         strings = {key: ir.StringAttr(config[key]).value_bytes for key in ("name", "ir")}
         counts = {key: ir.IntegerAttr(config[key]).value for key in ("num_warps", "num_stages")}
         return {"name": strings["name"].decode(), "ir": strings["ir"], **counts}
-    return json.loads(ir.StringAttr(call.attributes["backend_config"]).value)
+    name = ir.StringAttr(call.attributes["kernel_name"]).value  # (Mosaic's function: "main" in 0.6)
+    return {"name": name, **json.loads(ir.StringAttr(call.attributes["backend_config"]).value)}
 
 
 def _triton_kernel(config: dict) -> KernelModule:
@@ -136,8 +137,7 @@ def _mosaic_kernel(config: dict) -> KernelModule:
         )
     finally:
         context.allow_unregistered_dialects = False
-    function = next(op for op in module.body.operations if op.operation.name == "func.func")
-    name = ir.StringAttr(function.attributes["sym_name"]).value  # (then its index maps)
+    name = config["name"]
     if not module.operation.verify():
         raise KernelModuleError(f"Mosaic kernel {name} does not verify.")
     return KernelModule("tpu", name, module.operation.get_asm(enable_debug_info=False))

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_sdpa as js
+from jax_sdpa._jax_compat import JAX_NN_GIVES_LSE
 from tests import reference as ref
 from tests.implementations import each_implementation
 from tests.profile import examples
@@ -463,6 +464,7 @@ def test_automatic_choice_of_implementation(rng, monkeypatch):
     assert _uses_chunked(f, big, big, big)
 
 
+@pytest.mark.skipif(not JAX_NN_GIVES_LSE, reason="JAX before 0.7: the refusal below")
 def test_cudnn_is_handed_the_call_in_jax_nn_arguments(rng, monkeypatch):
     # No GPU here: pretend there is one and let jax.nn's xla path stand in for its cuDNN kernel,
     # so that what is checked is the call jax_sdpa hands over after its own checks (the mask
@@ -507,3 +509,11 @@ def test_cudnn_is_handed_the_call_in_jax_nn_arguments(rng, monkeypatch):
         js.dot_product_attention(q, k, v, implementation="cudnn", logits_soft_cap=2.0)
     with pytest.raises(ValueError, match="never forms the attention weights"):
         js.dot_product_attention(q, k, v, implementation="chunked", module=object())
+
+
+@pytest.mark.skipif(JAX_NN_GIVES_LSE, reason="JAX 0.7 and later: the call above")
+def test_cudnn_before_jax_0_7_is_refused_with_the_version(rng, monkeypatch):
+    q, k, v = qkv(rng, 2, 6, 6, 4, 2, 8)  # (jax.nn gives no log-sum-exp there)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match=f"needs JAX 0.7 or later .*JAX is {jax.__version__}"):
+        js.dot_product_attention(q, k, v, implementation="cudnn")

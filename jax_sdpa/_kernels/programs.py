@@ -245,7 +245,7 @@ def forward_program(plan: Plan, refs: ForwardIn, outs: ForwardOut):
 
         state = sweep(step, "kv", i, state)
         out, lse = tiles.formula.normalizer.finish(state, outs.out.dtype)
-        return out, lse, online_softmax.max_scores(state)
+        return out, lse, online_softmax.top_scores(state)
 
     out, lse, top = plan.run(body, refs.shared, n)
     outs.out[...] = out

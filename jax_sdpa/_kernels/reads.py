@@ -78,6 +78,13 @@ def _dynamic_slice(eqn, operands):
     return None
 
 
+def _whole(eqn, operands):  # (JAX before 0.7 writes ``x[:, 0]`` of an (n, 1) array so)
+    params = eqn.params
+    starts, limits = params["start_indices"], tuple(params["limit_indices"])
+    whole = params.get("strides") is None and not any(starts)
+    return operands[0] if whole and limits == eqn.invars[0].aval.shape else None
+
+
 def _slice(eqn, operands):
     first, params = operands[0], eqn.params
     if isinstance(first, Unread) and params.get("strides") is None:
@@ -117,7 +124,7 @@ def _point_gather_rule(eqn, operands):
 
 READS = {
     "dynamic_slice": (_dynamic_slice,),
-    "slice": (_slice,),
+    "slice": (_whole, _slice),
     "squeeze": (_squeeze,),
     "reshape": (_reshape,),
     "concatenate": (_concatenate,),
