@@ -51,7 +51,7 @@ nitpick_ignore_regex = [
     ("py:class", r"(jax|jaxtyping|numpy|np|jnp|flax|optax|collections|typing)\..*"),
     ("py:class", r"(Array|ArrayLike|Float|Bool|Int|Key|DTypeLike|PRNGKeyArray|Mesh|Callable)"),
     ("py:class", r"(jaxlib\..*|ndarray)"),
-    # The keyword groups of the overloads (**options: Unpack[Keywords]); the Args list each.
+    # The keyword groups of the overloads (**keywords: Unpack[Keywords]); the Args list each.
     ("py:class", r"(Keywords|RingKeywords|WeightsKeywords|Unpack)"),
     # jaxtyping's shape strings, e.g. Float[Array, 'q_seq kv_seq'], read as class names.
     ("py:class", r".*['\s].*|"),

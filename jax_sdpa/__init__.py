@@ -5,7 +5,8 @@ One function per step of the formula (:func:`raw_scores`, :func:`scale_scores`,
 :func:`dot_product_attention`, a drop-in for ``jax.nn.dot_product_attention`` and a flax
 ``attention_fn``, runs that composition over heads and batch (``implementation="xla"``), over
 tiles in memory linear in the sequence length (``"chunked"``), against a long cache
-(``"decode"``), as a fused kernel (``"pallas"``) or by cuDNN. :func:`paged_attention` reads a
+(``"decode"``), over each query's own listed keys (``"selected"``), as a fused kernel
+(``"pallas"``) or by cuDNN. :func:`paged_attention` reads a
 paged cache; :func:`ring_attention` spreads one long sequence over many devices.
 """
 

@@ -59,7 +59,7 @@ def dot_product_attention(
     return_residual: Literal[False] = False,
     return_max_scores: Literal[False] = False,
     implementation: Implementation | Chunked | Decode | Selected | Pallas | None = None,
-    **options: Unpack[Keywords],
+    **keywords: Unpack[Keywords],
 ) -> Array: ...
 
 
@@ -74,7 +74,7 @@ def dot_product_attention(
     return_residual: Literal[True],
     return_max_scores: Literal[False] = False,
     implementation: Implementation | Chunked | Decode | Selected | Pallas | None = None,
-    **options: Unpack[Keywords],
+    **keywords: Unpack[Keywords],
 ) -> tuple[Array, Array]: ...
 
 
@@ -89,7 +89,7 @@ def dot_product_attention(
     return_residual: bool = False,
     return_max_scores: Literal[True],
     implementation: Implementation | Chunked | Decode | Selected | Pallas | None = None,
-    **options: Unpack[Keywords],
+    **keywords: Unpack[Keywords],
 ) -> tuple[Array, ...]: ...
 
 
@@ -161,8 +161,8 @@ def dot_product_attention(
         key_value_seq_lengths: ``(B,)`` integers; keys at or past the length are masked.
         local_window_size: ``(left, right)`` inclusive window around the diagonal, or an int for
             both.
-        implementation: A name or an implementation's options (its tunables:
-            :class:`~jax_sdpa.Chunked`, :class:`~jax_sdpa.Decode`). ``"xla"``: the dense
+        implementation: A name, or an implementation's tunables (:class:`~jax_sdpa.Chunked`,
+            :class:`~jax_sdpa.Decode`, :class:`~jax_sdpa.Pallas`, …). ``"xla"``: the dense
             computation, which forms the ``(T, S)`` scores;
             ``"chunked"``: exact attention in memory linear in ``T`` (online softmax over key
             blocks, its own backward, wholly masked blocks skipped); ``"decode"``: a few queries
@@ -341,7 +341,7 @@ def ring_attention(
     head_axis: Any = None,
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
-    **options: Unpack[RingKeywords],
+    **keywords: Unpack[RingKeywords],
 ) -> Array: ...
 
 
@@ -361,7 +361,7 @@ def ring_attention(
     head_axis: Any = None,
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
-    **options: Unpack[RingKeywords],
+    **keywords: Unpack[RingKeywords],
 ) -> tuple[Array, Array]: ...
 
 
@@ -381,7 +381,7 @@ def ring_attention(
     head_axis: Any = None,
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
-    **options: Unpack[RingKeywords],
+    **keywords: Unpack[RingKeywords],
 ) -> tuple[Array, ...]: ...
 
 

@@ -1,6 +1,6 @@
 """The public functions' keywords, in groups, written once (:mod:`jax_sdpa._dot_product`).
 
-The TypedDicts type the overloads' and the sharded ring's ``**options``; the functions still
+The TypedDicts type the overloads' and the sharded ring's ``**keywords``; the functions still
 spell their keywords out (``tests/test_signatures.py`` keeps both in step).
 """
 
@@ -19,7 +19,7 @@ CausalAlignment = Literal["top_left", "bottom_right"]
 Normalizer = Literal["softmax", "sigmoid"]
 
 
-# The keyword vocabulary, in groups, written once for the overloads and **options. The functions
+# The keyword vocabulary, in groups, written once for the overloads and **keywords. The functions
 # themselves still spell their keywords out: flax linen passes an `attention_fn` only the
 # keywords `inspect.signature` shows, and tests/test_signatures.py keeps both in step.
 class _Formula(TypedDict, total=False):

@@ -5,15 +5,18 @@ un-normalised output :math:`\tilde o` (Milakov & Gimelshein 2018; Rabe & Staats 
 FlashAttention-2, Dao 2023)::
 
     state  = init(...)                                   # m = fill (no key yet), ℓ = 0, õ = 0
-    state  = update(state, scores_j, allowed_j, v_j)     # once per key block j:
+    state  = SOFTMAX.update(state, s_j, allowed_j, v_j)  # once per key block j:
              #   m_new = max(m, rowmax(s_j)),  p = exp(s_j − m_new)  (masked → 0)
              #   ℓ = e^{m − m_new} ℓ + rowsum(p),  õ = e^{m − m_new} õ + p v_j
-    out, lse = finish(state)                             # õ / ℓ,  m + log ℓ
+    out, lse = SOFTMAX.finish(state, dtype)              # õ / ℓ,  m + log ℓ
 
-Sigmoid attention (``sigmoid_bias`` given) keeps the same state with no running max: its
+The normaliser is an object a formula holds (``Formula.normalizer``): :data:`SOFTMAX`, or
+:data:`SIGMOID` for sigmoid attention, which keeps the same state with no running max: its
 weights :math:`\sigma(s + b)` need no normalisation, so a block's weighted values and weights
 just add (:math:`\ell` is then the row's total weight, and the max stays at the fill, which
-makes every correction :math:`e^{0} = 1`); it finishes as :math:`(\tilde o, \log \ell)`.
+makes every correction :math:`e^{0} = 1`); it finishes as :math:`(\tilde o, \log \ell)`. Each
+has the same methods (``update``, ``recompute``, ``score_gradient``, ``delta``, ``finish``,
+``from_result``), so no caller asks which it has.
 
 Two states over disjoint sets of keys :func:`merge` into the state over their union, and a
 finished ``(out, lse)`` is itself a state (max ``lse``, denominator 1, output ``out``), so
@@ -98,8 +101,6 @@ class Softmax:
     denominator; its residual is the log-sum-exp. One instance, :data:`SOFTMAX`.
     """
 
-    name = "softmax"
-
     def __repr__(self) -> str:
         return "Softmax()"
 
@@ -145,10 +146,11 @@ class Softmax:
             top,
         )
 
-    def recompute(self, scores, allowed, lse, bias=None) -> Array:
+    def recompute(self, scores, allowed, lse, bias) -> Array:
         """A block's normalised weights from its rows' final log-sum-exp: :math:`P = e^{S - lse}`.
 
-        ``lse`` must be finite (0 for a row with no key, whose weights then come out 0).
+        ``lse`` must be finite (0 for a row with no key, whose weights then come out 0); ``bias``
+        is the sigmoid's.
         """
         return exp_scores(masked_scores(scores, allowed), lse)
 
@@ -197,8 +199,6 @@ class Sigmoid:
     instance, :data:`SIGMOID`.
     """
 
-    name = "sigmoid"
-
     def __repr__(self) -> str:
         return "Sigmoid()"
 
@@ -210,8 +210,8 @@ class Sigmoid:
     def update(
         self,
         state: State,
-        scores,
-        allowed,
+        scores: Float[Array, "*q kv"],
+        allowed: Bool[Array, "*#q #kv"] | None,
         value: Any,
         *,
         bias,
@@ -239,7 +239,7 @@ class Sigmoid:
             jnp.maximum(state.top, tile_max),
         )
 
-    def recompute(self, scores, allowed, lse, bias=None) -> Array:
+    def recompute(self, scores, allowed, lse, bias) -> Array:
         """A block's weights, which need no row statistic."""
         return sigmoid_parts(scores, allowed, bias)
 

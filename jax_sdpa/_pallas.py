@@ -54,7 +54,7 @@ def pallas_sequence(
 
     ``(T, N, H)`` queries and ``(S, K, ·)`` keys and values, padded to whole tiles
     (:func:`jax_sdpa._kernels.calls.padded`). An opaque rule's tiles are classified once, and listed
-    (:class:`~jax_sdpa._kernels.BlockLists`): the kernels visit only the blocks it does not
+    (:class:`~jax_sdpa._kernels.programs.BlockLists`): the kernels visit only the blocks it does not
     exclude.
     """
     (seq_q, _, _), value_width = query.shape, value.shape[-1]

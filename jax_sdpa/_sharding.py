@@ -196,7 +196,7 @@ def ring_dot_product_attention(
     layout: Layout = "contiguous",
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
-    **options: Unpack[RingKeywords],
+    **keywords: Unpack[RingKeywords],
 ) -> Array: ...
 
 
@@ -217,7 +217,7 @@ def ring_dot_product_attention(
     layout: Layout = "contiguous",
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
-    **options: Unpack[RingKeywords],
+    **keywords: Unpack[RingKeywords],
 ) -> tuple[Array, Array]: ...
 
 
@@ -238,7 +238,7 @@ def ring_dot_product_attention(
     layout: Layout = "contiguous",
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
-    **options: Unpack[RingKeywords],
+    **keywords: Unpack[RingKeywords],
 ) -> tuple[Array, ...]: ...
 
 
@@ -258,7 +258,7 @@ def ring_dot_product_attention(
     key_value_seq_lengths: ArrayLike | None = None,
     return_residual: bool = False,
     return_max_scores: bool = False,
-    **options: Unpack[RingKeywords],
+    **keywords: Unpack[RingKeywords],
 ) -> Array | tuple[Array, ...]:
     """:func:`jax_sdpa.dot_product_attention` on a mesh, the sequence split over ``seq_axis``.
 
@@ -268,7 +268,7 @@ def ring_dot_product_attention(
     key/value heads must divide evenly); then :func:`jax_sdpa.ring_attention` runs on each
     device's shards. ``layout="striped"`` balances causal work: each device swaps parts of its
     block with others (``ppermute``, never an all-gather) to hold its striped chunks, and the
-    output goes back the same way. ``options`` are :func:`jax_sdpa.ring_attention`'s other
+    output goes back the same way. ``keywords`` are :func:`jax_sdpa.ring_attention`'s other
     keywords.
 
     Returns:
@@ -292,8 +292,8 @@ def ring_dot_product_attention(
         mask=mask,
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
-        sinks=options.pop("sinks", None),  # one per head: each device gets its heads'
-        sigmoid_bias=options.pop("sigmoid_bias", None),
+        sinks=keywords.pop("sinks", None),  # one per head: each device gets its heads'
+        sigmoid_bias=keywords.pop("sigmoid_bias", None),
     )
     returned = dict(return_residual=return_residual, return_max_scores=return_max_scores)
     in_specs, out_specs = _ring_specs(named, **axes, **returned)
@@ -306,7 +306,7 @@ def ring_dot_product_attention(
         batch_axis=batch_axis,
         head_axis=head_axis,
         **returned,
-        **options,
+        **keywords,
     )
     args = (query, key, value, *named.values())
     args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs, strict=True)]

@@ -1,13 +1,13 @@
 r"""The tile engine: attention one ``(block_q, block_kv)`` tile at a time, forward and backward.
 
-Every tiled implementation (chunked, decode, the ring) is built from what this module and
-:mod:`jax_sdpa._tiles_backward` hold, and imports them, never each other. A tile's scores are
-the dense path's score steps (:meth:`jax_sdpa._formula.Formula.scores`); a sweep over key
-blocks folds them into the online softmax (:mod:`jax_sdpa._online_softmax`; Milakov &
-Gimelshein 2018; Rabe & Staats 2021; FlashAttention-2, Dao 2023)::
+Every tiled implementation (chunked, decode, the ring, the kernels' tile body) is built from what
+this module and :mod:`jax_sdpa._tiles_backward` hold, and imports them, never each other. A
+tile's scores are the dense path's score steps (:meth:`jax_sdpa._formula.Formula.scores`); a
+sweep over key blocks folds them into the online softmax (:mod:`jax_sdpa._online_softmax`;
+Milakov & Gimelshein 2018; Rabe & Staats 2021; FlashAttention-2, Dao 2023)::
 
-    for j:  s, allowed = formula.scores(q_i, k_j, arrays_ij)   # the dense path's score steps
-            state = update(state, s, allowed, v_j)             # running max, denominator, output
+    for j:  s, allowed = formula.scores(q_i, k_j, arrays_ij)       # the dense path's score steps
+            state = formula.normalizer.update(state, s, allowed, v_j)  # running max, ℓ, output
 
 Every tile covers all heads: the ``K`` key/value heads and the ``G`` query heads that share
 each of them (GQA), mapped with ``jax.vmap`` inside the loops. The sequences stay in their

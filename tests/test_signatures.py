@@ -2,7 +2,7 @@
 
 The functions spell their keywords out, because flax linen hands an ``attention_fn`` only the
 keywords its ``inspect.signature`` names; their ``@overload``s take the same vocabulary as
-``**options`` from the TypedDicts of ``jax_sdpa._dot_product``. A keyword that vanishes from a
+``**keywords`` from the TypedDicts of ``jax_sdpa._dot_product``. A keyword that vanishes from a
 signature, or that a TypedDict and a signature disagree on, fails here.
 """
 
@@ -43,7 +43,7 @@ PARAMETERS = {
         "sigmoid_bias return_max_scores".split()
     ),
     "ring_dot_product_attention": set(
-        "batch_axis bias head_axis key key_value_seq_lengths layout mask mesh options query "
+        "batch_axis bias head_axis key key_value_seq_lengths keywords layout mask mesh query "
         "query_seq_lengths return_residual return_max_scores seq_axis value".split()
     ),
 }
@@ -92,7 +92,7 @@ def _positional(fn) -> list[str]:
 
 
 def _accepted(fn) -> set[str]:
-    """The keywords ``fn`` accepts: its keyword-only ones and those of its ``**options``."""
+    """The keywords ``fn`` accepts: its keyword-only ones and those of its ``**keywords``."""
     names = _keyword_only(fn)
     for p in inspect.signature(fn).parameters.values():
         if p.kind is p.VAR_KEYWORD:
@@ -110,16 +110,16 @@ def test_the_public_parameters_are_the_pinned_ones(name):
     assert _positional(fn) == POSITIONAL[name]
 
 
-@pytest.mark.parametrize(("fn", "options", "named"), GROUPS, ids=GROUP_IDS)
-def test_a_typed_dict_holds_the_keywords_its_function_does_not_name(fn, options, named):
-    assert options.__required_keys__ == frozenset()
-    assert options.__optional_keys__ == _keyword_only(fn) - named
+@pytest.mark.parametrize(("fn", "typed_dict", "named"), GROUPS, ids=GROUP_IDS)
+def test_a_typed_dict_holds_the_keywords_its_function_does_not_name(fn, typed_dict, named):
+    assert typed_dict.__required_keys__ == frozenset()
+    assert typed_dict.__optional_keys__ == _keyword_only(fn) - named
 
 
-@pytest.mark.parametrize(("fn", "options", "named"), GROUPS, ids=GROUP_IDS)
-def test_a_typed_dict_gives_each_keyword_its_functions_type(fn, options, named):
+@pytest.mark.parametrize(("fn", "typed_dict", "named"), GROUPS, ids=GROUP_IDS)
+def test_a_typed_dict_gives_each_keyword_its_functions_type(fn, typed_dict, named):
     expected = typing.get_type_hints(fn, include_extras=True)
-    for name, hint in typing.get_type_hints(options, include_extras=True).items():
+    for name, hint in typing.get_type_hints(typed_dict, include_extras=True).items():
         assert hint == _without_implicit_optional(expected[name]), name
 
 
@@ -179,5 +179,5 @@ def test_linen_hands_its_attention_fn_only_keywords_dot_product_attention_has():
 def test_the_implementation_names_are_the_table_s_entries():
     from jax_sdpa._implementations import IMPLEMENTATIONS, Implementation
 
-    # The ring and the paged cache have functions of their own (and options objects).
+    # The ring and the paged cache have functions of their own (and tunables objects).
     assert set(typing.get_args(Implementation)) == IMPLEMENTATIONS.keys() - {"ring", "paged"}
