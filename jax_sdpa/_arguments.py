@@ -77,7 +77,10 @@ def bind(
     )
     key_indices = _shapes.key_indices(shapes, **keywords)
     inputs = _varying_together(Inputs(query, key, value, arrays, page_table, key_indices), ring)
-    config = Config(formula, output, ring=ring, max_scores=bool(return_max_scores))
+    returned = dict(
+        max_scores=bool(return_max_scores), residual=bool(keywords.get("return_residual"))
+    )
+    config = Config(formula, output, ring=ring, **returned)
     return inputs, choose(inputs, config, implementation)
 
 

@@ -70,3 +70,4 @@ class Config:
     tunables: Any = None  # the implementation's tunables (Chunked(...), ...), if it has any
     ring: RingSpec | None = None
     max_scores: bool = False  # whether the call returns them (cuDNN does not give them)
+    residual: bool = False  # whether it returns the log-sum-exp (cuDNN's has no gradient)

@@ -65,6 +65,35 @@ def cudnn_unsupported(inputs: Inputs, config: Config) -> str | None:
     return None
 
 
+def cudnn_by_default(inputs: Inputs, config: Config) -> bool:
+    """Whether ``implementation=None`` hands a call cuDNN takes to it: where cuDNN's result is ours.
+
+    That is where every row has a key, provably (no array mask or bias, whose rows may hold none,
+    no lengths; with a causal mask or a window, ``T = S``, so that each row keeps its diagonal),
+    the log-sum-exp is not returned (cuDNN's has no gradient), and the inputs are what jax.nn's
+    cuDNN kernel takes on every GPU (float16 or bfloat16, one head width ``≤ 128``, a multiple of
+    8). Elsewhere jax.nn's own default would fall back to XLA, as ours does.
+    """
+    arrays, (*_, seq_q, _, width) = inputs.arrays, inputs.query.shape
+    parts = _rule_parts(arrays.rule)
+    dtypes = {x.dtype for x in (inputs.query, inputs.key, inputs.value)}
+    rows_keep_a_key = all(
+        isinstance(r, CausalMask) or (isinstance(r, LocalWindowMask) and min(r.left, r.right) >= 0)
+        for r in parts
+    ) and (not parts or seq_q == inputs.key.shape[-3])
+    return (
+        rows_keep_a_key
+        and arrays.bias is None
+        and arrays.mask is None
+        and not config.residual
+        and dtypes <= {jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)}
+        and len(dtypes) == 1
+        and width == inputs.values_like.shape[-1]
+        and width <= 128
+        and width % 8 == 0
+    )
+
+
 def _jax_nn_arguments(inputs: Inputs, config: Config) -> dict:
     """The call in ``jax.nn.dot_product_attention``'s own arguments (mask rules as flags)."""
     arrays = inputs.arrays

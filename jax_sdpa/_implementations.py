@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax_sdpa._attention import dense_sequence
 from jax_sdpa._call import Config, Inputs
 from jax_sdpa._chunked import chunked_sequence
-from jax_sdpa._cudnn import cudnn_unsupported, run_cudnn
+from jax_sdpa._cudnn import cudnn_by_default, cudnn_unsupported, run_cudnn
 from jax_sdpa._decode import (
     BLOCK_DIAGONAL_COLUMNS,
     decode_sequence,
@@ -49,10 +49,12 @@ from jax_sdpa._tunables import Chunked, Decode, Paged, Pallas, Ring, Selected
 #: but those of the ring and paged functions (tests/test_signatures.py holds the two together).
 Implementation = Literal["xla", "chunked", "decode", "selected", "cudnn", "pallas"]
 # implementation=None: on CPU the chunked path was measured at least as fast as the dense one at
-# every benchmark size, forward and backward (BENCHMARKS.md), so it is the default there. On
-# accelerators fused dense kernels are fast while the scores of the call, B·N·T·S floats, stay
-# small: dense up to this many, chunked above (not measured). The Pallas kernel, measured 3.4x
-# the dense path on an H200 in bfloat16, is not chosen: it has no second derivatives.
+# every benchmark size, forward and backward (BENCHMARKS.md), so it is the default there. On a
+# GPU, cuDNN first for the calls whose result is ours (_cudnn.cudnn_by_default), as jax.nn's
+# default tries it first. On accelerators fused dense kernels are fast while the scores of the
+# call, B·N·T·S floats, stay small: dense up to this many, chunked above (not measured). The
+# Pallas kernel, measured 3.4x the dense path on an H200 in bfloat16, is not chosen: it has no
+# second derivatives.
 _DENSE_MAX_SCORES = 2**24
 # Decoding shapes (a few new queries against a cache): the split-key pass, measured faster than
 # the others while every query row of every head, N·T, fits its block-diagonal product
@@ -228,7 +230,7 @@ IMPLEMENTATIONS: dict[str, Entry] = {
         tunables=Paged,
         serving_caches=True,
     ),
-    "cudnn": Entry(run_cudnn, cudnn_unsupported),
+    "cudnn": Entry(run_cudnn, cudnn_unsupported, second_order=lambda tunables: False),
     "ring": Entry(
         _run_ring,
         _ring_unsupported,
@@ -245,7 +247,7 @@ IMPLEMENTATIONS: dict[str, Entry] = {
 }
 
 
-def _preference(inputs: Inputs) -> tuple[str, ...]:
+def _preference(inputs: Inputs, config: Config) -> tuple[str, ...]:
     """The order ``implementation=None`` tries: the faster first, where it was measured."""
     batch_heads = math.prod(inputs.query.shape[:-3]) * inputs.query.shape[-2]
     seq_q, seq_kv = inputs.query.shape[-3], inputs.key.shape[-3]
@@ -257,9 +259,12 @@ def _preference(inputs: Inputs) -> tuple[str, ...]:
         return ("decode",)
     if query_rows <= BLOCK_DIAGONAL_COLUMNS and seq_kv >= _DECODE_MIN_KEYS:
         return ("decode", "chunked", "xla")
-    if jax.default_backend() == "cpu" or scores > _DENSE_MAX_SCORES:
+    if jax.default_backend() == "cpu":
         return ("chunked", "xla")
-    return ("xla", "chunked")
+    ours = ("chunked", "xla") if scores > _DENSE_MAX_SCORES else ("xla", "chunked")
+    # On a GPU, cuDNN first where its result is ours (jax.nn's default tries it first too).
+    by_cudnn = cudnn_unsupported(inputs, config) is None and cudnn_by_default(inputs, config)
+    return ("cudnn", *ours) if by_cudnn else ours
 
 
 def check_implementation(implementation, names: tuple[str, ...], *, by_name: bool = True) -> None:
@@ -327,10 +332,10 @@ def choose(inputs: Inputs, config: Config, implementation) -> Config:
         instead = "a Ring without `kernel`" if asked == "ring" else "implementation='chunked'"
         raise TypeError(
             f"{how} has no second derivatives (jax.hessian, a jvp or grad of a jax.grad): its "
-            f"backward pass is Pallas kernels, which JAX does not differentiate; {instead} has "
-            "them."
+            f"backward pass is {'cuDNN' if asked == 'cudnn' else 'Pallas'} kernels, which JAX does "
+            f"not differentiate; {instead} has them."
         )
-    names = _preference(inputs) if asked is None else (asked,)
+    names = _preference(inputs, config) if asked is None else (asked,)
     configs = [
         dataclasses.replace(config, implementation=name, tunables=tunables(name, implementation))
         for name in names

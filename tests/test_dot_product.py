@@ -517,3 +517,70 @@ def test_cudnn_before_jax_0_7_is_refused_with_the_version(rng, monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with pytest.raises(ValueError, match=f"needs JAX 0.7 or later .*JAX is {jax.__version__}"):
         js.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+def _on_a_gpu_recording_cudnn(monkeypatch) -> list:
+    """A GPU pretended, jax.nn's XLA path standing in for its cuDNN kernel: the calls handed over."""
+    handed = []
+
+    def cudnn(*args, implementation, **kwargs):
+        handed.append(kwargs)
+        return nn_attention(*args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", cudnn)
+    return handed
+
+
+@pytest.mark.skipif(not JAX_NN_GIVES_LSE, reason="cuDNN's row needs JAX 0.7")
+def test_the_default_on_a_gpu_hands_cudnn_the_calls_whose_result_is_ours(rng, monkeypatch):
+    # jax.nn's default tries cuDNN first on a GPU; ours must be no slower, so it hands cuDNN
+    # every call where cuDNN's result is this library's, and only those.
+    handed = _on_a_gpu_recording_cudnn(monkeypatch)
+    q, k, v = qkv(rng, 2, 8, 8, 4, 2, 16, dtype=jnp.bfloat16)
+    window = dict(local_window_size=(2, 0))
+
+    def handed_to_cudnn(q=q, k=k, v=v, *args, **kwargs) -> bool:
+        before = len(handed)
+        out = jax.jit(lambda *a: js.dot_product_attention(*a, **kwargs))(q, k, v, *args)
+        want = js.dot_product_attention(q, k, v, *args, implementation="xla", **kwargs)
+        want = want[0] if kwargs.get("return_residual") else want
+        got = out[0] if kwargs.get("return_residual") else out
+        np.testing.assert_allclose(*(np.asarray(x, np.float32) for x in (got, want)), atol=2e-2)
+        return len(handed) > before
+
+    assert handed_to_cudnn()  # GQA, bfloat16
+    assert handed_to_cudnn(is_causal=True)
+    assert handed_to_cudnn(is_causal=True, **window)
+    with jax.numpy_dtype_promotion("standard"):  # (the stand-in's backward, lowered here)
+        grads = jax.grad(lambda q: js.dot_product_attention(q, k, v, is_causal=True).sum())(q)
+    assert len(handed) == 4 and np.isfinite(np.asarray(grads, np.float32)).all()
+    # float16 too (traced only: jax.nn's XLA path, the stand-in, does not compile it on a CPU).
+    jax.eval_shape(js.dot_product_attention, *(x.astype(jnp.float16) for x in (q, k, v)))
+    assert len(handed) == 5
+    # Where a row may have no key, cuDNN's row is not ours (jax.nn gives the mean of the values,
+    # or NaN); where cuDNN lacks an argument, a dtype or a width; where the log-sum-exp's
+    # gradient is asked for: XLA, as jax.nn's own default falls back to.
+    mask = jnp.asarray(rng.random((2, 1, 8, 8)) < 0.7)
+    bias = jnp.zeros((1, 4, 8, 8), jnp.bfloat16)
+    lengths = jnp.array([8, 3], jnp.int32)
+    assert not handed_to_cudnn(q, k, v, None, mask)
+    assert not handed_to_cudnn(q, k, v, bias)
+    assert not handed_to_cudnn(key_value_seq_lengths=lengths)
+    assert not handed_to_cudnn(q[:, :5], is_causal=True)  # T ≠ S: a row's diagonal may be gone
+    assert not handed_to_cudnn(q[:, :5], k[:, :6], v[:, :6], **window)
+    assert not handed_to_cudnn(logits_soft_cap=5.0)
+    assert not handed_to_cudnn(*(x.astype(jnp.float32) for x in (q, k, v)))
+    wide = qkv(rng, 1, 8, 8, 2, 2, 136, dtype=jnp.bfloat16)
+    assert not handed_to_cudnn(*wide)
+    assert not handed_to_cudnn(v=v[..., :8])  # d_v ≠ d_k
+    assert not handed_to_cudnn(return_residual=True)
+    assert handed_to_cudnn(q[:, :5], k[:, :6], v[:, :6])  # T ≠ S without a mask: every key
+    # cuDNN's backward is not differentiable: no hessian and no jvp through it.
+    before = len(handed)
+    jax.jvp(lambda q: js.dot_product_attention(q, k, v), (q,), (q,))
+    small = [x[:1, :2] for x in (k, v)]
+    jax.hessian(lambda q: js.dot_product_attention(q, *small).astype(jnp.float32).sum())(q[:1, :2])
+    assert len(handed) == before
+    with pytest.raises(TypeError, match="backward pass is cuDNN kernels"):
+        jax.hessian(lambda q: js.dot_product_attention(q, k, v, implementation="cudnn").sum())(q)
