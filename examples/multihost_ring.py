@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import inspect
 import os
 import resource
 import signal
@@ -75,13 +76,18 @@ def join(args: argparse.Namespace) -> None:
         timer.daemon = True
         timer.start()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeouts = dict(
+        heartbeat_timeout_seconds=args.heartbeat_timeout,
+        shutdown_timeout_seconds=args.shutdown_timeout,
+    )
+    # (JAX before 0.7 takes neither: there a dead process is noticed after JAX's own timeouts.)
+    taken = inspect.signature(jax.distributed.initialize).parameters
     jax.distributed.initialize(  # None, None, None: read from the cluster's environment
         args.coordinator,
         args.num_processes,
         args.process_id,
         initialization_timeout=60,
-        heartbeat_timeout_seconds=args.heartbeat_timeout,
-        shutdown_timeout_seconds=args.shutdown_timeout,
+        **{name: seconds for name, seconds in timeouts.items() if name in taken},
     )
 
 

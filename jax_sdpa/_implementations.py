@@ -38,7 +38,7 @@ from jax_sdpa._decode import (
     selected_sequence,
 )
 from jax_sdpa._heads import Result, over_batch
-from jax_sdpa._jax_compat import differentiated_twice, under_jvp_of
+from jax_sdpa._jax_compat import PALLAS_UNDER_SHARD_MAP, differentiated_twice, under_jvp_of
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._pallas import pallas_sequence
 from jax_sdpa._ring import ring_sequence
@@ -213,8 +213,14 @@ def _pallas_unsupported(inputs: Inputs, config: Config) -> str | None:
 def _ring_unsupported(inputs: Inputs, config: Config) -> str | None:
     if config.tunables.kernel is None:
         return None
-    asked = "`ring_attention(implementation='pallas')`"
-    return _kernel_lacks(inputs, asked, "the ring's own tiles (implementation=None)")
+    asked, instead = "`ring_attention(implementation='pallas')`", "the ring's own tiles"
+    lacks = _kernel_lacks(inputs, asked, f"{instead} (implementation=None)")
+    if lacks is None and not PALLAS_UNDER_SHARD_MAP:
+        return (
+            f"{asked} needs JAX 0.7 or later (Pallas kernels inside shard_map); JAX is "
+            f"{jax.__version__}. Use {instead}: implementation=None."
+        )
+    return lacks
 
 
 IMPLEMENTATIONS: dict[str, Entry] = {

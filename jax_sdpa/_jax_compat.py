@@ -113,6 +113,17 @@ def _split(xs: list, first: int, second: int) -> tuple[list, list, list]:
 JAX_NN_GIVES_LSE = "return_residual" in inspect.signature(jax.nn.dot_product_attention).parameters
 
 
+# Pallas kernels inside ``shard_map`` (the ring's steps by the kernel): JAX 0.7 and after. Before,
+# their lowering wants a mesh context and the interpreter's values came out wrong (JAX 0.6.2).
+PALLAS_UNDER_SHARD_MAP = jax.__version_info__ >= (0, 7)
+
+
+# shard_map's check of varying axes: JAX 0.6.2's rejects forward-over-reverse of a custom_vjp
+# inside it (a dynamic_update_slice of mixed varying axes, in JAX's own transpose), so
+# ring_dot_product_attention's own shard_map turns it off there.
+SHARD_MAP_CHECKS = {} if jax.__version_info__ >= (0, 7) else {"check_vma": False}
+
+
 def triton_atomic_add(ref, index, value) -> None:
     """Pallas's atomic add on a GPU.
 

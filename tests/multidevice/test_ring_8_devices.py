@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_sdpa as js
+from jax_sdpa._jax_compat import PALLAS_UNDER_SHARD_MAP
 from tests.lowering import exported, verified, verified_kernels
 from tests.util import abstract_mesh
 
@@ -23,6 +24,8 @@ assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_de
 
 # A case of a matrix whose other cases the x64 run (tests/test_ring.py) runs: not in that run.
 SAMPLED = pytest.mark.x64_sampled
+# The ring's steps by the kernel: refused before JAX 0.7 (the last test says so).
+KERNEL = pytest.mark.skipif(not PALLAS_UNDER_SHARD_MAP, reason="JAX 0.7+: refused before")
 
 
 def mesh(shape, names):
@@ -326,8 +329,12 @@ def test_mods_and_sinks_see_the_whole_batch_and_all_heads_when_both_are_split(
     [
         pytest.param("contiguous", js.Ring(block_q=4, block_kv=4), marks=SAMPLED),
         ("striped", js.Ring(block_q=4, block_kv=4)),
-        ("contiguous", js.Pallas(block_q=16, block_kv=16, interpret=True)),
-        pytest.param("striped", js.Pallas(block_q=16, block_kv=16, interpret=True), marks=SAMPLED),
+        pytest.param(
+            "contiguous", js.Pallas(block_q=16, block_kv=16, interpret=True), marks=KERNEL
+        ),
+        pytest.param(
+            "striped", js.Pallas(block_q=16, block_kv=16, interpret=True), marks=(SAMPLED, KERNEL)
+        ),
     ],
     ids=["ring-contiguous", "ring-striped", "kernel-contiguous", "kernel-striped"],
 )
@@ -378,6 +385,7 @@ def _kernel_options(slopes, sinks, documents):
     )
 
 
+@KERNEL
 @pytest.mark.parametrize("layout", ["contiguous", pytest.param("striped", marks=SAMPLED)])
 def test_ring_steps_computed_by_the_kernel_match_single_device(layout):
     # Each step's tiles by the fused kernel (in the Pallas interpreter): ALiBi over a captured
@@ -415,6 +423,7 @@ def test_ring_steps_computed_by_the_kernel_match_single_device(layout):
     check(jax.jit(ring), dense, (q, k, v, slopes, sinks), argnums=(0, 1, 2, 3, 4))
 
 
+@KERNEL
 def test_ring_steps_by_the_kernel_lower_for_a_gpu_under_shard_maps_default_checks():
     # Lowered, not run: no GPU here. The kernel's outputs carry shard_map's varying types.
     m = abstract_mesh("cuda", (4,), ("seq",))  # a GPU's, to lower on a CPU
@@ -435,6 +444,7 @@ def test_ring_steps_by_the_kernel_lower_for_a_gpu_under_shard_maps_default_check
         assert len(verified(text, "cuda")) == kernels and "collective_permute" in text
 
 
+@KERNEL
 @SAMPLED  # the lowering under x64: the test before
 def test_a_large_tables_gradient_on_the_rings_kernel_lowers_for_a_gpu():
     # The table's gradient is one output all programs add into (atomics), starting as zeros.
@@ -470,4 +480,18 @@ def test_ring_steps_by_the_kernel_refuse_what_the_kernel_does_not_take():
     ring = jax.shard_map(local, mesh=m, in_specs=(spec,) * 3, out_specs=spec)
     message = "`ring_attention(implementation='pallas')` takes no bias"
     with pytest.raises(ValueError, match=re.escape(message)):
+        ring(q, k, v)
+
+
+@pytest.mark.skipif(PALLAS_UNDER_SHARD_MAP, reason="JAX before 0.7: the kernel tests above")
+def test_ring_steps_by_the_kernel_before_jax_0_7_are_refused_with_the_version():
+    m = mesh((8,), ("seq",))
+    spec = P(None, "seq", None, None)
+    q, k, v = inputs(2)
+
+    def local(q, k, v):
+        return js.ring_attention(q, k, v, axis_name="seq", implementation="pallas")
+
+    ring = jax.shard_map(local, mesh=m, in_specs=(spec,) * 3, out_specs=spec)
+    with pytest.raises(ValueError, match=f"needs JAX 0.7 or later .*JAX is {jax.__version__}"):
         ring(q, k, v)
