@@ -118,12 +118,6 @@ JAX_NN_GIVES_LSE = "return_residual" in inspect.signature(jax.nn.dot_product_att
 PALLAS_UNDER_SHARD_MAP = jax.__version_info__ >= (0, 7)
 
 
-# shard_map's check of varying axes: JAX 0.6.2's rejects forward-over-reverse of a custom_vjp
-# inside it (a dynamic_update_slice of mixed varying axes, in JAX's own transpose), so
-# ring_dot_product_attention's own shard_map turns it off there.
-SHARD_MAP_CHECKS = {} if jax.__version_info__ >= (0, 7) else {"check_vma": False}
-
-
 def triton_atomic_add(ref, index, value) -> None:
     """Pallas's atomic add on a GPU.
 

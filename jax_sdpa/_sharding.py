@@ -22,7 +22,6 @@ from jaxtyping import Array, ArrayLike
 
 from jax_sdpa import _checks
 from jax_sdpa._dot_product import ring_attention
-from jax_sdpa._jax_compat import SHARD_MAP_CHECKS
 from jax_sdpa._keywords import RingKeywords
 from jax_sdpa._ring_spec import Layout
 
@@ -311,7 +310,4 @@ def ring_dot_product_attention(
     )
     args = (query, key, value, *named.values())
     args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs, strict=True)]
-    sharded = jax.shard_map(
-        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **SHARD_MAP_CHECKS
-    )
-    return sharded(*args)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)

@@ -10,9 +10,15 @@ they run correctly; the interpreter's values are checked against the float64 ref
 --smoke`` runs this matrix on a GPU.
 """
 
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
 import pytest
 
-from tests.lowering import verified_kernels
+import jax_sdpa as js
+from tests.lowering import exported, verified_kernels
 from tests.matrix import CASES, TPU_CANNOT, call, gradients
 from tests.profile import PROFILE
 
@@ -68,3 +74,26 @@ def test_every_kernel_module_verifies_forward_and_backward(platform, name):
     assert sorted(kernel.name for kernel in both) == sorted(FORWARD + BACKWARD)
     atomics = [kernel.name for kernel in both if "tt.atomic_rmw" in kernel.asm]
     assert atomics == (["jax_sdpa_backward_keys"] if name in ATOMICS else [])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_on_a_gpu_the_kernels_read_and_write_the_callers_layout_in_place(causal):
+    # BTNH in, BTNH out: each program reads its head's rows where they lie (a strided block), so
+    # no transpose and no pad of the sequences around the kernels (FlashAttention and cuDNN take
+    # strides too). The one per-call pass left is GQA's sum of each group's key gradients.
+    q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
+
+    def attend(q, k, v):
+        out = js.dot_product_attention(q, k, v, is_causal=causal, implementation="pallas")
+        return out.astype(jnp.float32).sum()
+
+    def ops(program, platform):
+        text = exported(program, q, kv, kv, platform=platform)
+        return collections.Counter(re.findall(r"\bstablehlo\.([a-z_]+)", text))
+
+    for program in (attend, jax.grad(attend, argnums=(0, 1, 2))):
+        gpu = ops(program, "cuda")
+        assert gpu["custom_call"] >= 1 and gpu["transpose"] == gpu["pad"] == 0, gpu
+        # (a TPU's blocks end in two whole axes: there the heads go first, around the call)
+        assert ops(program, "tpu")["transpose"] > 0

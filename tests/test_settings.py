@@ -189,7 +189,20 @@ def test_the_kernel_without_second_derivatives_says_so(rng, second, path):
 
 
 @pytest.mark.slow  # compile-bound (second derivatives of three paths); CI runs it
-@pytest.mark.parametrize("implementation", ["chunked", "decode", "ring"])
+@pytest.mark.parametrize(
+    "implementation",
+    [
+        "chunked",
+        "decode",
+        pytest.param(
+            "ring",
+            marks=pytest.mark.skipif(
+                jax.__version_info__ < (0, 7),
+                reason="JAX 0.6's shard_map check rejects its own transpose here (CHANGELOG)",
+            ),
+        ),
+    ],
+)
 def test_forward_over_reverse_and_reverse_over_reverse_work_on_the_custom_vjp_paths(
     rng, implementation
 ):

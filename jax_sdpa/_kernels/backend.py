@@ -20,12 +20,15 @@ class Backend:
 
     ``compiler_params(tunables)`` and ``interpret`` as ``pallas_call`` takes them;
     ``atomic_add(ref, index, value)`` where its programs run at once (None where they run one
-    after another).
+    after another); ``heads_first`` where a head of a ``(T, N, d)`` array is not a block it
+    loads (Mosaic TPU's blocks end in two whole axes): its calls take and give such arrays as
+    ``(N, T, d)``, transposed around the call. The others read and write them in place.
     """
 
     compiler_params: Callable[[Pallas], Any]
     interpret: Any = False
     atomic_add: Callable | None = None
+    heads_first: bool = False
 
     @property
     def concurrent(self) -> bool:

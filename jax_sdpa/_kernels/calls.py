@@ -1,8 +1,9 @@
 r"""The engine's kernels as functions of arrays: layouts, block specs, padding.
 
 :func:`forward` and :func:`backward` call the kernels of :mod:`jax_sdpa._kernels` on
-``(T, N, ·)`` queries and ``(S, K, ·)`` keys and values (heads first, one program per
-head and block), for queries and keys at any global position; :func:`fitted` and
+``(T, N, ·)`` queries and ``(S, K, ·)`` keys and values (one program per head and block, each
+reading its head's rows in place: no transposes around the call, but on a backend whose blocks
+must be whole rows of a head), for queries and keys at any global position; :func:`fitted` and
 :func:`padded` fit the tiles to the sequences and the sequences to the tiles.
 """
 
@@ -45,22 +46,32 @@ def _whole(x):
     return pl.BlockSpec(x.shape, lambda n, m: (0,) * x.ndim)
 
 
-def _block(rows: int, width: int):
-    """A spec of ``(heads, rows, width)`` reading program ``(n, m)``'s block ``m`` of head ``n``."""
-    return pl.BlockSpec((None, rows, width), lambda n, m: (n, m, 0))
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """Rows of one head of a ``(T, heads, d)`` array, read or written by program ``(n, m)``.
 
-
-def _head(rows: int, width: int, groups: int = 1, block: bool = False):
-    """A spec of ``(heads, rows, width)``: all rows of head ``n // groups``, or block ``m``."""
-    return pl.BlockSpec((None, rows, width), lambda n, m: (n // groups, m if block else 0, 0))
-
-
-def _lse(rows: int, block: bool = True):
-    """A spec of ``(heads, T, 1)`` row statistics: block ``m`` of head ``n``, or all of it.
-
-    A column, not a row: TPU blocks end in (a multiple of 8, whole).
+    Head ``n // groups``'s block ``m`` of ``rows`` rows, or (``block`` False) its first ``rows``.
+    Its ``BlockSpec`` reads them in place, or from the array made ``(heads, T, d)`` for a backend
+    whose blocks must be whole rows of a head (``heads_first``).
     """
-    return pl.BlockSpec((None, rows, 1), lambda n, m: (n, m if block else 0, 0))
+
+    rows: int
+    width: int
+    groups: int = 1
+    block: bool = True
+
+    def spec(self, heads_first: bool) -> pl.BlockSpec:
+        def index(n, m):
+            row, head = (m if self.block else 0), n // self.groups
+            return (head, row, 0) if heads_first else (row, head, 0)
+
+        shape = (None, self.rows, self.width) if heads_first else (self.rows, None, self.width)
+        return pl.BlockSpec(shape, index)
+
+
+def _lse(rows: int, block: bool = True) -> _Rows:
+    """Row statistics ``(T, heads, 1)``: a column, not a row (TPU blocks end in (8k, whole))."""
+    return _Rows(rows, 1, block=block)
 
 
 def _gradient(shape: tuple, shared: bool):
@@ -74,9 +85,27 @@ def _gradient(shape: tuple, shared: bool):
     )
 
 
-def _heads_leading(x):
-    """``(T, heads, d)`` → ``(heads, T, d)``; ``(T, heads)`` → ``(heads, T, 1)``."""
-    return jnp.swapaxes(x, 0, 1) if x.ndim == 3 else x.T[:, :, None]
+def _specs(tree, heads_first: bool):
+    """``tree`` of :class:`_Rows` and ``BlockSpec``s as ``BlockSpec``s for a layout."""
+    return jax.tree.map(lambda d: d.spec(heads_first) if isinstance(d, _Rows) else d, tree)
+
+
+def _heads_first(specs, tree):
+    """The ``(T, heads, d)`` arrays (or their shapes) of ``tree`` as ``(heads, T, d)``, or back."""
+
+    def swapped(spec, x):
+        if not isinstance(spec, _Rows):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x.update(shape=(x.shape[1], x.shape[0], *x.shape[2:]))
+        return jnp.swapaxes(x, 0, 1)
+
+    return jax.tree.map(swapped, specs, tree)
+
+
+def _as_rows(x):
+    """``(T, heads)`` row statistics as ``(T, heads, 1)``."""
+    return x[:, :, None]
 
 
 def forward(
@@ -100,30 +129,28 @@ def forward(
     """
     plan = _plan(tiles, tunables, query, key, arrays, lists)
     (seq_q, heads, width), value_width = query.shape, value.shape[-1]
-    inputs = ForwardIn(
-        *map(_heads_leading, (query, key, value)), plan.inputs(arrays, offsets, lists)
-    )
+    inputs = ForwardIn(query, key, value, plan.inputs(arrays, offsets, lists))
     specs = ForwardIn(
-        _block(tiles.block_q, width),
-        _head(plan.seq_kv, width, plan.group),
-        _head(plan.seq_kv, value_width, plan.group),
+        _Rows(tiles.block_q, width),
+        _Rows(plan.seq_kv, width, plan.group, block=False),
+        _Rows(plan.seq_kv, value_width, plan.group, block=False),
         jax.tree.map(_whole, inputs.shared),
     )
-    rows = shaped_like((heads, seq_q, 1), accumulation_dtype(query.dtype), query)
+    rows = shaped_like((seq_q, heads, 1), accumulation_dtype(query.dtype), query)
     outs = _compiled(
         plan,
         forward_program,
         grid=(heads, seq_q // tiles.block_q),
         in_specs=specs,
         out_specs=ForwardOut(
-            _block(tiles.block_q, value_width), _lse(tiles.block_q), _lse(tiles.block_q)
+            _Rows(tiles.block_q, value_width), _lse(tiles.block_q), _lse(tiles.block_q)
         ),
         out_shape=ForwardOut(
-            shaped_like((heads, seq_q, value_width), out_dtype or value.dtype, query), rows, rows
+            shaped_like((seq_q, heads, value_width), out_dtype or value.dtype, query), rows, rows
         ),
         name="jax_sdpa_forward",
     )(inputs)
-    return jnp.swapaxes(outs.out, 0, 1), outs.lse[:, :, 0].T, outs.top[:, :, 0].T
+    return outs.out, outs.lse[:, :, 0], outs.top[:, :, 0]
 
 
 def backward(
@@ -149,55 +176,57 @@ def backward(
     # (in the values' dtype, which the products cast it to: half the bytes of 16-bit values)
     d_out = rows.d_out.reshape(seq_q, heads, value_width).astype(value.dtype)
     inputs = BackwardIn(
-        *map(_heads_leading, (query, key, value)),
-        BackwardRows(*map(_heads_leading, (d_out, rows.delta, rows.shift))),
+        query,
+        key,
+        value,
+        BackwardRows(d_out, _as_rows(rows.delta), _as_rows(rows.shift)),
         plan.inputs(arrays, offsets, lists),
     )
     consts = [c for c in differentiable(arrays.score_consts) if c is not None]
     dq = _query_gradients(plan, inputs)
     dk, dv, d_consts = _key_gradients(plan, inputs, consts)
 
-    def per_kv_head(d):  # (N, S, d) → (S, K, d), summed over the heads that share one
-        return jnp.swapaxes(d.reshape(heads // plan.group, plan.group, *d.shape[1:]).sum(1), 0, 1)
+    def per_kv_head(d):  # (S, N, d) → (S, K, d), summed over the heads that share one
+        return d.reshape(d.shape[0], heads // plan.group, plan.group, d.shape[-1]).sum(2)
 
     sums = iter(d.sum(axis=(0, 1, 2, 3)) for d in d_consts)
     d_consts = tuple(None if c is None else next(sums) for c in differentiable(arrays.score_consts))
-    return jnp.swapaxes(dq, 0, 1), per_kv_head(dk), per_kv_head(dv), d_consts
+    return dq, per_kv_head(dk), per_kv_head(dv), d_consts
 
 
 def _query_gradients(plan: Plan, inputs: BackwardIn):
-    """The queries' gradients, ``(N, T, H)``: a program per head and query block."""
-    (heads, seq_q, width), value_width = inputs.query.shape, inputs.value.shape[-1]
+    """The queries' gradients, ``(T, N, H)``: a program per head and query block."""
+    (seq_q, heads, width), value_width = inputs.query.shape, inputs.value.shape[-1]
     tiles = plan.tiles
     specs = BackwardIn(
-        _block(tiles.block_q, width),
-        _head(plan.seq_kv, width, plan.group),
-        _head(plan.seq_kv, value_width, plan.group),
-        BackwardRows(_block(tiles.block_q, value_width), *[_lse(tiles.block_q)] * 2),
+        _Rows(tiles.block_q, width),
+        _Rows(plan.seq_kv, width, plan.group, block=False),
+        _Rows(plan.seq_kv, value_width, plan.group, block=False),
+        BackwardRows(_Rows(tiles.block_q, value_width), *[_lse(tiles.block_q)] * 2),
         jax.tree.map(_whole, inputs.shared),
     )
     d_query = shaped_like(
-        (heads, seq_q, width), accumulation_dtype(inputs.query.dtype), inputs.query
+        (seq_q, heads, width), accumulation_dtype(inputs.query.dtype), inputs.query
     )
     return _compiled(
         plan,
         queries_program,
         grid=(heads, seq_q // tiles.block_q),
         in_specs=specs,
-        out_specs=_block(tiles.block_q, width),
+        out_specs=_Rows(tiles.block_q, width),
         out_shape=d_query,
         name="jax_sdpa_backward_queries",
     )(inputs)
 
 
 def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list):
-    """Each query head's key and value gradients ``(N, S, ·)``; per program, ``consts``'.
+    """Each query head's key and value gradients ``(S, N, ·)``; per program, ``consts``'.
 
     ``consts`` are the ``score_mod``'s arrays with gradients; a program per query head and key
     block.
     """
     query, key, value = inputs.query, inputs.key, inputs.value
-    (heads, seq_q, width), value_width = query.shape, value.shape[-1]
+    (seq_q, heads, width), value_width = query.shape, value.shape[-1]
     tiles = plan.tiles
     kv_blocks = plan.seq_kv // tiles.block_kv
     # A gradient per program, or one that all programs add to where it is summed in memory
@@ -217,10 +246,10 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list):
         inputs, sums=tuple(jnp.zeros(d_shapes[n].shape, d_shapes[n].dtype) for n in summed)
     )
     specs = BackwardIn(
-        _head(seq_q, width),
-        _head(tiles.block_kv, width, plan.group, block=True),
-        _head(tiles.block_kv, value_width, plan.group, block=True),
-        BackwardRows(_head(seq_q, value_width), *[_lse(seq_q, block=False)] * 2),
+        _Rows(seq_q, width, block=False),
+        _Rows(tiles.block_kv, width, plan.group),
+        _Rows(tiles.block_kv, value_width, plan.group),
+        BackwardRows(_Rows(seq_q, value_width, block=False), *[_lse(seq_q, block=False)] * 2),
         jax.tree.map(_whole, inputs.shared),
         tuple(d_specs[n] for n in summed),
     )
@@ -231,11 +260,11 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list):
         grid=(heads, kv_blocks),
         in_specs=specs,
         out_specs=KeysOut(
-            _block(tiles.block_kv, width), _block(tiles.block_kv, value_width), d_specs
+            _Rows(tiles.block_kv, width), _Rows(tiles.block_kv, value_width), d_specs
         ),
         out_shape=KeysOut(
-            shaped_like((heads, plan.seq_kv, width), accumulation_dtype(key.dtype), query),
-            shaped_like((heads, plan.seq_kv, value_width), accumulation_dtype(value.dtype), query),
+            shaped_like((plan.seq_kv, heads, width), accumulation_dtype(key.dtype), query),
+            shaped_like((plan.seq_kv, heads, value_width), accumulation_dtype(value.dtype), query),
             d_shapes,
         ),
         # each sum's zeros become its output (KeysOut's leaves: key, value, then the consts)
@@ -255,21 +284,27 @@ def _compiled(plan: Plan, program, grid, in_specs, out_specs, out_shape, name: s
     That is the platform's the program is lowered for (:func:`jax.lax.platform_dependent`):
     Triton on ``cuda``/``rocm``, Mosaic on ``tpu``, the interpreter on any other (a CPU); or the
     interpreter, or the TPU simulator, where ``Pallas.interpret`` asks for it. ``aliases``:
-    ``pallas_call``'s ``input_output_aliases`` (outputs that start as inputs).
+    ``pallas_call``'s ``input_output_aliases`` (outputs that start as inputs). The specs are
+    ``BlockSpec``s and :class:`_Rows` of ``(T, heads, d)`` arrays, read and written in place,
+    or head-first for a backend that needs them so (the transposes only in its branch).
     """
 
     def on(backend: Backend):
-        return pl.pallas_call(
+        heads_first = backend.heads_first
+        call = pl.pallas_call(
             functools.partial(program, dataclasses.replace(plan, backend=backend)),
             grid=grid,
-            in_specs=(in_specs,),
-            out_specs=out_specs,
-            out_shape=out_shape,
+            in_specs=(_specs(in_specs, heads_first),),
+            out_specs=_specs(out_specs, heads_first),
+            out_shape=_heads_first(out_specs, out_shape) if heads_first else out_shape,
             interpret=backend.interpret,
             compiler_params=backend.compiler_params(plan.tunables),
             name=name,
             input_output_aliases=aliases or {},
         )
+        if not heads_first:
+            return call
+        return lambda inputs: _heads_first(out_specs, call(_heads_first(in_specs, inputs)))
 
     interpret = plan.tunables.interpret
     if isinstance(interpret, pltpu.InterpretParams):
@@ -341,7 +376,9 @@ def padded_rows(rows: BackwardRows, count: int, heads: int, width: int) -> Backw
 
 
 def _pad(x, rows: int, width: int):
-    """``(r, heads, d)`` zero-padded to ``(rows, heads, width)``."""
+    """``(r, heads, d)`` zero-padded to ``(rows, heads, width)`` (as it is, if it is that)."""
+    if x.shape[0] == rows and x.shape[2] == width:
+        return x
     return jnp.pad(x, ((0, rows - x.shape[0]), (0, 0), (0, width - x.shape[2])))
 
 

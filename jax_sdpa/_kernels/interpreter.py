@@ -15,4 +15,4 @@ INTERPRETER = Backend(lambda tunables: None, interpret=True)
 
 def tpu_simulator(params: pltpu.InterpretParams) -> Backend:
     """The TPU simulator with ``params``."""
-    return Backend(lambda tunables: pltpu.CompilerParams(), interpret=params)
+    return Backend(lambda tunables: pltpu.CompilerParams(), interpret=params, heads_first=True)

@@ -8,4 +8,4 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jax_sdpa._kernels.backend import Backend
 
-MOSAIC_TPU = Backend(lambda tunables: pltpu.CompilerParams())
+MOSAIC_TPU = Backend(lambda tunables: pltpu.CompilerParams(), heads_first=True)
