@@ -43,8 +43,18 @@ def _beyond_jax_nn(inputs: Inputs, config: Config) -> list[str]:
         "return_max_scores": config.max_scores,
         "dropout_rate": inputs.arrays.dropout_rng is not None,
         "module": config.output != "attention",
+        "precision": config.formula.precision is not None,
+        # (cuDNN's window is a left one, the right side given only by a causal mask)
+        "a window's right side without is_causal, or with lengths": any(
+            isinstance(r, LocalWindowMask) and r.right != 0 for r in parts
+        )
+        and not (_has(parts, CausalMask) and not _has(parts, LengthMask)),
     }
     return [name for name, on in used.items() if on]
+
+
+def _has(parts: tuple[MaskRule, ...], kind: type) -> bool:
+    return any(isinstance(r, kind) for r in parts)
 
 
 def cudnn_unsupported(inputs: Inputs, config: Config) -> str | None:
@@ -68,30 +78,40 @@ def cudnn_unsupported(inputs: Inputs, config: Config) -> str | None:
 def cudnn_by_default(inputs: Inputs, config: Config) -> bool:
     """Whether ``implementation=None`` hands a call cuDNN takes to it: where cuDNN's result is ours.
 
-    That is where every row has a key, provably (no array mask or bias, whose rows may hold none,
-    no lengths; with a causal mask or a window, ``T = S``, so that each row keeps its diagonal),
-    the log-sum-exp is not returned (cuDNN's has no gradient), and the inputs are what jax.nn's
-    cuDNN kernel takes on every GPU (float16 or bfloat16, one head width ``≤ 128``, a multiple of
-    8). Elsewhere jax.nn's own default would fall back to XLA, as ours does.
+    That is on a CUDA GPU with cuDNN's flash attention (compute capability 8.0 or above), where
+    every row has a key, provably (no array mask or bias, whose rows may hold none, no lengths;
+    a window only with a causal mask, and then ``T = S``, so that each row keeps its diagonal),
+    the log-sum-exp is not returned (cuDNN's has no gradient), and the inputs are what cuDNN
+    takes on every such GPU (float16 or bfloat16, ``d_k = d_v ≤ 128``, a multiple of 8).
     """
     arrays, (*_, seq_q, _, width) = inputs.arrays, inputs.query.shape
     parts = _rule_parts(arrays.rule)
-    dtypes = {x.dtype for x in (inputs.query, inputs.key, inputs.value)}
+    values = inputs.values_like
+    dtypes = {x.dtype for x in (inputs.query, inputs.key, values)}
+    causal = _has(parts, CausalMask)
     rows_keep_a_key = all(
-        isinstance(r, CausalMask) or (isinstance(r, LocalWindowMask) and min(r.left, r.right) >= 0)
+        isinstance(r, CausalMask)
+        or (isinstance(r, LocalWindowMask) and causal and min(r.left, r.right) >= 0)
         for r in parts
     ) and (not parts or seq_q == inputs.key.shape[-3])
     return (
-        rows_keep_a_key
+        flash_attention_device()
+        and rows_keep_a_key
         and arrays.bias is None
         and arrays.mask is None
         and not config.residual
         and dtypes <= {jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)}
         and len(dtypes) == 1
-        and width == inputs.values_like.shape[-1]
+        and width == values.shape[-1]
         and width <= 128
         and width % 8 == 0
     )
+
+
+def flash_attention_device() -> bool:
+    """Whether JAX's first device is a CUDA GPU with cuDNN's flash attention (sm_80 or later)."""
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    return capability is not None and float(capability) >= 8.0
 
 
 def _jax_nn_arguments(inputs: Inputs, config: Config) -> dict:

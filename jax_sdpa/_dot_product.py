@@ -167,11 +167,12 @@ def dot_product_attention(
             ``"chunked"``: exact attention in memory linear in ``T`` (online softmax over key
             blocks, its own backward, wholly masked blocks skipped); ``"decode"``: a few queries
             against a long cache, keys split into chunks and read once as they lie (forward only:
-            its gradient is the chunked path's); ``None``: decode for ``N·T ≤ 64`` query rows
-            against ``S ≥ 1024`` keys, else chunked on CPU (the faster there at every size
-            measured); on a GPU cuDNN where its result is ours (float16 or bfloat16, no array
-            mask, bias or lengths, ``T = S`` under a causal mask or window, no log-sum-exp
-            returned), then dense while ``B·N·T·S ≤ 2^24``; dense wherever the
+            its gradient is the chunked path's); ``None``: on a GPU (sm_80 or later), cuDNN
+            first where its result is ours (float16 or bfloat16, ``d_k = d_v ≤ 128``, no array
+            mask, bias, lengths or ``precision``, a window only with a causal mask and ``T = S``,
+            no log-sum-exp returned, no outer derivative); then decode for ``N·T ≤ 64``
+            query rows against ``S ≥ 1024`` keys, else chunked on CPU (the faster there at every
+            size measured), dense on accelerators while ``B·N·T·S ≤ 2^24``; dense wherever the
             weights are needed, and under ``jax.jvp``/``jax.jacfwd`` of the call (the other
             paths have their own backward pass, reverse mode only: asked for, they raise a
             ``TypeError``); ``"cudnn"`` hands the call to

@@ -50,11 +50,12 @@ from jax_sdpa._tunables import Chunked, Decode, Paged, Pallas, Ring, Selected
 Implementation = Literal["xla", "chunked", "decode", "selected", "cudnn", "pallas"]
 # implementation=None: on CPU the chunked path was measured at least as fast as the dense one at
 # every benchmark size, forward and backward (BENCHMARKS.md), so it is the default there. On a
-# GPU, cuDNN first for the calls whose result is ours (_cudnn.cudnn_by_default), as jax.nn's
-# default tries it first. On accelerators fused dense kernels are fast while the scores of the
-# call, B·N·T·S floats, stay small: dense up to this many, chunked above (not measured). The
-# Pallas kernel, measured 3.4x the dense path on an H200 in bfloat16, is not chosen: it has no
-# second derivatives.
+# GPU, cuDNN for the calls whose result is ours (_cudnn.cudnn_by_default): on an H200 the
+# fastest measured where it runs (issues 43, 44), and only where the call does not show a
+# second derivative (which its backward, as the kernel's, lacks). Then, on accelerators, fused
+# dense kernels are fast while the scores of the call, B·N·T·S floats, stay small: dense up to
+# this many, chunked above (not measured). The Pallas kernel, measured 3.4x the dense path on an
+# H200 in bfloat16 but half of cuDNN, is not chosen.
 _DENSE_MAX_SCORES = 2**24
 # Decoding shapes (a few new queries against a cache): the split-key pass, measured faster than
 # the others while every query row of every head, N·T, fits its block-diagonal product
@@ -69,7 +70,8 @@ class Entry:
     ``jvp``: whether it has a forward-mode derivative. Without one (a ``jax.custom_vjp``), it
     still has forward over reverse (``jax.hessian``, ``jax.jvp`` of a ``jax.grad``): forward mode
     of its own backward pass, if that pass is differentiable (``second_order(tunables)``; the
-    fused kernel's is not, nor a ring's whose tunables give its steps to the kernel).
+    fused kernel's is not, nor cuDNN's, nor a ring's whose tunables give its steps to the
+    kernel).
     ``asked_as``: how a user asks for it, for messages (``implementation=...`` by default).
     ``tunables``: the class of its tunables (``Chunked``), whose instance the call's ``run``
     finds in ``config.tunables``; ``None`` where it has none.
@@ -263,14 +265,15 @@ def _preference(inputs: Inputs, config: Config) -> tuple[str, ...]:
         return ("selected",)
     if inputs.quantized:
         return ("decode",)
+    # On a GPU, cuDNN first where its result is ours, decoding shapes included (on an H200,
+    # issue 44: 0.30 ms against our decode path's 1.17).
+    by_cudnn = cudnn_unsupported(inputs, config) is None and cudnn_by_default(inputs, config)
+    cudnn = ("cudnn",) if by_cudnn else ()
     if query_rows <= BLOCK_DIAGONAL_COLUMNS and seq_kv >= _DECODE_MIN_KEYS:
-        return ("decode", "chunked", "xla")
+        return (*cudnn, "decode", "chunked", "xla")
     if jax.default_backend() == "cpu":
         return ("chunked", "xla")
-    ours = ("chunked", "xla") if scores > _DENSE_MAX_SCORES else ("xla", "chunked")
-    # On a GPU, cuDNN first where its result is ours (jax.nn's default tries it first too).
-    by_cudnn = cudnn_unsupported(inputs, config) is None and cudnn_by_default(inputs, config)
-    return ("cudnn", *ours) if by_cudnn else ours
+    return (*cudnn, *(("chunked", "xla") if scores > _DENSE_MAX_SCORES else ("xla", "chunked")))
 
 
 def check_implementation(implementation, names: tuple[str, ...], *, by_name: bool = True) -> None:

@@ -9,6 +9,7 @@ here. (JAX's own warning that Pallas's Triton backend is deprecated, from 0.11, 
 seen: it is true of the GPU kernel.)
 """
 
+import contextlib
 import inspect
 
 import jax
@@ -77,16 +78,17 @@ CALLS = {
 }
 
 
-def bind(eqn, operands: list):
+def bind(eqn, operands: list, *, its_context: bool = True):
     """The equation's own primitive on ``operands``, as ``jax.core.eval_jaxpr`` binds it.
 
-    In the equation's context, with the parameters its primitive binds with.
+    With the parameters its primitive binds with, in the equation's context (the mesh and types
+    it was traced with), or without it in the caller's.
     """
     params = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(params, tuple):  # JAX before 0.7: (sub-functions, parameters)
         subfuns, params = params
         operands = [*subfuns, *operands]
-    with eqn.ctx.manager:
+    with eqn.ctx.manager if its_context else contextlib.nullcontext():
         return eqn.primitive.bind(*operands, **params)
 
 

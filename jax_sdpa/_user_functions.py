@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.extend.core import Jaxpr, Literal
 
 from jax_sdpa._indices import INDEX
-from jax_sdpa._jax_compat import VARYING_CASTS, cast_to_varying, varying_axes_of
+from jax_sdpa._jax_compat import VARYING_CASTS, bind, cast_to_varying, varying_axes_of
 from jax_sdpa._jaxpr import Rules, evaluate, read
 from jax_sdpa._masks import MaskRule, rule_class, static_field
 
@@ -74,7 +74,7 @@ def _in_the_callers_context(eqn, operands: list):
     Not the one the function was traced in (its mesh, its types): an evaluator is shared by
     every call whose function traces to the same program.
     """
-    return eqn.primitive.bind(*operands, **eqn.params)
+    return bind(eqn, operands, its_context=False)
 
 
 def _hoisted(fn, args: list) -> tuple:

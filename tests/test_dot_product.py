@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_sdpa as js
+import jax_sdpa._cudnn
 from jax_sdpa._jax_compat import JAX_NN_GIVES_LSE
 from tests import reference as ref
 from tests.implementations import each_implementation
@@ -479,7 +480,7 @@ def test_cudnn_is_handed_the_call_in_jax_nn_arguments(rng, monkeypatch):
     )
     kwargs = dict(
         is_causal=True,
-        local_window_size=(2, 1),
+        local_window_size=(2, 0),  # (with lengths, jax.nn's cuDNN takes no right side)
         query_seq_lengths=jnp.array([6, 5], jnp.int32),
         key_value_seq_lengths=jnp.array([6, 4], jnp.int32),
         scale=0.3,
@@ -492,7 +493,7 @@ def test_cudnn_is_handed_the_call_in_jax_nn_arguments(rng, monkeypatch):
         v,
         bias,
         is_causal=True,
-        window=(2, 1),
+        window=(2, 0),
         scale=0.3,
         q_lengths=kwargs["query_seq_lengths"],
         kv_lengths=kwargs["key_value_seq_lengths"],
@@ -507,6 +508,8 @@ def test_cudnn_is_handed_the_call_in_jax_nn_arguments(rng, monkeypatch):
     np.testing.assert_allclose(unbatched, expected, atol=2e-6)
     with pytest.raises(ValueError, match="supports only jax.nn's arguments; got logits_soft_cap"):
         js.dot_product_attention(q, k, v, implementation="cudnn", logits_soft_cap=2.0)
+    with pytest.raises(ValueError, match="got a window's right side without is_causal"):
+        js.dot_product_attention(q, k, v, implementation="cudnn", local_window_size=(2, 2))
     with pytest.raises(ValueError, match="never forms the attention weights"):
         js.dot_product_attention(q, k, v, implementation="chunked", module=object())
 
@@ -528,17 +531,18 @@ def _on_a_gpu_recording_cudnn(monkeypatch) -> list:
         return nn_attention(*args, implementation="xla", **kwargs)
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax_sdpa._cudnn, "flash_attention_device", lambda: True)  # an sm_80+
     monkeypatch.setattr(jax.nn, "dot_product_attention", cudnn)
     return handed
 
 
 @pytest.mark.skipif(not JAX_NN_GIVES_LSE, reason="cuDNN's row needs JAX 0.7")
 def test_the_default_on_a_gpu_hands_cudnn_the_calls_whose_result_is_ours(rng, monkeypatch):
-    # jax.nn's default tries cuDNN first on a GPU; ours must be no slower, so it hands cuDNN
-    # every call where cuDNN's result is this library's, and only those.
+    # cuDNN is the fastest measured on a GPU for the calls it takes: the default hands it every
+    # call where cuDNN's result is this library's, and only those.
     handed = _on_a_gpu_recording_cudnn(monkeypatch)
     q, k, v = qkv(rng, 2, 8, 8, 4, 2, 16, dtype=jnp.bfloat16)
-    window = dict(local_window_size=(2, 0))
+    window = dict(local_window_size=(2, 1))  # (cuDNN's window is left; causal gives the right)
 
     def handed_to_cudnn(q=q, k=k, v=v, *args, **kwargs) -> bool:
         before = len(handed)
@@ -569,6 +573,8 @@ def test_the_default_on_a_gpu_hands_cudnn_the_calls_whose_result_is_ours(rng, mo
     assert not handed_to_cudnn(key_value_seq_lengths=lengths)
     assert not handed_to_cudnn(q[:, :5], is_causal=True)  # T ≠ S: a row's diagonal may be gone
     assert not handed_to_cudnn(q[:, :5], k[:, :6], v[:, :6], **window)
+    assert not handed_to_cudnn(**window)  # a window without a causal mask: rows' right sides
+    assert not handed_to_cudnn(precision=jax.lax.Precision.HIGHEST)  # which cuDNN has not
     assert not handed_to_cudnn(logits_soft_cap=5.0)
     assert not handed_to_cudnn(*(x.astype(jnp.float32) for x in (q, k, v)))
     wide = qkv(rng, 1, 8, 8, 2, 2, 136, dtype=jnp.bfloat16)
@@ -576,11 +582,20 @@ def test_the_default_on_a_gpu_hands_cudnn_the_calls_whose_result_is_ours(rng, mo
     assert not handed_to_cudnn(v=v[..., :8])  # d_v ≠ d_k
     assert not handed_to_cudnn(return_residual=True)
     assert handed_to_cudnn(q[:, :5], k[:, :6], v[:, :6])  # T ≠ S without a mask: every key
+    # Decoding shapes too (a query against a cache), where the decode path would run.
+    cache = qkv(rng, 2, 1, 1024, 4, 2, 16, dtype=jnp.bfloat16)
+    assert handed_to_cudnn(*cache)
+    assert not handed_to_cudnn(*cache, key_value_seq_lengths=jnp.array([1024, 7], jnp.int32))
     # cuDNN's backward is not differentiable: no hessian and no jvp through it.
     before = len(handed)
     jax.jvp(lambda q: js.dot_product_attention(q, k, v), (q,), (q,))
     small = [x[:1, :2] for x in (k, v)]
     jax.hessian(lambda q: js.dot_product_attention(q, *small).astype(jnp.float32).sum())(q[:1, :2])
     assert len(handed) == before
+    # MLA's latent values: the values a slice of the keys (d_v ≠ d_k here: not cuDNN's).
+    assert not handed_to_cudnn(v=js.LatentValues(8))
+    # Not on a GPU without cuDNN's flash attention (before sm_80, or not CUDA).
+    monkeypatch.setattr(jax_sdpa._cudnn, "flash_attention_device", lambda: False)
+    assert not handed_to_cudnn(is_causal=True)
     with pytest.raises(TypeError, match="backward pass is cuDNN kernels"):
         jax.hessian(lambda q: js.dot_product_attention(q, k, v, implementation="cudnn").sum())(q)

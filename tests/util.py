@@ -9,6 +9,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+# ``jax.hessian`` of a ring in ``shard_map``: JAX 0.6's check of varying axes fails inside its own
+# transpose there (turned off, the ring's gradients come out wrong: the sweep), from JAX 0.7 not.
+RING_SECOND_ORDER = jax.__version_info__ >= (0, 7)
+
 
 def qkv(rng, b, t, s, n, k, h, hv=None, dtype=jnp.float32):
     """Unit-normal query (B,T,N,H), key (B,S,K,H), value (B,S,K,HV); B=None drops the batch."""

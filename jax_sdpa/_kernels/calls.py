@@ -368,6 +368,8 @@ def padded_rows(rows: BackwardRows, count: int, heads: int, width: int) -> Backw
     extra = count - rows.delta.shape[0]
     d_out = rows.d_out.reshape(rows.d_out.shape[0], heads, -1)
     d_out = _pad(d_out, count, width).reshape(count, -1)
+    if not extra:
+        return BackwardRows(d_out, rows.delta, rows.shift)
     delta = jnp.pad(rows.delta, ((0, extra), (0, 0)))
     far = jnp.finfo(rows.shift.dtype).max
     return BackwardRows(

@@ -78,7 +78,7 @@ def _dynamic_slice(eqn, operands):
     return None
 
 
-def _whole(eqn, operands):  # (JAX before 0.7 writes ``x[:, 0]`` of an (n, 1) array so)
+def _whole_slice(eqn, operands):  # (JAX before 0.7 writes ``x[:, 0]`` of an (n, 1) array so)
     params = eqn.params
     starts, limits = params["start_indices"], tuple(params["limit_indices"])
     whole = params.get("strides") is None and not any(starts)
@@ -124,7 +124,7 @@ def _point_gather_rule(eqn, operands):
 
 READS = {
     "dynamic_slice": (_dynamic_slice,),
-    "slice": (_whole, _slice),
+    "slice": (_whole_slice, _slice),
     "squeeze": (_squeeze,),
     "reshape": (_reshape,),
     "concatenate": (_concatenate,),
