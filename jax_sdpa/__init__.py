@@ -6,8 +6,9 @@ One function per step of the formula (:func:`raw_scores`, :func:`scale_scores`,
 ``attention_fn``, runs that composition over heads and batch (``implementation="xla"``), over
 tiles in memory linear in the sequence length (``"chunked"``), against a long cache
 (``"decode"``), over each query's own listed keys (``"selected"``), as a fused kernel
-(``"pallas"``) or by cuDNN. :func:`paged_attention` reads a
-paged cache; :func:`ring_attention` spreads one long sequence over many devices.
+(``"pallas"``) or by cuDNN. :func:`paged_attention` reads a paged cache,
+:func:`ragged_paged_attention` one for a batch whose sequences bring different numbers of new
+queries; :func:`ring_attention` spreads one long sequence over many devices.
 """
 
 from jax_sdpa import mods as mods
@@ -28,8 +29,10 @@ from jax_sdpa._masks import SegmentMask as SegmentMask
 from jax_sdpa._masks import materialize_mask as materialize_mask
 from jax_sdpa._online_softmax import merge_attention as merge_attention
 from jax_sdpa._paged import paged_attention as paged_attention
+from jax_sdpa._paged import ragged_paged_attention as ragged_paged_attention
 from jax_sdpa._paged import update_cache as update_cache
 from jax_sdpa._paged import update_paged_cache as update_paged_cache
+from jax_sdpa._paged import update_ragged_paged_cache as update_ragged_paged_cache
 from jax_sdpa._qk_clip import qk_clip as qk_clip
 from jax_sdpa._quantized import Quantized as Quantized
 from jax_sdpa._quantized import quantize as quantize
@@ -83,6 +86,7 @@ __all__ = (
     "paged_attention",
     "qk_clip",
     "quantize",
+    "ragged_paged_attention",
     "raw_scores",
     "ring_attention",
     "ring_dot_product_attention",
@@ -93,5 +97,6 @@ __all__ = (
     "to_striped",
     "update_cache",
     "update_paged_cache",
+    "update_ragged_paged_cache",
     "weighted_sum",
 )

@@ -1,7 +1,7 @@
 """The public functions' keywords, in groups, written once (:mod:`jax_sdpa._dot_product`).
 
-The TypedDicts type the overloads' and the sharded ring's ``**keywords``; the functions still
-spell their keywords out (``tests/test_signatures.py`` keeps both in step).
+The TypedDicts type the overloads', the sharded ring's and the ragged cache's ``**keywords``;
+the functions still spell their keywords out (``tests/test_signatures.py`` keeps both in step).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from jax import lax
 from jaxtyping import ArrayLike
 
 from jax_sdpa._masks import MaskRule
-from jax_sdpa._tunables import Pallas, Ring
+from jax_sdpa._tunables import Paged, Pallas, Ring
 
 CausalAlignment = Literal["top_left", "bottom_right"]
 Normalizer = Literal["softmax", "sigmoid"]
@@ -94,3 +94,18 @@ class RingKeywords(_Formula, _Masks, total=False):
     """What :func:`jax_sdpa.ring_dot_product_attention` passes on to :func:`ring_attention`."""
 
     implementation: Ring | Pallas | Literal["pallas"] | None
+
+
+class PagedKeywords(TypedDict, total=False):
+    """What :func:`jax_sdpa.ragged_paged_attention` passes on to :func:`paged_attention`."""
+
+    scale: float | None
+    is_causal: bool
+    local_window_size: int | tuple[int, int] | None
+    logits_soft_cap: float | None
+    sinks: ArrayLike | None
+    normalizer: Normalizer
+    sigmoid_bias: ArrayLike | float | None
+    return_residual: bool
+    return_max_scores: bool
+    implementation: Paged | None

@@ -5,28 +5,42 @@ A paged cache (vLLM, Kwon et al. 2023) keeps keys and values in a pool of pages,
 its first ``lengths[b]`` positions are valid. Pages are allocated as sequences grow, so no
 sequence reserves room it does not use. :func:`paged_attention` attends over those pages chunk
 by chunk (:func:`jax_sdpa._decode.split_keys`), gathering a few pages at a time: the cache is
-never copied into a contiguous array.
+never copied into a contiguous array. :func:`ragged_paged_attention` serves a batch whose
+sequences bring different numbers of new queries (a prefill chunk beside decoding steps), packed
+along one axis.
 
-:func:`update_cache` and :func:`update_paged_cache` write a step's new keys and values into a
-contiguous or a paged cache: pure functions of the cache, to ``jax.jit`` with the cache donated
-(``donate_argnums``), so that XLA writes in place.
+:func:`update_cache`, :func:`update_paged_cache` and :func:`update_ragged_paged_cache` write a
+step's new keys and values into a contiguous or a paged cache: pure functions of the cache, to
+``jax.jit`` with the cache donated (``donate_argnums``), so that XLA writes in place.
 """
 
-import math
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Integer
 
+from jax_sdpa import _checks
 from jax_sdpa._arguments import bind
 from jax_sdpa._implementations import check_implementation, run
 from jax_sdpa._indices import indices
-from jax_sdpa._keywords import Normalizer
+from jax_sdpa._keywords import Normalizer, PagedKeywords
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized, quantize_like
 from jax_sdpa._tunables import Paged
 
-__all__ = ["paged_attention", "update_cache", "update_paged_cache"]
+if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no dependency
+    from typing_extensions import Unpack
+
+__all__ = [
+    "paged_attention",
+    "ragged_paged_attention",
+    "update_cache",
+    "update_paged_cache",
+    "update_ragged_paged_cache",
+]
 
 
 def paged_attention(
@@ -128,6 +142,117 @@ def paged_attention(
     return run(inputs, config=config).returned(return_residual, return_max_scores)
 
 
+def ragged_paged_attention(
+    query: Float[ArrayLike, "Q N H"],
+    key_pages: Float[ArrayLike, "P page K H"] | Quantized,
+    value_pages: Float[ArrayLike, "P page K V"] | Quantized | LatentValues,
+    page_table: Integer[ArrayLike, "B pages"],
+    lengths: Integer[ArrayLike, " B"],
+    query_starts: Integer[ArrayLike, " B+1"],
+    *,
+    max_queries: int,
+    score_mod=None,
+    mask_mod=None,
+    **keywords: Unpack[PagedKeywords],
+):
+    r""":func:`paged_attention` of sequences with different numbers of new queries, packed.
+
+    Rows ``query_starts[b]`` to ``query_starts[b + 1] − 1`` of ``query`` are sequence ``b``'s
+    new queries (as vLLM's ``query_start_loc``: ``query_starts[0] = 0``, non-decreasing), its
+    last positions: a prefill chunk and decoding steps in one call. Row ``query_starts[b] + i``
+    gives what :func:`paged_attention` gives sequence ``b``'s query ``i`` of its ``n_b``, the
+    causal mask aligned to its last key; rows past ``query_starts[-1]`` give zeros. Each
+    sequence is attended with its queries padded to ``max_queries`` (static, at least every
+    ``n_b``; under ``jit`` a longer sequence keeps only its last ``max_queries`` queries' rows):
+    the pure-JAX path, its work that of ``B · max_queries`` queries.
+
+    Args:
+        query: ``(Q, N, H)``, the batch's new queries packed along one axis.
+        key_pages: As in :func:`paged_attention` (the new keys already written, as
+            :func:`update_ragged_paged_cache` writes them).
+        value_pages: As in :func:`paged_attention`.
+        page_table: ``(B, pages_per_sequence)``, as in :func:`paged_attention`.
+        lengths: ``(B,)``: valid positions per sequence, the new ones included.
+        query_starts: ``(B + 1,)`` integers: where each sequence's queries start, and the end.
+        max_queries: The most new queries any sequence has.
+        score_mod: As in :func:`paged_attention`, ``q_idx`` counting each sequence's own new
+            queries from 0.
+        mask_mod: As ``score_mod``.
+        **keywords: :func:`paged_attention`'s others (``scale``, ``is_causal``,
+            ``local_window_size``, ``logits_soft_cap``, ``sinks``, ``normalizer``,
+            ``sigmoid_bias``, ``return_residual`` and ``return_max_scores``, whose arrays are
+            then ``(Q, N)``, ``implementation``), as there.
+
+    Returns:
+        ``(Q, N, V)`` in the pages' dtype; with ``return_residual`` (and ``return_max_scores``),
+        a tuple as :func:`paged_attention` gives.
+
+    Raises:
+        ValueError: As :func:`paged_attention`; on ``query_starts`` not of ``B + 1`` entries, or
+            concrete counts above ``max_queries``.
+        TypeError: As :func:`paged_attention`, and on non-integer ``query_starts``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> pages = jax.random.normal(jax.random.key(0), (2, 6, 4, 1, 8))  # 6 pages of 4
+        >>> q = jax.random.normal(jax.random.key(1), (3, 2, 8))  # 1 query, then 2; 2 heads
+        >>> table, lengths = jnp.array([[4, 1, 3], [0, 2, 5]]), jnp.array([10, 7])
+        >>> starts = jnp.array([0, 1, 3])
+        >>> out = ragged_paged_attention(q, *pages, table, lengths, starts, max_queries=2)
+        >>> second = paged_attention(q[None, 1:], *pages, table[1:], lengths[1:])
+        >>> bool(jnp.abs(out[1:] - second[0]).max() < 1e-6)
+        True
+    """
+    query, query_starts = jnp.asarray(query), jnp.asarray(query_starts)
+    _check_ragged(query, page_table, query_starts, max_queries)
+    counts = query_starts[1:] - query_starts[:-1]
+    # Sequence b's row t (of max_queries) is its query t − (max_queries − n_b): its queries last.
+    first = max_queries - counts
+    rows = query_starts[1:, None] - max_queries + jnp.arange(max_queries)[None, :]  # (B, T)
+    real = (rows >= query_starts[:-1, None]) & (rows < query_starts[1:, None])
+    padded = jnp.where(real[..., None, None], jnp.take(query, rows, axis=0, mode="clip"), 0)
+
+    def own_queries(mod):  # (…, batch, head, q_idx, kv_idx): q_idx from the sequence's first
+        if mod is None:
+            return None
+        return lambda *args: mod(*args[:-2], args[-2] - first[args[-4]], args[-1])
+
+    results = paged_attention(
+        padded,
+        key_pages,
+        value_pages,
+        page_table,
+        lengths,
+        score_mod=own_queries(score_mod),
+        mask_mod=own_queries(mask_mod),
+        **keywords,
+    )
+    at = jnp.where(real, rows, query.shape[0]).reshape(-1)  # (padding rows: dropped)
+
+    def packed(x):  # (B, T, ...) → (Q, ...), each real row at its place
+        flat = x.reshape(-1, *x.shape[2:])
+        return jnp.zeros((query.shape[0], *x.shape[2:]), x.dtype).at[at].set(flat, mode="drop")
+
+    return jax.tree.map(packed, results)
+
+
+def _check_ragged(query, page_table, query_starts, max_queries) -> None:
+    _checks.check_ndim("query", query, (3,), "(Q, N, H), packed")
+    batch = jnp.shape(page_table)[0]
+    _checks.check_shape("query_starts", query_starts, (batch + 1,), "(B + 1,)")
+    _checks.check_integer("query_starts", query_starts)
+    _checks.check_positive_int("max_queries", max_queries)
+    try:
+        most = int(jnp.max(query_starts[1:] - query_starts[:-1], initial=0))
+    except jax.errors.ConcretizationTypeError:  # under jit: its last max_queries rows
+        most = 0
+    if most > max_queries:
+        raise ValueError(
+            f"`max_queries` must be at least each sequence's count of new queries; got "
+            f"{max_queries}, and a sequence with {most}."
+        )
+
+
 def update_cache(
     key_cache: Float[Array, "B S K H"] | Quantized,
     value_cache: Float[Array, "B S K V"] | Quantized | LatentValues,
@@ -190,19 +315,80 @@ def update_paged_cache(
                [0., 0.],
                [0., 1.]], dtype=float32)
     """
-    page_size = key_pages.shape[1]
     page_table, positions = jnp.asarray(page_table), jnp.asarray(positions)
     key = jnp.asarray(key)
-    seq = positions[:, None] + jnp.arange(key.shape[1], dtype=positions.dtype)[None, :]  # (B, T)
-    pages = jnp.take_along_axis(page_table, seq // page_size, axis=1, mode="fill", fill_value=-1)
-    # A position past the sequence's pages, or on a page number outside the pool (say −1 for
-    # "none"), is not written: it would land on another position or another sequence's page.
-    pages = jnp.where((pages >= 0) & (seq >= 0), pages, key_pages.shape[0])
-    count = math.prod(seq.shape)
-    where = (pages.reshape(count), (seq % page_size).reshape(count))
+    batch, count = key.shape[:2]
+    at = positions[:, None] + jnp.arange(count, dtype=positions.dtype)[None, :]  # (B, T)
+    sequences = jnp.broadcast_to(jnp.arange(batch)[:, None], at.shape)
+    where = (sequences.reshape(-1), at.reshape(-1))
+    return _written_at(key_pages, value_pages, key, value, page_table, where)
+
+
+def update_ragged_paged_cache(
+    key_pages: Float[Array, "P page K H"] | Quantized,
+    value_pages: Float[Array, "P page K V"] | Quantized | LatentValues,
+    key: Float[ArrayLike, "Q K H"],
+    value: Float[ArrayLike, "Q K V"] | None,
+    page_table: Integer[ArrayLike, "B pages"],
+    positions: Integer[ArrayLike, " B"],
+    query_starts: Integer[ArrayLike, " B+1"],
+) -> tuple[Array | Quantized, Array | Quantized | LatentValues]:
+    """Writes new keys and values packed along one axis, sequence by sequence, in their pages.
+
+    Rows ``query_starts[b]`` to ``query_starts[b + 1] − 1`` of ``key`` and ``value`` are
+    sequence ``b``'s new tokens, written at ``positions[b]`` onwards as
+    :func:`update_paged_cache` writes them (rows past ``query_starts[-1]`` are not written): the
+    writer for :func:`ragged_paged_attention`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> pages = jnp.zeros((2, 2, 1, 1))  # 2 pages of 2 slots
+        >>> new = jnp.array([1.0, 2.0, 3.0]).reshape(3, 1, 1)  # 1 token, then 2 tokens
+        >>> table, starts = jnp.array([[1], [0]]), jnp.array([0, 1, 3])
+        >>> positions = jnp.array([1, 0])  # where each sequence's new tokens go
+        >>> keys, _ = update_ragged_paged_cache(pages, pages, new, new, table, positions, starts)
+        >>> keys[:, :, 0, 0]
+        Array([[2., 3.],
+               [0., 1.]], dtype=float32)
+    """
+    page_table, positions = jnp.asarray(page_table), jnp.asarray(positions)
+    key = jnp.asarray(key)
+    sequences, offsets = _packed(jnp.asarray(query_starts), key.shape[0])
+    at = jnp.take(positions, sequences, mode="clip") + offsets
+    value = None if value is None else jnp.asarray(value)[None]
+    return _written_at(key_pages, value_pages, key[None], value, page_table, (sequences, at))
+
+
+def _packed(query_starts: Array, rows: int) -> tuple[Array, Array]:
+    """For each of ``rows`` packed rows, its sequence (``B`` past the last) and its offset in it."""
+    row = jnp.arange(rows, dtype=query_starts.dtype)
+    sequences = jnp.searchsorted(query_starts, row, side="right") - 1
+    sequences = jnp.where(row < query_starts[-1], sequences, query_starts.shape[0] - 1)
+    offsets = row - jnp.take(query_starts, sequences, mode="clip")
+    return sequences, offsets
+
+
+def _written_at(key_pages, value_pages, key, value, page_table: Array, where: tuple):
+    """``key`` and ``value`` ``(B, T, ·, ·)`` written in their pages, row by row, at ``where``.
+
+    ``where``: the sequence and the position of each of the ``B·T`` rows.
+
+    Position ``p`` of sequence ``b`` is slot ``p % page_size`` of page ``page_table[b, p //
+    page_size]``. A position past the sequence's pages, a sequence past the table, or a page
+    number outside the pool (say −1 for "none") is not written: it would land on another
+    position or another sequence's page.
+    """
+    sequences, at = where
+    page_size = key_pages.shape[1]
+    rows = jnp.take(page_table, sequences, axis=0, mode="fill", fill_value=-1)
+    pages = jnp.take_along_axis(
+        rows, (at // page_size)[:, None], axis=1, mode="fill", fill_value=-1
+    )
+    pages = jnp.where((pages[:, 0] >= 0) & (at >= 0), pages[:, 0], key_pages.shape[0])
+    slots = (pages, at % page_size)
 
     def write(cache, new):
-        return cache.at[where].set(new.reshape(count, *new.shape[2:]), mode="drop")
+        return cache.at[slots].set(new.reshape(-1, *new.shape[2:]), mode="drop")
 
     return tuple(
         _written(cache, new, write) for cache, new in ((key_pages, key), (value_pages, value))

@@ -4,6 +4,7 @@ The oracle gathers each sequence's pages in order and attends with the queries a
 its valid keys (causal per sequence), as the reference's ``mask_mod``.
 """
 
+import functools
 import re
 
 import jax
@@ -249,3 +250,137 @@ def test_no_query_or_no_page_gives_zeros(rng):
     np.testing.assert_array_equal(out, 0.0)
     with pytest.raises(TypeError, match="`query`"):
         js.paged_attention(q.astype(jnp.bfloat16), key_pages, value_pages, table, jnp.array([3, 5]))
+
+
+# A ragged batch: sequences with 5, 0, 1 and 3 new queries packed along one axis (a prefill
+# chunk, an idle sequence, decoding steps), two padding rows past the end.
+COUNTS = [5, 0, 1, 3]
+
+
+def _ragged(rng, counts=COUNTS, extra=2, page_size=4):
+    key_pages, value_pages, table = paged_cache(rng, len(counts), 5, page_size, 2, 8)
+    starts = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(sum(counts) + extra, 4, 8)), jnp.float32)
+    lengths = jnp.array([17, 0, 1, 20])  # each at least its new queries; 20 = every slot
+    return q, key_pages, value_pages, table, lengths, starts
+
+
+def _each_sequence(q, starts, counts=COUNTS):
+    """Sequence b's queries ``(1, n_b, N, H)``."""
+    return [q[None, int(starts[b]) : int(starts[b]) + n] for b, n in enumerate(counts)]
+
+
+@pytest.mark.parametrize("window", [None, (3, 0)])
+def test_a_ragged_batch_equals_each_sequence_attended_alone(rng, window):
+    q, key_pages, value_pages, table, lengths, starts = _ragged(rng)
+    # NaN in pages no sequence references: never read.
+    unreferenced = np.setdiff1d(np.arange(key_pages.shape[0]), np.asarray(table))
+    key_pages, value_pages = (p.at[unreferenced].set(jnp.nan) for p in (key_pages, value_pages))
+    keywords = dict(local_window_size=window, return_residual=True)
+    attend = jax.jit(functools.partial(js.ragged_paged_attention, max_queries=6, **keywords))
+    out, lse = attend(q, key_pages, value_pages, table, lengths, starts)
+    for b, queries in enumerate(_each_sequence(q, starts)):
+        if queries.shape[1] == 0:
+            continue
+        pages = (key_pages, value_pages, table[b : b + 1], lengths[b : b + 1])
+        want = expected(queries, *pages, window=window)
+        rows = slice(int(starts[b]), int(starts[b + 1]))
+        assert ref.rel_err(out[rows], want["out"][0]) < 1e-5
+        np.testing.assert_allclose(lse[rows], want["lse"][0], atol=1e-5)
+    np.testing.assert_array_equal(out[-2:], 0)  # the rows past the last sequence's
+    assert np.isfinite(np.asarray(out)).all()
+
+
+def test_a_ragged_batchs_gradients_and_mods_see_each_sequences_own_queries(rng):
+    # A bias quadratic in the distance (so that a shifted q_idx would change each row's weights,
+    # not only shift its scores), over captured slopes, written with q_idx counted from the
+    # sequence's first new query (at position lengths[b] − n_b): the gradients of the queries,
+    # keys and slopes equal those of each sequence attended alone by paged_attention.
+    q, key_pages, value_pages, table, lengths, starts = _ragged(rng)
+    slopes = jnp.asarray(rng.uniform(0.1, 1.0, size=4), jnp.float32)
+    counts = starts[1:] - starts[:-1]
+
+    def alibi(slopes, b, count):
+        def mod(s, _, h, i, j):
+            return s - slopes[h] * 0.05 * ((lengths[b] - count + i - j) ** 2).astype(s.dtype)
+
+        return mod
+
+    def ragged(q, key_pages, slopes):
+        mod = lambda s, b, h, i, j: alibi(slopes, b, counts[b])(s, b, h, i, j)  # noqa: E731
+        out = js.ragged_paged_attention(
+            q, key_pages, value_pages, table, lengths, starts, max_queries=5, score_mod=mod
+        )
+        return jnp.sum(out**2)
+
+    def alone(q, key_pages, slopes):
+        total = 0.0
+        for b, queries in enumerate(_each_sequence(q, starts)):
+            if queries.shape[1]:
+                mod = alibi(slopes, b, COUNTS[b])
+                pages = (key_pages, value_pages, table[b : b + 1], lengths[b : b + 1])
+                total = total + jnp.sum(js.paged_attention(queries, *pages, score_mod=mod) ** 2)
+        return total
+
+    got = jax.grad(ragged, argnums=(0, 1, 2))(q, key_pages, slopes)
+    want = jax.grad(alone, argnums=(0, 1, 2))(q, key_pages, slopes)
+    for g, w in zip(got, want, strict=True):
+        assert ref.rel_err(g, w) < 1e-5
+    np.testing.assert_array_equal(got[0][-2:], 0)  # the padding rows: no gradient
+
+
+def test_the_ragged_writer_writes_each_sequences_tokens_as_the_paged_writer_does(rng):
+    key_pages, value_pages, table = paged_cache(rng, len(COUNTS), 5, 4, 2, 8)
+    starts = jnp.asarray(np.concatenate([[0], np.cumsum(COUNTS)]), jnp.int32)
+    positions = jnp.array([3, 7, 19, 0])  # 19: the last slot of its pages
+    new = [jnp.asarray(rng.normal(size=(sum(COUNTS) + 2, 2, 8)), jnp.float32) for _ in range(2)]
+    write = jax.jit(js.update_ragged_paged_cache)
+    got = write(key_pages, value_pages, *new, table, positions, starts)
+    want = (key_pages, value_pages)
+    for b, n in enumerate(COUNTS):
+        rows = [x[None, int(starts[b]) : int(starts[b]) + n] for x in new]
+        want = js.update_paged_cache(*want, *rows, table[b : b + 1], positions[b : b + 1])
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (
+            dict(starts=jnp.array([0, 5, 5, 6])),
+            ValueError,
+            r"`query_starts` must have shape \(B \+ 1,\) = \(5,\); got \(4,\)",
+        ),
+        (
+            dict(max_queries=4),
+            ValueError,
+            "`max_queries` must be at least each sequence's count of new queries; got 4, and a "
+            "sequence with 5",
+        ),
+        (dict(max_queries=0), ValueError, "`max_queries` must be a positive int; got 0"),
+        (dict(q_rank=4), ValueError, r"`query` must have rank 3 \(Q, N, H\), packed"),
+        (dict(starts=jnp.array([0.0, 5, 5, 6, 9])), TypeError, "query_starts"),
+    ],
+)
+def test_ragged_errors(rng, change, error, message):
+    q, key_pages, value_pages, table, lengths, starts = _ragged(rng)
+    starts = change.get("starts", starts)
+    q = q[None] if change.get("q_rank") == 4 else q
+    with pytest.raises(error, match=message):
+        js.ragged_paged_attention(
+            q,
+            *(key_pages, value_pages, table, lengths, starts),
+            max_queries=change.get("max_queries", 6),
+        )
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_a_ragged_batch_reads_quantized_pages_as_paged_attention_does(rng, fmt):
+    q, key_pages, value_pages, table, lengths, starts = _ragged(rng)
+    pools = [js.quantize(p, fmt) for p in (key_pages, value_pages)]
+    out = js.ragged_paged_attention(q, *pools, table, lengths, starts, max_queries=5)
+    for b, queries in enumerate(_each_sequence(q, starts)):
+        if queries.shape[1]:
+            alone = js.paged_attention(queries, *pools, table[b : b + 1], lengths[b : b + 1])
+            assert ref.rel_err(out[int(starts[b]) : int(starts[b + 1])], alone[0]) < 1e-6

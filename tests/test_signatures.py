@@ -18,7 +18,7 @@ from flax import linen
 
 import jax_sdpa as js
 from jax_sdpa import _keywords
-from jax_sdpa._keywords import Keywords, RingKeywords, WeightsKeywords
+from jax_sdpa._keywords import Keywords, PagedKeywords, RingKeywords, WeightsKeywords
 
 # Every parameter of each public function, written out: a keyword must not vanish silently.
 PARAMETERS = {
@@ -76,6 +76,8 @@ GROUPS = [
             "key_value_seq_lengths",
         },
     ),
+    # what ragged_paged_attention passes on: all but the mods it wraps
+    (js.paged_attention, PagedKeywords, {"score_mod", "mask_mod"}),
 ]
 GROUP_IDS = [fn.__name__ for fn, _, _ in GROUPS]
 OVERLOADED = [js.dot_product_attention, js.ring_attention, js.ring_dot_product_attention]
@@ -137,6 +139,10 @@ def test_the_overloads_take_what_the_function_takes(fn):
     for overload in overloads:
         assert _positional(overload) == _positional(fn)
         assert _accepted(overload) == _accepted(fn)
+
+
+def test_the_ragged_call_reaches_every_paged_attention_keyword():
+    assert _accepted(js.ragged_paged_attention) - {"max_queries"} == _accepted(js.paged_attention)
 
 
 def test_the_sharded_ring_call_reaches_every_ring_attention_keyword():
