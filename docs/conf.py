@@ -52,7 +52,7 @@ nitpick_ignore_regex = [
     ("py:class", r"(Array|ArrayLike|Float|Bool|Int|Key|DTypeLike|PRNGKeyArray|Mesh|Callable)"),
     ("py:class", r"(jaxlib\..*|ndarray)"),
     # The keyword groups of the overloads (**keywords: Unpack[Keywords]); the Args list each.
-    ("py:class", r"(Keywords|RingKeywords|WeightsKeywords|Unpack)"),
+    ("py:class", r"(Keywords|RingKeywords|WeightsKeywords|PagedKeywords|Unpack)"),
     # jaxtyping's shape strings, e.g. Float[Array, 'q_seq kv_seq'], read as class names.
     ("py:class", r".*['\s].*|"),
 ]

@@ -10,7 +10,7 @@ from jax import lax
 
 from jax_sdpa._call import Config, Inputs
 from jax_sdpa._heads import Result
-from jax_sdpa._jax_compat import JAX_NN_GIVES_LSE
+from jax_sdpa._jax_compat import JAX_NN_GIVES_LSE, mapped_by_vmap
 from jax_sdpa._masks import AndMask, CausalMask, LengthMask, LocalWindowMask, MaskRule
 from jax_sdpa._online_softmax import SIGMOID
 from jax_sdpa._steps import accumulation_dtype
@@ -49,6 +49,9 @@ def _beyond_jax_nn(inputs: Inputs, config: Config) -> list[str]:
             isinstance(r, LocalWindowMask) and r.right != 0 for r in parts
         )
         and not (_has(parts, CausalMask) and not _has(parts, LengthMask)),
+        "a window with a negative side": any(
+            isinstance(r, LocalWindowMask) and min(r.left, r.right) < 0 for r in parts
+        ),
     }
     return [name for name, on in used.items() if on]
 
@@ -78,7 +81,8 @@ def cudnn_unsupported(inputs: Inputs, config: Config) -> str | None:
 def cudnn_by_default(inputs: Inputs, config: Config) -> bool:
     """Whether ``implementation=None`` hands a call cuDNN takes to it: where cuDNN's result is ours.
 
-    That is on a CUDA GPU with cuDNN's flash attention (compute capability 8.0 or above), where
+    That is on a CUDA GPU with cuDNN's flash attention (compute capability 8.0 or above), not
+    under a ``jax.vmap`` of the call (jax.nn's cuDNN batches only axis 0 of every input), where
     every row has a key, provably (no array mask or bias, whose rows may hold none, no lengths;
     a window only with a causal mask, and then ``T = S``, so that each row keeps its diagonal),
     the log-sum-exp is not returned (cuDNN's has no gradient), and the inputs are what cuDNN
@@ -90,12 +94,11 @@ def cudnn_by_default(inputs: Inputs, config: Config) -> bool:
     dtypes = {x.dtype for x in (inputs.query, inputs.key, values)}
     causal = _has(parts, CausalMask)
     rows_keep_a_key = all(
-        isinstance(r, CausalMask)
-        or (isinstance(r, LocalWindowMask) and causal and min(r.left, r.right) >= 0)
-        for r in parts
+        isinstance(r, CausalMask) or (isinstance(r, LocalWindowMask) and causal) for r in parts
     ) and (not parts or seq_q == inputs.key.shape[-3])
     return (
         flash_attention_device()
+        and not mapped_by_vmap(inputs)
         and rows_keep_a_key
         and arrays.bias is None
         and arrays.mask is None
@@ -109,9 +112,13 @@ def cudnn_by_default(inputs: Inputs, config: Config) -> bool:
 
 
 def flash_attention_device() -> bool:
-    """Whether JAX's first device is a CUDA GPU with cuDNN's flash attention (sm_80 or later)."""
-    capability = getattr(jax.devices()[0], "compute_capability", None)
-    return capability is not None and float(capability) >= 8.0
+    """Whether JAX's first device is a CUDA GPU with cuDNN's flash attention (sm_80 or later).
+
+    (A ROCm GPU names its architecture there, ``"gfx90a"``: not a version.)
+    """
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    version = capability.split(".")
+    return all(part.isdigit() for part in version) and tuple(map(int, version)) >= (8, 0)
 
 
 def _jax_nn_arguments(inputs: Inputs, config: Config) -> dict:

@@ -173,6 +173,15 @@ def carries(leaves, trace) -> bool:
     return False
 
 
+def mapped_by_vmap(tree) -> bool:
+    """Whether ``jax.vmap`` maps a call on ``tree``.
+
+    Seen from inside the call: not a ``vmap`` of a ``jax.jit`` that traced the call first.
+    """
+    leaves = jax.tree.leaves(tree)
+    return any(is_batching(t) and carries(leaves, t) for t in enclosing_traces())
+
+
 def under_jvp_of(tree) -> bool:
     """Whether the innermost transformation of a call on ``tree``, through ``vmap``, is a JVP.
 

@@ -14,8 +14,6 @@ step's new keys and values into a contiguous or a paged cache: pure functions of
 ``jax.jit`` with the cache donated (``donate_argnums``), so that XLA writes in place.
 """
 
-from __future__ import annotations
-
 from typing import TYPE_CHECKING
 
 import jax
@@ -24,10 +22,12 @@ from jaxtyping import Array, ArrayLike, Float, Integer
 
 from jax_sdpa import _checks
 from jax_sdpa._arguments import bind
+from jax_sdpa._block_mask import BlockMask
 from jax_sdpa._implementations import check_implementation, run
-from jax_sdpa._indices import indices
+from jax_sdpa._indices import INDEX, indices
 from jax_sdpa._keywords import Normalizer, PagedKeywords
 from jax_sdpa._latent import LatentValues
+from jax_sdpa._masks import MaskRule
 from jax_sdpa._quantized import Quantized, quantize_like
 from jax_sdpa._tunables import Paged
 
@@ -153,7 +153,7 @@ def ragged_paged_attention(
     max_queries: int,
     score_mod=None,
     mask_mod=None,
-    **keywords: Unpack[PagedKeywords],
+    **keywords: "Unpack[PagedKeywords]",
 ):
     r""":func:`paged_attention` of sequences with different numbers of new queries, packed.
 
@@ -161,10 +161,11 @@ def ragged_paged_attention(
     new queries (as vLLM's ``query_start_loc``: ``query_starts[0] = 0``, non-decreasing), its
     last positions: a prefill chunk and decoding steps in one call. Row ``query_starts[b] + i``
     gives what :func:`paged_attention` gives sequence ``b``'s query ``i`` of its ``n_b``, the
-    causal mask aligned to its last key; rows past ``query_starts[-1]`` give zeros. Each
-    sequence is attended with its queries padded to ``max_queries`` (static, at least every
-    ``n_b``; under ``jit`` a longer sequence keeps only its last ``max_queries`` queries' rows):
-    the pure-JAX path, its work that of ``B · max_queries`` queries.
+    causal mask aligned to its last key; rows outside ``query_starts`` give zeros (their
+    log-sum-exp and max scores too). Each sequence is attended with its queries padded to
+    ``max_queries`` (static, at least every ``n_b``; under ``jit`` a longer sequence gets only
+    its last ``max_queries`` rows, the others zeros): the pure-JAX path, its work that of
+    ``B · max_queries`` queries.
 
     Args:
         query: ``(Q, N, H)``, the batch's new queries packed along one axis.
@@ -177,7 +178,8 @@ def ragged_paged_attention(
         max_queries: The most new queries any sequence has.
         score_mod: As in :func:`paged_attention`, ``q_idx`` counting each sequence's own new
             queries from 0.
-        mask_mod: As ``score_mod``.
+        mask_mod: As ``score_mod``: a function (a :class:`~jax_sdpa.MaskRule` or block mask
+            knows no ragged rows).
         **keywords: :func:`paged_attention`'s others (``scale``, ``is_causal``,
             ``local_window_size``, ``logits_soft_cap``, ``sinks``, ``normalizer``,
             ``sigmoid_bias``, ``return_residual`` and ``return_max_scores``, whose arrays are
@@ -204,11 +206,12 @@ def ragged_paged_attention(
         True
     """
     query, query_starts = jnp.asarray(query), jnp.asarray(query_starts)
-    _check_ragged(query, page_table, query_starts, max_queries)
+    _check_ragged(query, page_table, query_starts, max_queries, mask_mod)
+    query_starts = query_starts.astype(INDEX)
     counts = query_starts[1:] - query_starts[:-1]
     # Sequence b's row t (of max_queries) is its query t − (max_queries − n_b): its queries last.
     first = max_queries - counts
-    rows = query_starts[1:, None] - max_queries + jnp.arange(max_queries)[None, :]  # (B, T)
+    rows = query_starts[1:, None] - max_queries + jnp.arange(max_queries, dtype=INDEX)[None, :]
     real = (rows >= query_starts[:-1, None]) & (rows < query_starts[1:, None])
     padded = jnp.where(real[..., None, None], jnp.take(query, rows, axis=0, mode="clip"), 0)
 
@@ -236,8 +239,13 @@ def ragged_paged_attention(
     return jax.tree.map(packed, results)
 
 
-def _check_ragged(query, page_table, query_starts, max_queries) -> None:
+def _check_ragged(query, page_table, query_starts, max_queries, mask_mod) -> None:
     _checks.check_ndim("query", query, (3,), "(Q, N, H), packed")
+    if isinstance(mask_mod, (MaskRule, BlockMask)):
+        raise TypeError(
+            "`mask_mod` of ragged_paged_attention must be a function (batch, head, q_idx, "
+            f"kv_idx) -> bool, its q_idx each sequence's own; got {type(mask_mod).__name__}."
+        )
     batch = jnp.shape(page_table)[0]
     _checks.check_shape("query_starts", query_starts, (batch + 1,), "(B + 1,)")
     _checks.check_integer("query_starts", query_starts)
@@ -351,19 +359,20 @@ def update_ragged_paged_cache(
         Array([[2., 3.],
                [0., 1.]], dtype=float32)
     """
-    page_table, positions = jnp.asarray(page_table), jnp.asarray(positions)
+    page_table, positions = jnp.asarray(page_table), jnp.asarray(positions).astype(INDEX)
     key = jnp.asarray(key)
-    sequences, offsets = _packed(jnp.asarray(query_starts), key.shape[0])
+    sequences, offsets = _packed(jnp.asarray(query_starts).astype(INDEX), key.shape[0])
     at = jnp.take(positions, sequences, mode="clip") + offsets
     value = None if value is None else jnp.asarray(value)[None]
     return _written_at(key_pages, value_pages, key[None], value, page_table, (sequences, at))
 
 
 def _packed(query_starts: Array, rows: int) -> tuple[Array, Array]:
-    """For each of ``rows`` packed rows, its sequence (``B`` past the last) and its offset in it."""
+    """Each of ``rows`` packed rows' sequence (``B`` if outside them all) and offset in it."""
     row = jnp.arange(rows, dtype=query_starts.dtype)
     sequences = jnp.searchsorted(query_starts, row, side="right") - 1
-    sequences = jnp.where(row < query_starts[-1], sequences, query_starts.shape[0] - 1)
+    inside = (row >= query_starts[0]) & (row < query_starts[-1])
+    sequences = jnp.where(inside, sequences, query_starts.shape[0] - 1)
     offsets = row - jnp.take(query_starts, sequences, mode="clip")
     return sequences, offsets
 

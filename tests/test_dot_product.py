@@ -592,6 +592,10 @@ def test_the_default_on_a_gpu_hands_cudnn_the_calls_whose_result_is_ours(rng, mo
     small = [x[:1, :2] for x in (k, v)]
     jax.hessian(lambda q: js.dot_product_attention(q, *small).astype(jnp.float32).sum())(q[:1, :2])
     assert len(handed) == before
+    # Under jax.vmap of the call (jax.nn's cuDNN batches axis 0 of every input, not one unmapped).
+    before = len(handed)
+    jax.vmap(lambda q: js.dot_product_attention(q, k, v, is_causal=True))(q[None])
+    assert len(handed) == before
     # MLA's latent values: the values a slice of the keys (d_v ≠ d_k here: not cuDNN's).
     assert not handed_to_cudnn(v=js.LatentValues(8))
     # Not on a GPU without cuDNN's flash attention (before sm_80, or not CUDA).

@@ -261,7 +261,7 @@ def _ragged(rng, counts=COUNTS, extra=2, page_size=4):
     key_pages, value_pages, table = paged_cache(rng, len(counts), 5, page_size, 2, 8)
     starts = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
     q = jnp.asarray(rng.normal(size=(sum(counts) + extra, 4, 8)), jnp.float32)
-    lengths = jnp.array([17, 0, 1, 20])  # each at least its new queries; 20 = every slot
+    lengths = jnp.array([17, 0, 1, 20], jnp.int32)  # each at least its new queries; 20: all
     return q, key_pages, value_pages, table, lengths, starts
 
 
@@ -329,6 +329,22 @@ def test_a_ragged_batchs_gradients_and_mods_see_each_sequences_own_queries(rng):
     np.testing.assert_array_equal(got[0][-2:], 0)  # the padding rows: no gradient
 
 
+def test_a_ragged_batchs_mask_mod_sees_each_sequences_own_queries(rng):
+    q, key_pages, value_pages, table, lengths, starts = _ragged(rng)
+
+    def mask_mod(b, h, i, j):  # a sequence's odd queries see only even keys
+        return (i % 2 == 0) | (j % 2 == 0)
+
+    out = js.ragged_paged_attention(
+        q, key_pages, value_pages, table, lengths, starts, max_queries=6, mask_mod=mask_mod
+    )
+    for b, queries in enumerate(_each_sequence(q, starts)):
+        if queries.shape[1]:
+            pages = (key_pages, value_pages, table[b : b + 1], lengths[b : b + 1])
+            alone = js.paged_attention(queries, *pages, mask_mod=mask_mod)
+            assert ref.rel_err(out[int(starts[b]) : int(starts[b + 1])], alone[0]) < 1e-6
+
+
 def test_the_ragged_writer_writes_each_sequences_tokens_as_the_paged_writer_does(rng):
     key_pages, value_pages, table = paged_cache(rng, len(COUNTS), 5, 4, 2, 8)
     starts = jnp.asarray(np.concatenate([[0], np.cumsum(COUNTS)]), jnp.int32)
@@ -340,6 +356,14 @@ def test_the_ragged_writer_writes_each_sequences_tokens_as_the_paged_writer_does
     for b, n in enumerate(COUNTS):
         rows = [x[None, int(starts[b]) : int(starts[b]) + n] for x in new]
         want = js.update_paged_cache(*want, *rows, table[b : b + 1], positions[b : b + 1])
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    # Rows before the first start or after the end belong to no sequence: never written.
+    outside = jnp.array([2, 3, 4], jnp.int32)
+    pages = (key_pages, value_pages)
+    got = js.update_ragged_paged_cache(*pages, *new, table[:2], positions[:2], outside)
+    rows = [x[2:4] for x in new]
+    want = js.update_ragged_paged_cache(*pages, *rows, table[:2], positions[:2], outside - 2)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
 
@@ -361,6 +385,7 @@ def test_the_ragged_writer_writes_each_sequences_tokens_as_the_paged_writer_does
         (dict(max_queries=0), ValueError, "`max_queries` must be a positive int; got 0"),
         (dict(q_rank=4), ValueError, r"`query` must have rank 3 \(Q, N, H\), packed"),
         (dict(starts=jnp.array([0.0, 5, 5, 6, 9])), TypeError, "query_starts"),
+        (dict(mask_mod=js.CausalMask()), TypeError, "`mask_mod` of ragged_paged_attention must"),
     ],
 )
 def test_ragged_errors(rng, change, error, message):
@@ -372,6 +397,7 @@ def test_ragged_errors(rng, change, error, message):
             q,
             *(key_pages, value_pages, table, lengths, starts),
             max_queries=change.get("max_queries", 6),
+            mask_mod=change.get("mask_mod"),
         )
 
 
