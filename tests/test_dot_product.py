@@ -472,12 +472,7 @@ def test_cudnn_is_handed_the_call_in_jax_nn_arguments(rng, monkeypatch):
     # rules back as jax.nn's flags and lengths).
     q, k, v = qkv(rng, 2, 6, 6, 4, 2, 8)
     bias = jnp.asarray(rng.normal(size=(1, 4, 6, 6)), jnp.float32)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(
-        jax.nn,
-        "dot_product_attention",
-        lambda *a, implementation, **kw: nn_attention(*a, implementation="xla", **kw),
-    )
+    handed = _on_a_gpu_recording_cudnn(monkeypatch)
     kwargs = dict(
         is_causal=True,
         local_window_size=(2, 0),  # (with lengths, jax.nn's cuDNN takes no right side)
@@ -486,6 +481,7 @@ def test_cudnn_is_handed_the_call_in_jax_nn_arguments(rng, monkeypatch):
         scale=0.3,
     )
     out = js.dot_product_attention(q, k, v, bias, implementation="cudnn", **kwargs)
+    assert len(handed) == 1
     np.testing.assert_allclose(out, nn_attention(q, k, v, bias, **kwargs), atol=1e-6)
     expected = ref.attention(
         q,
