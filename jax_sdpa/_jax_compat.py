@@ -119,6 +119,16 @@ JAX_NN_GIVES_LSE = "return_residual" in inspect.signature(jax.nn.dot_product_att
 # their lowering wants a mesh context and the interpreter's values came out wrong (JAX 0.6.2).
 PALLAS_UNDER_SHARD_MAP = jax.__version_info__ >= (0, 7)
 
+# The Mosaic GPU kernel is written for Mosaic GPU's Warpgroup semantics, whose layout inference
+# JAX 0.10 cannot solve for it (tried); 0.11 and later do, and have the GPU simulator.
+MOSAIC_GPU_KERNEL = jax.__version_info__ >= (0, 11)
+if MOSAIC_GPU_KERNEL:
+    from jax.experimental.pallas import mosaic_gpu as _plgpu
+
+    GPU_SIMULATOR: tuple = (_plgpu.InterpretGPUParams,)
+else:
+    GPU_SIMULATOR = ()
+
 
 def triton_atomic_add(ref, index, value) -> None:
     """Pallas's atomic add on a GPU.

@@ -59,7 +59,7 @@ def pallas_sequence(
     """
     (seq_q, _, _), value_width = query.shape, value.shape[-1]
     tiles = fitted(formula, tunables, query, key)
-    query, key, value, arrays = padded(tiles, query, key, value, arrays)
+    query, key, value, arrays = padded(tiles, tunables, query, key, value, arrays)
     arrays = blocked(tiles, arrays, seq_q, key.shape[0])
     lists = BlockLists.of(arrays.rule) if isinstance(arrays.rule, BlockMask) else None
     out, lse, top = _fused(tiles, tunables, query, key, value, arrays, lists)

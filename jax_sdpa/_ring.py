@@ -59,7 +59,7 @@ def _on_kernel(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, kv_off
     q, k, v = _heads(queries, heads), _heads(key, kv_heads), _heads(value, kv_heads)
     fitted = kernels.fitted(tiles.formula, kernel, q, k)
     arrays = dataclasses.replace(arrays, sinks=None)
-    return fitted, (q, k, v), kernels.padded(fitted, q, k, v, arrays, kv_offset)
+    return fitted, (q, k, v), kernels.padded(fitted, kernel, q, k, v, arrays, kv_offset)
 
 
 def _kernel_forward(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, state, offsets):

@@ -188,8 +188,9 @@ def normalize(
     x: Float[Array, "q ..."], denom: Float[Array, " q"], row_max: Float[Array, " q"]
 ) -> Float[Array, "q ..."]:
     """Divides each row by its softmax denominator; a row with no allowed key becomes 0."""
-    seen = has_key(row_max).reshape(row_max.shape + (1,) * (x.ndim - 1))
-    return jnp.where(seen, x / denom.reshape(seen.shape), 0)
+    trailing = tuple(range(row_max.ndim, x.ndim))  # (as new axes: a kernel reshapes no rows)
+    seen = jnp.expand_dims(has_key(row_max), trailing)
+    return jnp.where(seen, x / jnp.expand_dims(denom, trailing), 0)
 
 
 def logsumexp(row_max: Float[Array, "*q"], denom: Float[Array, "*q"]) -> Float[Array, "*q"]:

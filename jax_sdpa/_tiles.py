@@ -23,6 +23,7 @@ are padded (:func:`pad_to`, :func:`pad_keys`), the padded keys masked by a lengt
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import jax
@@ -34,7 +35,7 @@ from jax_sdpa._heads import over_heads
 from jax_sdpa._indices import INDEX, Index, indices, listed, positions
 from jax_sdpa._masks import LengthMask, MaskRule
 from jax_sdpa._online_softmax import State
-from jax_sdpa._steps import cast_product, raw_scores
+from jax_sdpa._steps import cast_product, raw_scores, weighted_sum
 
 
 class BackwardRows(NamedTuple):
@@ -64,6 +65,9 @@ class Tiles:
     block_kv: int
     groups: tuple[int, int]  # (K, G): key/value heads, query heads per key/value head
     fused: bool = False  # the tiles are a Pallas kernel's: no hints to XLA's scheduler there
+    # How a kernel forms the tiles' matrix products, as :func:`~jax_sdpa._steps.cast_product`
+    # (None where it forms none: then the steps' own products).
+    product: Callable | None = None
 
     def raw(self, q_i, k_j) -> tuple:
         """``(queries, formula, raw)``: one head's tile up to its raw scores ``queries · k_j``.
@@ -73,6 +77,8 @@ class Tiles:
         loop, to once per query block.
         """
         q_i, formula = self.formula.scaled_queries(q_i)
+        if self.product is not None:
+            return q_i, formula, self.product("td,sd->ts", q_i, k_j, q_i.dtype)
         return q_i, formula, raw_scores(q_i, k_j, precision=formula.precision)
 
     def scores(self, q_i, k_j, arrays: CallArrays, q_offset, kv_offset):
@@ -102,7 +108,14 @@ class Tiles:
             drop=drop,
             bias=arrays.sigmoid_bias,
             top_first=not self.fused,
+            product=self._weighted,
         )
+
+    def _weighted(self, weights, value, precision=None):
+        """The weighted sum of the values, :func:`~jax_sdpa._steps.weighted_sum` or the kernel's."""
+        if self.product is None:
+            return weighted_sum(weights, value, precision=precision)
+        return self.product("ts,sd->td", weights, value, value.dtype)
 
     def backward_tile(
         self, q_i, k_j, v_j, arrays: CallArrays, row_terms: BackwardRows, q_offset, kv_offset
@@ -132,13 +145,13 @@ class Tiles:
         # The weights: P = e^{S − lse}, or the sigmoid's.
         p = formula.normalizer.recompute(scores, allowed, row_terms.shift, arrays.sigmoid_bias)
         drop = self.drop_at(arrays, q_offset, kv_offset)
-        product = functools.partial(cast_product, precision=formula.precision)
+        product = functools.partial(self.product or cast_product, precision=formula.precision)
         d_v_j = product("ts,td->sd", drop(p), row_terms.d_out, v_j.dtype)
         d_p = drop(product("td,sd->ts", row_terms.d_out, v_j, v_j.dtype))  # dropout: self-adjoint
         d_scores = formula.normalizer.score_gradient(p, d_p, row_terms.delta)
         d_raw, d_bias_ij, d_consts = logits_vjp(d_scores)
         d_q_i = product("ts,sd->td", d_raw, k_j, q_i.dtype)
-        if formula is not self.formula:  # the scale multiplied the queries: their gradient too
+        if formula is not self.formula and d_q_i is not None:  # the queries were scaled: d_q too
             d_q_i = d_q_i * jnp.asarray(self.formula.scale, d_q_i.dtype)
         d_k_j = product("ts,td->sd", d_raw, q_scaled, q_i.dtype)
         return d_q_i, d_k_j, d_v_j, d_bias_ij, d_consts
@@ -229,18 +242,27 @@ def sweep(step, rule: MaskRule | None, blocks: Blocks, span: tuple, carry, lists
 
     ``lists`` ``(count, order)``, a block mask's list of the blocks (:func:`listed_blocks`), if
     there is one: the loop then runs over the blocks it lists, no others, each with the rule.
+    Otherwise the loops are :func:`runs`.
+    """
+    if rule is not None and lists is not None:
+        count, order = lists
+        return loop(0, count, lambda m, c: step(order[m], c, rule), carry)
+    for start, stop, tile_rule in runs(rule, blocks, span):
+        carry = loop(start, stop, functools.partial(step, rule=tile_rule), carry)
+    return carry
+
+
+def runs(rule: MaskRule | None, blocks: Blocks, span: tuple) -> tuple:
+    """The runs ``(start, stop, tile_rule)`` of the blocks of ``blocks`` that ``rule`` may allow.
 
     ``span`` is the global ``(lo, hi)`` of the other axis's block: the rule's
     ``kv_range(*span)`` (or ``q_range``) is where it may allow anything, its ``kv_full_range``
-    where it allows everything. Blocks outside the first range are skipped; blocks wholly
+    where it allows everything. Blocks outside the first range are in no run; blocks wholly
     inside the second run with ``tile_rule=None``, no mask to evaluate; the blocks in between
     run with the rule.
     """
     if rule is None:
-        return loop(0, blocks.count, lambda n, c: step(n, c, None), carry)
-    if lists is not None:
-        count, order = lists
-        return loop(0, count, lambda m, c: step(order[m], c, rule), carry)
+        return ((0, blocks.count, None),)
     reach, full_reach = {
         "kv": (rule.kv_range, rule.kv_full_range),
         "q": (rule.q_range, rule.q_full_range),
@@ -251,10 +273,7 @@ def sweep(step, rule: MaskRule | None, blocks: Blocks, span: tuple, carry, lists
     full_lo, full_hi = (x - offset for x in full_reach(*span))
     full_lo = jnp.clip(-(-full_lo // size), lo, hi)
     full_hi = jnp.clip(full_hi // size, full_lo, hi)
-    runs = ((lo, full_lo, rule), (full_lo, full_hi, None), (full_hi, hi, rule))
-    for start, stop, tile_rule in runs:
-        carry = loop(start, stop, functools.partial(step, rule=tile_rule), carry)
-    return carry
+    return ((lo, full_lo, rule), (full_lo, full_hi, None), (full_hi, hi, rule))
 
 
 def listed_blocks(tiles: Tiles, arrays: CallArrays, axis: str, block, offsets, count: int):

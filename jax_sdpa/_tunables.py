@@ -12,6 +12,7 @@ from typing import Any
 from jax.experimental.pallas import tpu as pltpu
 
 from jax_sdpa import _checks
+from jax_sdpa._jax_compat import GPU_SIMULATOR
 
 # The fastest tile measured on a 2-core CPU, causal or not, forward and backward (BENCHMARKS.md):
 # smaller tiles pay more per-iteration overhead than they save in cache misses.
@@ -93,6 +94,7 @@ class Selected:
 
 # The smallest side of a tile and of a head: Triton's matrix product takes no less.
 MIN_SIDE = 16
+GPU_BACKENDS = (None, "triton", "mosaic_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +111,16 @@ class Pallas:
         num_warps: Triton's warps per program (GPU).
         num_stages: Triton's software-pipelining stages (GPU).
         interpret: ``True`` runs the Pallas interpreter on any backend; a
-            ``jax.experimental.pallas.tpu.InterpretParams`` the TPU simulator.
+            ``jax.experimental.pallas.tpu.InterpretParams`` the TPU simulator; a
+            ``jax.experimental.pallas.mosaic_gpu.InterpretGPUParams`` the Mosaic GPU kernel on
+            the GPU simulator.
+        backend: The GPU kernel: ``"triton"``, ``"mosaic_gpu"`` (Hopper's warp-specialized
+            kernel, JAX 0.11 or later; its tiles are its own), or None: Triton (the Mosaic
+            GPU kernel is not yet the default anywhere; see the kernels guide).
 
     Examples:
         >>> Pallas(block_kv=32)
-        Pallas(block_q=64, block_kv=32, num_warps=4, num_stages=2, interpret=False)
+        Pallas(block_q=64, block_kv=32, num_warps=4, num_stages=2, interpret=False, backend=None)
     """
 
     block_q: int = 64
@@ -121,6 +128,7 @@ class Pallas:
     num_warps: int = 4
     num_stages: int = 2
     interpret: Any = False
+    backend: str | None = None
 
     def __post_init__(self):
         check_sizes(self, ("block_q", "block_kv", "num_warps", "num_stages"))
@@ -131,10 +139,14 @@ class Pallas:
                     f"`Pallas.{name}` must be a power of two ≥ {least} (as Triton takes it); "
                     f"got {size}."
                 )
-        if not isinstance(self.interpret, (bool, pltpu.InterpretParams)):
+        if not isinstance(self.interpret, (bool, pltpu.InterpretParams, *GPU_SIMULATOR)):
             raise TypeError(
-                "`Pallas.interpret` must be a bool or a pltpu.InterpretParams; "
-                f"got {self.interpret!r}."
+                "`Pallas.interpret` must be a bool, a pltpu.InterpretParams or a "
+                f"plgpu.InterpretGPUParams; got {self.interpret!r}."
+            )
+        if self.backend not in GPU_BACKENDS:
+            raise ValueError(
+                f"`Pallas.backend` must be one of {GPU_BACKENDS}; got {self.backend!r}."
             )
 
 

@@ -182,3 +182,44 @@ def _hopper_shared_bytes(asm: str, num_warps: int, num_stages: int) -> int:
             name = asm.split("@", 1)[1].split(" ", 1)[0] if "@" in asm else "?"
             raise KernelModuleError(f"Triton kernel {name} does not compile: {error}") from None
     return compiled.metadata.shared
+
+
+def mosaic_gpu_kernels(program, *args) -> list[str]:
+    """Every Mosaic GPU kernel module of ``program`` exported for ``cuda``, parsed (Mosaic GPU's
+    dialect registered), deserialized and verified, printed.
+
+    What XLA does next on a GPU (its C++ passes to NVVM, PTX and a cubin) a CPU jaxlib cannot:
+    the lowering has already run Mosaic GPU's layout inference and its shared-memory check.
+    """
+    from jax._src.lib import mosaic_gpu_dialect
+    from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
+
+    with abstract_devices(abstract_mesh("cuda")):
+        unchecked = [export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")]
+        program = export.export(jax.jit(program), platforms=["cuda"], disabled_checks=unchecked)
+        stablehlo = program(*args).mlir_module()
+    context = jax_mlir.make_ir_context()
+    mosaic_gpu_dialect.register_dialect(context)
+    with context:
+        bodies = []
+
+        def find(op):
+            if op.name == "stablehlo.custom_call":
+                if ir.StringAttr(op.attributes["call_target_name"]).value == "mosaic_gpu_v2":
+                    config = ir.DictAttr(op.attributes["mhlo.backend_config"])
+                    bodies.append(ir.StringAttr(config["module"]).value_bytes)
+            return ir.WalkResult.ADVANCE
+
+        ir.Module.parse(stablehlo).operation.walk(find)
+        kernels = []
+        for body in bodies:
+            context.allow_unregistered_dialects = True  # until deserialized: versioned names
+            try:
+                module = _parsed("mosaic_gpu_v2", body, verify=False)
+                module = mosaic_gpu_core._run_serde_pass(module, serialize=False)
+            finally:
+                context.allow_unregistered_dialects = False
+            if not module.operation.verify():
+                raise KernelModuleError("a Mosaic GPU kernel does not verify.")
+            kernels.append(module.operation.get_asm(enable_debug_info=False))
+        return kernels

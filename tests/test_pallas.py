@@ -34,7 +34,8 @@ INTERPRET = js.Pallas(block_q=16, block_kv=16, interpret=True)
         (dict(num_warps=3), ValueError, "`Pallas.num_warps` must be a power of two ≥ 1"),
         (dict(num_stages=0), ValueError, "`Pallas.num_stages` must be a positive int"),
         (dict(block_q=64.0), TypeError, "`Pallas.block_q` must be a positive int; got 64.0"),
-        (dict(interpret="yes"), TypeError, "`Pallas.interpret` must be a bool or a pltpu"),
+        (dict(interpret="yes"), TypeError, "`Pallas.interpret` must be a bool, a pltpu"),
+        (dict(backend="cuda"), ValueError, "`Pallas.backend` must be one of"),
     ],
 )
 def test_tunables_the_backends_cannot_take_are_refused_when_made(options, error, message):

@@ -8,7 +8,7 @@ the first zeroing what all of them add into). A new backend is one more module b
 """
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from jax_sdpa._tunables import Pallas
@@ -23,12 +23,14 @@ class Backend:
     after another); ``heads_first`` where a head of a ``(T, N, d)`` array is not a block it
     loads (Mosaic TPU's blocks end in two whole axes): its calls take and give such arrays as
     ``(N, T, d)``, transposed around the call. The others read and write them in place.
+    ``rules``: its own rewrites of a program's body (:func:`jax_sdpa._kernels.reads.evaluate`).
     """
 
     compiler_params: Callable[[Pallas], Any]
     interpret: Any = False
     atomic_add: Callable | None = None
     heads_first: bool = False
+    rules: Mapping | None = None
 
     @property
     def concurrent(self) -> bool:

@@ -18,7 +18,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._indices import INDEX
-from jax_sdpa._jax_compat import shaped_like
+from jax_sdpa._jax_compat import GPU_SIMULATOR, shaped_like
+from jax_sdpa._kernels import mosaic_gpu
 from jax_sdpa._kernels.backend import Backend
 from jax_sdpa._kernels.interpreter import INTERPRETER, tpu_simulator
 from jax_sdpa._kernels.mosaic_tpu import MOSAIC_TPU
@@ -137,6 +138,17 @@ def forward(
         jax.tree.map(_whole, inputs.shared),
     )
     rows = shaped_like((seq_q, heads, 1), accumulation_dtype(query.dtype), query)
+
+    def on_mosaic_gpu(inputs: ForwardIn, interpret=None) -> ForwardOut:
+        out, lse, top = mosaic_gpu.forward(
+            plan,
+            *dataclasses.astuple(inputs)[:3],
+            inputs.shared,
+            out_dtype or value.dtype,
+            interpret,
+        )
+        return ForwardOut(out, _as_rows(lse), _as_rows(top))
+
     outs = _compiled(
         plan,
         forward_program,
@@ -149,6 +161,7 @@ def forward(
             shaped_like((seq_q, heads, value_width), out_dtype or value.dtype, query), rows, rows
         ),
         name="jax_sdpa_forward",
+        mosaic_gpu=on_mosaic_gpu,
     )(inputs)
     return outs.out, outs.lse[:, :, 0], outs.top[:, :, 0]
 
@@ -278,7 +291,17 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list):
 PLATFORMS = {"cuda": TRITON, "rocm": TRITON, "tpu": MOSAIC_TPU}
 
 
-def _compiled(plan: Plan, program, grid, in_specs, out_specs, out_shape, name: str, aliases=None):
+def _compiled(
+    plan: Plan,
+    program,
+    grid,
+    in_specs,
+    out_specs,
+    out_shape,
+    name: str,
+    aliases=None,
+    mosaic_gpu=None,
+):
     """``program`` as a ``pallas_call`` of one pytree of inputs, for the backend that runs it.
 
     That is the platform's the program is lowered for (:func:`jax.lax.platform_dependent`):
@@ -287,6 +310,8 @@ def _compiled(plan: Plan, program, grid, in_specs, out_specs, out_shape, name: s
     ``pallas_call``'s ``input_output_aliases`` (outputs that start as inputs). The specs are
     ``BlockSpec``s and :class:`_Rows` of ``(T, heads, d)`` arrays, read and written in place,
     or head-first for a backend that needs them so (the transposes only in its branch).
+    ``mosaic_gpu(inputs, interpret=None)``: the same outputs by the Mosaic GPU kernel, which
+    runs on ``cuda`` in Triton's place where the tunables chose it (:func:`gpu_kernel`).
     """
 
     def on(backend: Backend):
@@ -307,11 +332,19 @@ def _compiled(plan: Plan, program, grid, in_specs, out_specs, out_shape, name: s
         return lambda inputs: _heads_first(out_specs, call(_heads_first(in_specs, inputs)))
 
     interpret = plan.tunables.interpret
+    if isinstance(interpret, GPU_SIMULATOR):  # (the backward pass: Triton's programs, for now)
+        return (
+            on(INTERPRETER)
+            if mosaic_gpu is None
+            else functools.partial(mosaic_gpu, interpret=interpret)
+        )
     if isinstance(interpret, pltpu.InterpretParams):
         return on(tpu_simulator(interpret))
     if interpret:
         return on(INTERPRETER)
     calls = {platform: on(backend) for platform, backend in PLATFORMS.items()}
+    if mosaic_gpu is not None and _on_mosaic_gpu(plan.tunables):
+        calls["cuda"] = mosaic_gpu
     return lambda inputs: lax.platform_dependent(inputs, **calls, default=on(INTERPRETER))
 
 
@@ -331,30 +364,44 @@ def _plan(tiles: Tiles, tunables: Pallas, query, key, arrays: CallArrays, lists)
 def fitted(formula: Formula, tunables: Pallas, query, key) -> Tiles:
     """The tiles for ``(T, N, H)`` queries and ``(S, K, H)`` keys.
 
-    ``tunables``' sides, or for a short sequence the power of two ≥ 16 at or above its length.
+    ``tunables``' sides, or for a short sequence the power of two ≥ 16 at or above its length;
+    the Mosaic GPU kernel's own (:func:`jax_sdpa._kernels.mosaic_gpu.sides`) where it runs.
     """
-    (seq_q, heads, _), (seq_kv, kv_heads, _) = query.shape, key.shape
-    block_q, block_kv = _side(seq_q, tunables.block_q), _side(seq_kv, tunables.block_kv)
+    (seq_q, heads, width), (seq_kv, kv_heads, _) = query.shape, key.shape
+    if _on_mosaic_gpu(tunables):
+        block_q, block_kv = mosaic_gpu.sides(width)
+        block_kv = _power_of_two(min(block_kv, seq_kv), mosaic_gpu.MIN_WIDTH)
+    else:
+        block_q, block_kv = _side(seq_q, tunables.block_q), _side(seq_kv, tunables.block_kv)
     return Tiles(formula, block_q, block_kv, (kv_heads, heads // kv_heads), fused=True)
 
 
-def padded(tiles: Tiles, query, key, value, arrays: CallArrays, kv_offset=0) -> tuple:
+def _on_mosaic_gpu(tunables: Pallas) -> bool:
+    """Whether the Mosaic GPU kernel runs (on its simulator, or on ``cuda``)."""
+    return tunables.backend == "mosaic_gpu" or isinstance(tunables.interpret, GPU_SIMULATOR)
+
+
+def padded(tiles: Tiles, tunables: Pallas, query, key, value, arrays: CallArrays, kv_offset=0):
     """``(query, key, value, arrays)`` padded to whole tiles and heads of a power of two ≥ 16.
 
     The padded keys are masked by a length rule (at global positions from ``kv_offset``); the
-    padded queries are the caller's to drop; the heads' zeros change no product.
+    padded queries are the caller's to drop; the heads' zeros change no product. For the Mosaic
+    GPU kernel, whole programs of rows and heads of a power of two ≥ 64.
     """
-    rows_q = -(-query.shape[0] // tiles.block_q) * tiles.block_q
+    rows, least = (1, MIN_SIDE)
+    if _on_mosaic_gpu(tunables):
+        rows, least = mosaic_gpu.CONSUMERS, mosaic_gpu.MIN_WIDTH
+    rows_q = -(-query.shape[0] // (rows * tiles.block_q)) * rows * tiles.block_q
     rows_kv = -(-key.shape[0] // tiles.block_kv) * tiles.block_kv
     _, _, arrays = pad_keys(key, value, arrays, tiles.block_kv, kv_offset)
     if arrays.head is None:
         heads = jnp.arange(query.shape[1], dtype=INDEX)
         arrays = dataclasses.replace(arrays, head=heads)
-    width = _power_of_two(query.shape[-1])
+    width = _power_of_two(query.shape[-1], least)
     return (
         _pad(query, rows_q, width),
         _pad(key, rows_kv, width),
-        _pad(value, rows_kv, _power_of_two(value.shape[-1])),
+        _pad(value, rows_kv, _power_of_two(value.shape[-1], least)),
         arrays,
     )
 
@@ -389,6 +436,6 @@ def _side(length: int, block: int) -> int:
     return min(block, _power_of_two(length))
 
 
-def _power_of_two(size: int) -> int:
-    """The least power of two ≥ ``size`` and ≥ 16 (Triton's tiles and heads)."""
-    return max(MIN_SIDE, 1 << (size - 1).bit_length())
+def _power_of_two(size: int, least: int = MIN_SIDE) -> int:
+    """The least power of two ≥ ``size`` and ≥ ``least`` (16: Triton's tiles and heads)."""
+    return max(least, 1 << (size - 1).bit_length())

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_sdpa._indices import INDEX
-from jax_sdpa._kernels.values import Lazy, Unread, fill_value, in_bounds, is_zero
+from jax_sdpa._jax_compat import bind
+from jax_sdpa._kernels.values import Lazy, Unread, fill_value, in_bounds, is_zero, value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +53,35 @@ class Run(Lazy):
         return dataclasses.replace(self, shape=tuple(shape), axis=axis)
 
     def shifted(self, x, sign: int) -> "Run | None":
-        """The run plus (``sign`` 1) or minus (−1) a scalar ``x``, or None if ``x`` is not one."""
+        """The run plus (``sign`` 1) or minus (−1) a scalar ``x`` (or one broadcast).
+
+        None if ``x`` is not one.
+        """
+        if isinstance(x, Uniform):
+            x = x.scalar
         if self.wrap is not None or isinstance(x, Lazy) or jnp.ndim(x) != 0:
             return None
         if isinstance(x, jax.core.Tracer):
             return dataclasses.replace(self, base=self.base + sign * x)
         return dataclasses.replace(self, shift=self.shift + sign * int(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid(Lazy):
+    """A :class:`Run` broadcast over a whole tile: one iota of the tile's shape, read as such.
+
+    ``laid_out`` places the iota in a backend's registers: Mosaic GPU's layout inference, left
+    to find the layout of positions across a kernel's loops, gives up (:func:`tile_positions`).
+    """
+
+    run: Run
+    shape: tuple
+    axis: int
+    laid_out: Any
+
+    def read(self):
+        iota = lax.broadcasted_iota(self.run.base.dtype, self.shape, self.axis)
+        return self.run.start + self.laid_out(iota)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,3 +239,40 @@ POSITIONS = {
     "sub": (_minus,),
     "lt": (_negative,),
 }
+
+
+def tile_positions(laid_out) -> dict:
+    """A backend's rules before those: positions broadcast over a whole tile as one iota.
+
+    By a ``broadcast_in_dim`` of a run, or by an operation whose other operand spans the tile
+    (``q_idx[:, None] >= kv_idx[None, :]``): one iota of the tile's shape, placed by
+    ``laid_out`` (a :class:`Grid`).
+    """
+
+    def spread(x, shape: tuple, axis: int):
+        """``x`` as a grid over ``shape`` if it is a run that broadcasts to it, else None."""
+        if not isinstance(x, Run) or x.wrap is not None or math.prod(shape) == x.size:
+            return None  # (axes of 1 added or dropped: still a run)
+        return Grid(x, shape, axis, laid_out) if shape[axis] == x.size else None
+
+    def tiled(eqn, operands):
+        first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
+        if not isinstance(first, Run):
+            return None
+        return spread(first, shape, eqn.params["broadcast_dimensions"][first.axis])
+
+    def elementwise(eqn, operands):
+        shape = tuple(eqn.outvars[0].aval.shape)
+        grids = [
+            spread(x, shape, x.axis) if isinstance(x, Run) and len(x.shape) == len(shape) else None
+            for x in operands
+        ]
+        if all(grid is None for grid in grids):
+            return None
+        reads = [
+            value(x if grid is None else grid) for x, grid in zip(operands, grids, strict=True)
+        ]
+        return bind(eqn, reads)
+
+    binary = ("add", "sub", "mul", "max", "min", "eq", "ne", "lt", "le", "gt", "ge", "and", "or")
+    return {"broadcast_in_dim": (tiled,), **{name: (elementwise,) for name in binary}}

@@ -168,7 +168,7 @@ class Plan:
             sweep = functools.partial(self.sweep, arrays, offsets=offsets, head_lists=(n, lists))
             return body(arrays, sink, offsets, sweep)
 
-        return evaluate(with_values, list(shared.arrays))
+        return evaluate(with_values, list(shared.arrays), rules=self.backend.rules)
 
     def sweep(self, arrays: CallArrays, step, axis: str, block, carry, *, offsets, head_lists):
         """``carry = step(m, carry, rule)`` over the ``axis`` blocks ``m`` the rule may allow.

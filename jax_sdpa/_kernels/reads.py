@@ -58,12 +58,15 @@ class _Expanded(Lazy):
         return self.value.reshape(self.value.shape + (1,) * self.ones)
 
 
-def evaluate(fn, refs: list, *args):
-    """``fn(*values of refs, *args)``, each ref read only where and as ``fn`` reads it."""
+def evaluate(fn, refs: list, *args, rules=None):
+    """``fn(*values of refs, *args)``, each ref read only where and as ``fn`` reads it.
+
+    ``rules``: a backend's own rules (:mod:`jax_sdpa._jaxpr`), tried before the others.
+    """
     avals = [jax.ShapeDtypeStruct(ref.shape, ref.dtype) for ref in refs]
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*avals, *args)
     unread = [Unread(ref, tuple(pl.ds(0, n) for n in ref.shape)) for ref in refs]
-    rules = Rules(table=KERNEL_RULES, array=value)
+    rules = Rules(table=table(rules or {}, KERNEL_RULES), array=value)
     outs = interpret(closed.jaxpr, closed.consts, [*unread, *jax.tree.leaves(args)], rules)
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
