@@ -151,7 +151,7 @@ class Tiles:
         d_scores = formula.normalizer.score_gradient(p, d_p, row_terms.delta)
         d_raw, d_bias_ij, d_consts = logits_vjp(d_scores)
         d_q_i = product("ts,sd->td", d_raw, k_j, q_i.dtype)
-        if formula is not self.formula and d_q_i is not None:  # the queries were scaled: d_q too
+        if formula is not self.formula:  # the scale multiplied the queries: their gradient too
             d_q_i = d_q_i * jnp.asarray(self.formula.scale, d_q_i.dtype)
         d_k_j = product("ts,td->sd", d_raw, q_scaled, q_i.dtype)
         return d_q_i, d_k_j, d_v_j, d_bias_ij, d_consts

@@ -142,7 +142,9 @@ def forward(
     def on_mosaic_gpu(inputs: ForwardIn, interpret=None) -> ForwardOut:
         out, lse, top = mosaic_gpu.forward(
             plan,
-            *dataclasses.astuple(inputs)[:3],
+            inputs.query,
+            inputs.key,
+            inputs.value,
             inputs.shared,
             out_dtype or value.dtype,
             interpret,
@@ -311,7 +313,8 @@ def _compiled(
     ``BlockSpec``s and :class:`_Rows` of ``(T, heads, d)`` arrays, read and written in place,
     or head-first for a backend that needs them so (the transposes only in its branch).
     ``mosaic_gpu(inputs, interpret=None)``: the same outputs by the Mosaic GPU kernel, which
-    runs on ``cuda`` in Triton's place where the tunables chose it (:func:`gpu_kernel`).
+    runs on ``cuda`` in Triton's place where the tunables ask for it (:func:`_on_mosaic_gpu`),
+    and on the GPU simulator.
     """
 
     def on(backend: Backend):

@@ -1,18 +1,18 @@
-r"""The Mosaic GPU backend, on Hopper GPUs (sm_90): the engine's tiles as warp-specialized kernels.
+r"""The Mosaic GPU backend, on Hopper GPUs (sm_90): the forward pass as a warp-specialized kernel.
 
-Each kernel is a ``plgpu.kernel`` of three warpgroups, as FlashAttention-3 and JAX's own
-``attention_mgpu`` are built: a producer copies the blocks the program sweeps over into a ring of
+A ``plgpu.kernel`` of three warpgroups, as FlashAttention-3 and JAX's own ``attention_mgpu`` are
+built: a producer copies the key and value blocks a program sweeps over into a ring of
 ``STAGES`` shared-memory slots by TMA, each slot with a barrier that says it is full and one that
-says both consumers are done with it; two consumers each hold ``block_q`` rows (or, in the keys'
-kernel, ``block_kv`` keys) and run the engine's own tile on every block: its products are
-``wgmma`` on the slots (:func:`_product`), everything between them (the formula, the mods, the
-mask rules, the online softmax, their ``jax.vjp``) is :class:`~jax_sdpa._tiles.Tiles`' code, the
-XLA paths' and the Triton kernel's, traced into the kernel. The blocks a rule excludes are not
-copied; those it allows wholly run with no mask (:func:`~jax_sdpa._tiles.runs`). Arrays are
-read and written in the caller's ``(T, heads, d)`` layout, in place (strided TMA).
+says both consumers are done with it; two consumers each hold ``block_q`` rows and run the
+engine's own tile on every block: its products are ``wgmma`` on the slots (:func:`_product`),
+everything between them (the formula, the mods, the mask rules, the online softmax) is
+:class:`~jax_sdpa._tiles.Tiles`' code, the XLA paths' and the Triton kernel's, traced into the
+kernel. The blocks a rule excludes are not copied; those it allows wholly run with no mask
+(:func:`~jax_sdpa._tiles.runs`). Arrays are read and written in the caller's ``(T, heads, d)``
+layout, in place (strided TMA). The backward pass is the Triton programs' (not written here yet).
 
 Written for the Warpgroup lowering semantics (Mosaic GPU infers the register layouts): JAX 0.11
-and later. ``plgpu.InterpretGPUParams`` runs the same kernels on a CPU (shared memory, threads
+and later. ``plgpu.InterpretGPUParams`` runs the same kernel on a CPU (shared memory, threads
 and barriers simulated), where the weights that meet a product go through shared memory: the
 simulator has no ``wgmma`` from registers.
 """
@@ -42,8 +42,8 @@ MIN_WIDTH = 64  # a head's width: 128 bytes of 16-bit numbers, the rows its TMA 
 def sides(width: int) -> tuple[int, int]:
     """``(block_q, block_kv)`` for heads of ``width``.
 
-    A consumer's rows are one ``wgmma``'s 64;
-    128 keys a step but for ``width`` 256, whose ring of 128 would not fit shared memory.
+    A consumer's rows are one ``wgmma``'s 64; 128 keys a step, but 64 for ``width`` 256,
+    whose ring of 128 would not fit shared memory.
     """
     return 64, 128 if width <= 128 else 64
 
@@ -59,31 +59,24 @@ MOSAIC_GPU = Backend(
 )
 
 
-def _product(staging, interpret: bool, formed: tuple[str, ...]):
-    """:func:`~jax_sdpa._steps.cast_product` as ``wgmma``, for the specs in ``formed``.
+def _product(staging):
+    """The forward tile's :func:`~jax_sdpa._steps.cast_product` as ``wgmma``.
 
-    Operands are refs in shared memory, but the weights (an array): ``a · bᵀ`` (``td,sd->ts``)
-    of two refs; ``a · b`` (``ts,sd->td``) from registers (through ``staging``, shared memory,
-    under the simulator); ``aᵀ · b`` (``ts,td->sd``) through ``staging`` (``wgmma`` transposes
-    only what it reads from shared memory). A spec not in ``formed`` gives None: a product the
-    kernel does not want (the queries' kernel forms no key gradients).
+    The raw scores ``q · kᵀ`` (``td,sd->ts``) of two refs in shared memory; the weighted sum
+    ``p · v`` (``ts,sd->td``) of the weights (an array) and a ref, the weights from registers,
+    or through ``staging`` (shared memory) under the simulator, which has no ``wgmma`` from
+    registers (``staging`` None on a GPU).
     """
 
-    def staged(a, dtype):
-        staging[...] = a.astype(dtype)
-        plgpu.commit_smem()
-        return staging
-
     def product(spec: str, a, b, dtype, *, precision=None):
-        if spec not in formed:
-            return None
         if spec == "td,sd->ts":
-            shape, a, b = (a.shape[0], b.shape[0]), a, b.transpose((1, 0))
-        elif spec == "ts,sd->td":
-            shape = (a.shape[0], b.shape[1])
-            a = staged(a, b.dtype) if interpret else a.astype(b.dtype)
+            shape, b = (a.shape[0], b.shape[0]), b.transpose((1, 0))
         else:
-            shape, a = (a.shape[1], b.shape[1]), staged(a, b.dtype).transpose((1, 0))
+            shape, a = (a.shape[0], b.shape[1]), a.astype(b.dtype)
+            if staging is not None:
+                staging[...] = a
+                plgpu.commit_smem()
+                a = staging
 
         def run(acc):
             plgpu.wgmma(acc, a, b)
@@ -121,9 +114,8 @@ class _Ring:
     def consume(self, runs, lo, carry, tile):
         """A consumer's loop over its ``runs`` ``(start, stop, kind)``.
 
-        All within the producer's ``lo …``: ``carry = tile(step, slots, carry, kind)`` on each
-        block, in its slot (a
-        :data:`SKIP` run only waits for its blocks and frees them).
+        All within the producer's range from ``lo``: ``carry = tile(step, slots, carry, kind)``
+        on each block, in its slot; a :data:`SKIP` run only waits for its blocks and frees them.
         """
 
         def step(kind, n, carry):
@@ -153,30 +145,27 @@ def _laid_out(state: online_softmax.State) -> online_softmax.State:
 def _static(x):
     """A bound the interpreter found constant (a NumPy scalar) as a Python int.
 
-    Mosaic GPU's indexing takes; a traced bound as it is.
+    Mosaic GPU's indexing takes those; a traced bound stays as it is.
     """
     return int(x) if isinstance(x, np.generic | np.ndarray) else x
 
 
-def _sweep_runs(plan: Plan, shared: Shared, n, axis: str, span: tuple, whole: tuple) -> tuple:
-    """A consumer's runs over the ``axis`` blocks and the producer's range ``(lo, hi)``.
+def _key_runs(plan: Plan, shared: Shared, n, span: tuple, whole: tuple) -> tuple:
+    """A consumer's runs over the key blocks and the producer's range ``(lo, hi)``.
 
-    ``span`` is the consumer's block of the other axis, ``whole`` the program's (all its
-    consumers'), each ``(lo, hi)`` from that axis's first position. A run is ``(start, stop,
+    ``span`` is the consumer's rows, ``whole`` the program's (all its consumers'), each
+    ``(lo, hi)`` from the first query. A run is ``(start, stop,
     kind)``: :data:`RULE` (its tiles run with the rule), :data:`FULL` (without: the rule allows
     them wholly) or :data:`SKIP` (blocks of the producer's range that the consumer's rows never
     meet). The producer's range is the rule's for the whole block, which holds each
     consumer's (the rules' ranges are intervals).
     """
-    tiles = plan.tiles
-    forward = axis == "kv"
-    size = tiles.block_kv if forward else tiles.block_q
-    count = (plan.seq_kv if forward else plan.seq_q) // size
+    size = plan.tiles.block_kv
     kinds = []  # static: whether the call has a rule decides them
 
     def bounds(arrays, _, offsets, __):
-        blocks = Blocks(axis, offsets[1] if forward else offsets[0], size, count)
-        start = offsets[0] if forward else offsets[1]
+        blocks = Blocks("kv", offsets[1], size, plan.seq_kv // size)
+        start = offsets[0]
         own, union = (runs(arrays.rule, blocks, (start + a, start + b)) for a, b in (span, whole))
         kinds.extend(FULL if rule is None else RULE for *_, rule in own)
         ends = [(a, b) for a, b, _ in own] + [(union[0][0], union[-1][1])]
@@ -211,7 +200,7 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, interpret=
         first = lax.axis_index("blocks") * rows
         start = first + jnp.minimum(c, CONSUMERS - 1) * block_q
         span, whole = (start, start + block_q), (first, first + rows)
-        own, lo, hi = _sweep_runs(plan, shared_refs, n, "kv", span, whole)
+        own, lo, hi = _key_runs(plan, shared_refs, n, span, whole)
         ring = _Ring((k_ring, v_ring), kv_full, kv_free)
 
         @pl.when(c == CONSUMERS)
@@ -227,9 +216,8 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, interpret=
             q = q_smem.at[c]
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, block_q), n], q, q_full.at[c])
             plgpu.barrier_wait(q_full.at[c])
-            formed = ("td,sd->ts", "ts,sd->td")
-            staged = staging.at[c] if interpret else None
-            tiled = dataclasses.replace(tiles, product=_product(staged, interpret, formed))
+            staged = None if staging is None else staging.at[c]
+            tiled = dataclasses.replace(tiles, product=_product(staged))
 
             def init(arrays, sink, offsets, _):
                 like = jnp.zeros((), query.dtype)  # (a kernel's state need not vary)
