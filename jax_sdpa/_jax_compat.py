@@ -13,6 +13,7 @@ import contextlib
 import inspect
 
 import jax
+import jax.extend
 from jax import lax
 from jax._src import core as _core  # the current trace and tracers: no public API says them
 from jax._src.interpreters import ad as _ad  # (reverse mode's LinearizeTrace is not public)
@@ -90,6 +91,18 @@ def bind(eqn, operands: list, *, its_context: bool = True):
         operands = [*subfuns, *operands]
     with eqn.ctx.manager if its_context else contextlib.nullcontext():
         return eqn.primitive.bind(*operands, **params)
+
+
+def live(closed: jax.extend.core.ClosedJaxpr, args: list) -> tuple:
+    """``(jaxpr, args)``: a closed jaxpr without the equations no output (or effect) needs.
+
+    Its constants become its first inputs, before ``args``; the inputs nothing reads are
+    dropped, and their arguments with them.
+    """
+    jaxpr = _pe.convert_constvars_jaxpr(closed.jaxpr)
+    jaxpr, used = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    args = [x for x, use in zip([*closed.consts, *args], used, strict=True) if use]
+    return jaxpr, args
 
 
 def scan_operands(params, operands: list) -> tuple[list, list, list]:

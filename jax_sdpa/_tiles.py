@@ -52,6 +52,22 @@ class BackwardRows(NamedTuple):
     shift: jax.Array
 
 
+class TileGradient(NamedTuple):
+    """One tile's backward pass before its last products (:meth:`Tiles.tile_gradient`).
+
+    ``weights`` :math:`P` (dropped out), ``d_raw`` the raw scores' gradient :math:`dS`, both
+    ``(block_q, block_kv)``; ``queries`` as the raw scores met them, ``scaled`` where the scale
+    multiplied them; the bias's and the ``score_mod`` arrays' gradients.
+    """
+
+    weights: jax.Array
+    d_raw: jax.Array
+    queries: jax.Array
+    scaled: bool
+    d_bias: jax.Array | None
+    d_consts: tuple
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """One call's formula and tiles, fitted to its sequences and heads (a ``nondiff_argnum``).
@@ -117,18 +133,16 @@ class Tiles:
             return weighted_sum(weights, value, precision=precision)
         return self.product("ts,sd->td", weights, value, value.dtype)
 
-    def backward_tile(
+    def tile_gradient(
         self, q_i, k_j, v_j, arrays: CallArrays, row_terms: BackwardRows, q_offset, kv_offset
-    ):
-        r"""One head's gradients from one tile: ``(dq_i, dk_j, dv_j, dbias_ij, dconsts)``.
+    ) -> TileGradient:
+        r"""One head's tile's backward pass up to its last two products (:class:`TileGradient`).
 
-        ``dconsts`` are those of the arrays the ``score_mod`` closed over (None for integers).
         The steps between the raw scores and the weights are differentiated by ``jax.vjp``; the
-        four products are FlashAttention's, :math:`dV = P^\top dO`, :math:`dP = dO\,V^\top`,
-        :math:`dQ = dS\,K`, :math:`dK = dS^\top Q`: each float32 operand is cast to the dtype
-        of the inputs it meets, as the forward pass casts the weights to the values', and the
-        sums are accumulated in at least float32. So 16-bit inputs keep 16-bit matrix units in a
-        Triton kernel, whose products take one dtype.
+        weights' gradient is :math:`dP = dO\,V^\top`. Each float32 operand of a product is cast
+        to the dtype of the inputs it meets, as the forward pass casts the weights to the
+        values', and the sums are accumulated in at least float32: so 16-bit inputs keep 16-bit
+        matrix units in a kernel, whose products take one dtype.
         """
         q_scaled, formula, raw = self.raw(q_i, k_j)
 
@@ -145,16 +159,47 @@ class Tiles:
         # The weights: P = e^{S − lse}, or the sigmoid's.
         p = formula.normalizer.recompute(scores, allowed, row_terms.shift, arrays.sigmoid_bias)
         drop = self.drop_at(arrays, q_offset, kv_offset)
-        product = functools.partial(self.product or cast_product, precision=formula.precision)
-        d_v_j = product("ts,td->sd", drop(p), row_terms.d_out, v_j.dtype)
-        d_p = drop(product("td,sd->ts", row_terms.d_out, v_j, v_j.dtype))  # dropout: self-adjoint
+        d_p = drop(self._product("td,sd->ts", row_terms.d_out, v_j, v_j.dtype))  # self-adjoint
         d_scores = formula.normalizer.score_gradient(p, d_p, row_terms.delta)
-        d_raw, d_bias_ij, d_consts = logits_vjp(d_scores)
-        d_q_i = product("ts,sd->td", d_raw, k_j, q_i.dtype)
-        if formula is not self.formula:  # the scale multiplied the queries: their gradient too
+        d_raw, d_bias, d_consts = logits_vjp(d_scores)
+        scaled = formula is not self.formula  # the scale multiplied the queries
+        return TileGradient(drop(p), d_raw, q_scaled, scaled, d_bias, d_consts)
+
+    def query_gradient(self, grad: TileGradient, k_j, dtype):
+        r"""A tile's queries' gradient :math:`dQ = dS\,K` (times the scale where it scaled them)."""
+        d_q_i = self._product("ts,sd->td", grad.d_raw, k_j, dtype)
+        if grad.scaled:
             d_q_i = d_q_i * jnp.asarray(self.formula.scale, d_q_i.dtype)
-        d_k_j = product("ts,td->sd", d_raw, q_scaled, q_i.dtype)
-        return d_q_i, d_k_j, d_v_j, d_bias_ij, d_consts
+        return d_q_i
+
+    def key_gradients(self, grad: TileGradient, d_out, dtypes: tuple) -> tuple:
+        r"""A tile's keys' and values' gradients, :math:`dK = dS^\top Q`, :math:`dV = P^\top dO`.
+
+        ``dtypes``: the keys' and the values'.
+        """
+        d_k_j = self._product("ts,td->sd", grad.d_raw, grad.queries, dtypes[0])
+        d_v_j = self._product("ts,td->sd", grad.weights, d_out, dtypes[1])
+        return d_k_j, d_v_j
+
+    def backward_tile(
+        self, q_i, k_j, v_j, arrays: CallArrays, row_terms: BackwardRows, q_offset, kv_offset
+    ):
+        r"""One head's gradients from one tile: ``(dq_i, dk_j, dv_j, dbias_ij, dconsts)``.
+
+        ``dconsts`` are those of the arrays the ``score_mod`` closed over (None for integers).
+        FlashAttention's four products, :math:`dV = P^\top dO`, :math:`dP = dO\,V^\top`,
+        :math:`dQ = dS\,K`, :math:`dK = dS^\top Q`, around the differentiated steps
+        (:meth:`tile_gradient`).
+        """
+        grad = self.tile_gradient(q_i, k_j, v_j, arrays, row_terms, q_offset, kv_offset)
+        d_q_i = self.query_gradient(grad, k_j, q_i.dtype)
+        d_k_j, d_v_j = self.key_gradients(grad, row_terms.d_out, (q_i.dtype, v_j.dtype))
+        return d_q_i, d_k_j, d_v_j, grad.d_bias, grad.d_consts
+
+    def _product(self, spec: str, a, b, dtype):
+        """A backward product: :func:`~jax_sdpa._steps.cast_product`, or the kernel's."""
+        product = self.product or cast_product
+        return product(spec, a, b, dtype, precision=self.formula.precision)
 
     def q_block(self, i) -> tuple:
         """Query block ``i`` as ``(start, count)``."""

@@ -139,15 +139,9 @@ def forward(
     )
     rows = shaped_like((seq_q, heads, 1), accumulation_dtype(query.dtype), query)
 
-    def on_mosaic_gpu(inputs: ForwardIn, interpret=None) -> ForwardOut:
+    def on_mosaic_gpu(inputs: ForwardIn) -> ForwardOut:
         out, lse, top = mosaic_gpu.forward(
-            plan,
-            inputs.query,
-            inputs.key,
-            inputs.value,
-            inputs.shared,
-            out_dtype or value.dtype,
-            interpret,
+            plan, inputs.query, inputs.key, inputs.value, inputs.shared, out_dtype or value.dtype
         )
         return ForwardOut(out, _as_rows(lse), _as_rows(top))
 
@@ -209,6 +203,22 @@ def backward(
     return dq, per_kv_head(dk), per_kv_head(dv), d_consts
 
 
+def _on_mosaic_gpu_backward(kernel, plan: Plan):
+    """The Mosaic GPU backward ``kernel`` as a function of the :class:`BackwardIn` inputs.
+
+    :func:`~jax_sdpa._kernels.mosaic_gpu.query_gradients` or ``key_gradients``: the rows'
+    terms ``(N, T)``, the gradients in the accumulation dtype, as the programs give them.
+    """
+
+    def call(inputs: BackwardIn):
+        rows = inputs.rows
+        rows = BackwardRows(rows.d_out, rows.delta[:, :, 0].T, rows.shift[:, :, 0].T)
+        grads = kernel(plan, inputs.query, inputs.key, inputs.value, rows, inputs.shared)
+        return jax.tree.map(lambda x: x.astype(accumulation_dtype(x.dtype)), grads)
+
+    return call
+
+
 def _query_gradients(plan: Plan, inputs: BackwardIn):
     """The queries' gradients, ``(T, N, H)``: a program per head and query block."""
     (seq_q, heads, width), value_width = inputs.query.shape, inputs.value.shape[-1]
@@ -231,6 +241,7 @@ def _query_gradients(plan: Plan, inputs: BackwardIn):
         out_specs=_Rows(tiles.block_q, width),
         out_shape=d_query,
         name="jax_sdpa_backward_queries",
+        mosaic_gpu=_on_mosaic_gpu_backward(mosaic_gpu.query_gradients, plan),
     )(inputs)
 
 
@@ -269,6 +280,11 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list):
         tuple(d_specs[n] for n in summed),
     )
     first_sum = len(jax.tree.leaves(inputs)) - len(summed)  # (the sums come last)
+    keys_kernel = _on_mosaic_gpu_backward(mosaic_gpu.key_gradients, plan)
+
+    def on_mosaic_gpu(inputs: BackwardIn) -> KeysOut:
+        return KeysOut(*keys_kernel(inputs), consts=())
+
     outs = _compiled(
         plan,
         keys_program,
@@ -285,6 +301,7 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list):
         # each sum's zeros become its output (KeysOut's leaves: key, value, then the consts)
         aliases={first_sum + k: 2 + n for k, n in enumerate(summed)},
         name="jax_sdpa_backward_keys",
+        mosaic_gpu=None if consts else on_mosaic_gpu,
     )(inputs)
     return outs.key, outs.value, outs.consts
 
@@ -312,7 +329,7 @@ def _compiled(
     ``pallas_call``'s ``input_output_aliases`` (outputs that start as inputs). The specs are
     ``BlockSpec``s and :class:`_Rows` of ``(T, heads, d)`` arrays, read and written in place,
     or head-first for a backend that needs them so (the transposes only in its branch).
-    ``mosaic_gpu(inputs, interpret=None)``: the same outputs by the Mosaic GPU kernel, which
+    ``mosaic_gpu(inputs)``: the same outputs by the Mosaic GPU kernel, which
     runs on ``cuda`` in Triton's place where the tunables ask for it (:func:`_on_mosaic_gpu`),
     and on the GPU simulator.
     """
@@ -335,12 +352,8 @@ def _compiled(
         return lambda inputs: _heads_first(out_specs, call(_heads_first(in_specs, inputs)))
 
     interpret = plan.tunables.interpret
-    if isinstance(interpret, GPU_SIMULATOR):  # (the backward pass: Triton's programs, for now)
-        return (
-            on(INTERPRETER)
-            if mosaic_gpu is None
-            else functools.partial(mosaic_gpu, interpret=interpret)
-        )
+    if isinstance(interpret, GPU_SIMULATOR):  # (Triton's programs where Mosaic GPU has none)
+        return on(INTERPRETER) if mosaic_gpu is None else mosaic_gpu
     if isinstance(interpret, pltpu.InterpretParams):
         return on(tpu_simulator(interpret))
     if interpret:
@@ -389,14 +402,17 @@ def padded(tiles: Tiles, tunables: Pallas, query, key, value, arrays: CallArrays
 
     The padded keys are masked by a length rule (at global positions from ``kv_offset``); the
     padded queries are the caller's to drop; the heads' zeros change no product. For the Mosaic
-    GPU kernel, whole programs of rows and heads of a power of two ≥ 64.
+    GPU kernel, whole programs of queries and of keys (its backward kernels') and heads of a
+    power of two ≥ 64.
     """
-    rows, least = (1, MIN_SIDE)
+    multiples, least = (tiles.block_q, tiles.block_kv), MIN_SIDE
     if _on_mosaic_gpu(tunables):
-        rows, least = mosaic_gpu.CONSUMERS, mosaic_gpu.MIN_WIDTH
-    rows_q = -(-query.shape[0] // (rows * tiles.block_q)) * rows * tiles.block_q
-    rows_kv = -(-key.shape[0] // tiles.block_kv) * tiles.block_kv
-    _, _, arrays = pad_keys(key, value, arrays, tiles.block_kv, kv_offset)
+        program = mosaic_gpu.PROGRAM_ROWS
+        multiples, least = (program, max(program, tiles.block_kv)), mosaic_gpu.MIN_WIDTH
+    rows_q, rows_kv = (
+        -(-x.shape[0] // m) * m for x, m in zip((query, key), multiples, strict=True)
+    )
+    _, _, arrays = pad_keys(key, value, arrays, multiples[1], kv_offset)
     if arrays.head is None:
         heads = jnp.arange(query.shape[1], dtype=INDEX)
         arrays = dataclasses.replace(arrays, head=heads)

@@ -9,7 +9,14 @@ everything between them (the formula, the mods, the mask rules, the online softm
 :class:`~jax_sdpa._tiles.Tiles`' code, the XLA paths' and the Triton kernel's, traced into the
 kernel. The blocks a rule excludes are not copied; those it allows wholly run with no mask
 (:func:`~jax_sdpa._tiles.runs`). Arrays are read and written in the caller's ``(T, heads, d)``
-layout, in place (strided TMA). The backward pass is the Triton programs' (not written here yet).
+layout, in place (strided TMA).
+
+The backward pass is two kernels of the same shape, as FlashAttention-2's: one per block of
+queries, whose consumers sweep the keys for the queries' gradient, :math:`dQ = \sum_j dS_j K_j`;
+one per block of keys, whose consumers hold their keys and values and sweep the queries (and
+the rows' terms) for :math:`dK`, :math:`dV`. Each tile is the engine's
+(:meth:`~jax_sdpa._tiles.Tiles.tile_gradient`); the products whose left operand is a tile
+transposed (:math:`P^\top dO`, :math:`dS^\top Q`) take it through shared memory.
 
 Written for the Warpgroup lowering semantics (Mosaic GPU infers the register layouts): JAX 0.11
 and later. ``plgpu.InterpretGPUParams`` runs the same kernel on a CPU (shared memory, threads
@@ -32,15 +39,18 @@ from jax_sdpa._indices import INDEX
 from jax_sdpa._kernels.backend import Backend
 from jax_sdpa._kernels.positions import tile_positions
 from jax_sdpa._kernels.programs import Plan, Shared
-from jax_sdpa._tiles import Blocks, runs
+from jax_sdpa._tiles import BackwardRows, Blocks, runs
 
 CONSUMERS = 2  # warpgroups that compute, each its own rows; a third copies
 STAGES = 2  # shared-memory slots of the producer's ring
 MIN_WIDTH = 64  # a head's width: 128 bytes of 16-bit numbers, the rows its TMA swizzles
+BACKWARD_SIDE = 64  # the backward kernels' tiles, ``(64, 64)``: their registers hold more
+# A program's positions: what the kernels' sequences are padded to whole numbers of.
+PROGRAM_ROWS = CONSUMERS * BACKWARD_SIDE
 
 
 def sides(width: int) -> tuple[int, int]:
-    """``(block_q, block_kv)`` for heads of ``width``.
+    """``(block_q, block_kv)`` of the forward kernel for heads of ``width``.
 
     A consumer's rows are one ``wgmma``'s 64; 128 keys a step, but 64 for ``width`` 256,
     whose ring of 128 would not fit shared memory.
@@ -48,9 +58,14 @@ def sides(width: int) -> tuple[int, int]:
     return 64, 128 if width <= 128 else 64
 
 
+def _backward_stages(width: int) -> int:
+    """The backward ring's slots: one for heads of 256, whose two would not fit shared memory."""
+    return STAGES if width <= 128 else 1
+
+
 # A run's kind: its tiles run with the mask rule, or without (the rule allows them wholly), or
-# not at all (the blocks of the producer's range that a consumer's rows never meet: it waits
-# for each and frees it).
+# not at all (the blocks of the producer's range that a consumer's positions never meet: it
+# waits for each and frees it).
 RULE, FULL, SKIP = "rule", "full", "skip"
 # Its programs' own rules: a tile's positions as the products' (``wgmma``'s) register layout.
 MOSAIC_GPU = Backend(
@@ -59,24 +74,29 @@ MOSAIC_GPU = Backend(
 )
 
 
-def _product(staging):
-    """The forward tile's :func:`~jax_sdpa._steps.cast_product` as ``wgmma``.
+def _product(staging, simulated: bool):
+    """The tiles' :func:`~jax_sdpa._steps.cast_product` as ``wgmma``.
 
-    The raw scores ``q · kᵀ`` (``td,sd->ts``) of two refs in shared memory; the weighted sum
-    ``p · v`` (``ts,sd->td``) of the weights (an array) and a ref, the weights from registers,
-    or through ``staging`` (shared memory) under the simulator, which has no ``wgmma`` from
-    registers (``staging`` None on a GPU).
+    ``td,sd->ts`` (the raw scores ``q · kᵀ``, the weights' gradient ``dO · vᵀ``) of two refs in
+    shared memory; ``ts,sd->td`` (``p · v``, ``dS · k``) of a tile (an array) and a ref, the
+    tile from registers, or through ``staging`` (shared memory) under the simulator
+    (``simulated``), which has no ``wgmma`` from registers; ``ts,td->sd`` (``Pᵀ · dO``,
+    ``dSᵀ · q``) of a tile and a ref, the tile through ``staging``, read transposed.
     """
+
+    def stage(a, dtype):
+        staging[...] = a.astype(dtype)
+        plgpu.commit_smem()
+        return staging
 
     def product(spec: str, a, b, dtype, *, precision=None):
         if spec == "td,sd->ts":
             shape, b = (a.shape[0], b.shape[0]), b.transpose((1, 0))
-        else:
-            shape, a = (a.shape[0], b.shape[1]), a.astype(b.dtype)
-            if staging is not None:
-                staging[...] = a
-                plgpu.commit_smem()
-                a = staging
+        elif spec == "ts,sd->td":
+            shape = (a.shape[0], b.shape[1])
+            a = stage(a, b.dtype) if simulated else a.astype(b.dtype)
+        else:  # "ts,td->sd"
+            shape, a = (a.shape[1], b.shape[1]), stage(a, b.dtype).transpose((1, 0))
 
         def run(acc):
             plgpu.wgmma(acc, a, b)
@@ -89,11 +109,15 @@ def _product(staging):
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
-    """The producer's ring: ``STAGES`` slots of each swept array, and their barriers."""
+    """The producer's ring: slots of each swept array, and their barriers."""
 
-    slots: tuple  # a (STAGES, block, d) shared-memory ref per swept array
+    slots: tuple  # a (stages, *block) shared-memory ref per swept array
     full: tuple  # a barrier per slot, per array: its copy landed
     free: object  # a barrier per slot: both consumers are done with it (all its arrays)
+
+    @property
+    def stages(self) -> int:
+        return self.slots[0].shape[0]
 
     def fill(self, sources, step, slot) -> None:
         """The producer: the block ``step`` of each source into ``slot``."""
@@ -101,15 +125,23 @@ class _Ring:
             plgpu.copy_gmem_to_smem(source(step), ring.at[slot], full.at[slot])
 
     def produce(self, sources, lo, hi) -> None:
-        """The producer's loop: blocks ``lo … hi − 1``, each into the slot freed for it."""
-        for first in range(STAGES):
+        """The producer's loop: blocks ``lo … hi − 1``, each into the slot freed for it.
+
+        It ends when the consumers are done with the last.
+        """
+        for first in range(self.stages):
             pl.when(lo + first < hi)(functools.partial(self.fill, sources, lo + first, first))
 
-        @pl.loop(lo + STAGES, jnp.maximum(hi, lo + STAGES))
+        @pl.loop(lo + self.stages, jnp.maximum(hi, lo + self.stages))
         def _(step):
-            slot = lax.rem(step - lo, STAGES)
+            slot = lax.rem(step - lo, self.stages)
             plgpu.barrier_wait(self.free.at[slot])
             self.fill(sources, step, slot)
+
+        # Each slot's last block: waited for too, so no barrier ends a phase ahead of its
+        # waiter (JAX 0.11's simulator checks that).
+        for slot in range(self.stages):
+            pl.when(lo + slot < hi)(functools.partial(plgpu.barrier_wait, self.free.at[slot]))
 
     def consume(self, runs, lo, carry, tile):
         """A consumer's loop over its ``runs`` ``(start, stop, kind)``.
@@ -119,7 +151,7 @@ class _Ring:
         """
 
         def step(kind, n, carry):
-            slot = lax.rem(n - lo, STAGES)
+            slot = lax.rem(n - lo, self.stages)
             for full in self.full:
                 plgpu.barrier_wait(full.at[slot])
             if kind != SKIP:
@@ -132,14 +164,14 @@ class _Ring:
         return carry
 
 
-def _laid_out(state: online_softmax.State) -> online_softmax.State:
-    """A consumer's state in ``wgmma``'s register layouts.
+def _laid_out(tree):
+    """A consumer's carry in ``wgmma``'s register layouts.
 
-    Its rows' vectors as the products' rows (layout inference, left to find them across the
-    loops, runs out of attempts).
+    Tiles as the products', vectors as their rows. (Layout inference, left to find them across
+    the loops, runs out of attempts.)
     """
     rows, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA
-    return jax.tree.map(lambda x: plgpu.layout_cast(x, tile if x.ndim == 2 else rows), state)
+    return jax.tree.map(lambda x: plgpu.layout_cast(x, tile if x.ndim == 2 else rows), tree)
 
 
 def _static(x):
@@ -150,23 +182,73 @@ def _static(x):
     return int(x) if isinstance(x, np.generic | np.ndarray) else x
 
 
-def _key_runs(plan: Plan, shared: Shared, n, span: tuple, whole: tuple) -> tuple:
-    """A consumer's runs over the key blocks and the producer's range ``(lo, hi)``.
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """What a consumer of program ``(n, ·)`` knows.
 
-    ``span`` is the consumer's rows, ``whole`` the program's (all its consumers'), each
-    ``(lo, hi)`` from the first query. A run is ``(start, stop,
-    kind)``: :data:`RULE` (its tiles run with the rule), :data:`FULL` (without: the rule allows
-    them wholly) or :data:`SKIP` (blocks of the producer's range that the consumer's rows never
-    meet). The producer's range is the rule's for the whole block, which holds each
+    It holds ``held`` positions of one axis from ``start``; the producer sweeps blocks of the
+    other, ``axis`` (``"kv"``: keys, for query rows; ``"q"``: queries, for keys).
+    """
+
+    plan: Plan
+    axis: str
+    n: jax.Array  # the query head
+    c: jax.Array  # the consumer
+    start: jax.Array
+    held: int
+    shared: Shared  # refs
+    runs: tuple  # the consumer's runs, and the producer's first block
+    ring: _Ring
+
+    @property
+    def size(self) -> int:
+        """The swept blocks' size."""
+        tiles = self.plan.tiles
+        return tiles.block_kv if self.axis == "kv" else tiles.block_q
+
+    def run(self, body):
+        """``body(arrays, sink, offsets)`` with head ``n``'s arrays (:meth:`Plan.run`)."""
+        return self.plan.run(lambda *args: body(*args[:3]), self.shared, self.n)
+
+    def sweep(self, carry, tile):
+        """``carry = tile(slots, carry, arrays, (q_offset, kv_offset))`` on each swept block.
+
+        In the producer's slots; ``arrays`` are the tile's (with the rule where it needs it),
+        the offsets the global positions of its first query and key.
+        """
+
+        def step(m, slots, carry, kind):
+            def body(arrays, _, offsets):
+                arrays = dataclasses.replace(arrays, rule=arrays.rule if kind == RULE else None)
+                held, swept = self.start, m * self.size
+                q, kv = (held, swept) if self.axis == "kv" else (swept, held)
+                return tile(slots, carry, arrays, (offsets[0] + q, offsets[1] + kv))
+
+            return _laid_out(self.run(body))
+
+        runs, lo = self.runs
+        return self.ring.consume(runs, lo, _laid_out(carry), step)
+
+
+def _runs(plan: Plan, shared: Shared, n, axis: str, span: tuple, whole: tuple) -> tuple:
+    """A consumer's runs over the ``axis`` blocks, and the producer's range ``(lo, hi)``.
+
+    ``span`` is the consumer's positions of the other axis, ``whole`` the program's (all its
+    consumers'), each ``(lo, hi)`` from that axis's first. A run is ``(start, stop, kind)``:
+    :data:`RULE` (its tiles run with the rule), :data:`FULL` (without: the rule allows them
+    wholly) or :data:`SKIP` (blocks of the producer's range that the consumer's positions never
+    meet). The producer's range is the rule's for the whole program, which holds each
     consumer's (the rules' ranges are intervals).
     """
-    size = plan.tiles.block_kv
+    forward = axis == "kv"
+    size = plan.tiles.block_kv if forward else plan.tiles.block_q
+    count = (plan.seq_kv if forward else plan.seq_q) // size
     kinds = []  # static: whether the call has a rule decides them
 
     def bounds(arrays, _, offsets, __):
-        blocks = Blocks("kv", offsets[1], size, plan.seq_kv // size)
-        start = offsets[0]
-        own, union = (runs(arrays.rule, blocks, (start + a, start + b)) for a, b in (span, whole))
+        swept, held = (offsets[1], offsets[0]) if forward else (offsets[0], offsets[1])
+        blocks = Blocks(axis, swept, size, count)
+        own, union = (runs(arrays.rule, blocks, (held + a, held + b)) for a, b in (span, whole))
         kinds.extend(FULL if rule is None else RULE for *_, rule in own)
         ends = [(a, b) for a, b, _ in own] + [(union[0][0], union[-1][1])]
         return [tuple(jnp.asarray(x, INDEX) for x in pair) for pair in ends]
@@ -176,92 +258,59 @@ def _key_runs(plan: Plan, shared: Shared, n, span: tuple, whole: tuple) -> tuple
     return [(lo, own[0][0], SKIP), *own, (own[-1][1], hi, SKIP)], lo, hi
 
 
-def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, interpret=None) -> tuple:
-    """``(out, lse, top)`` of ``(T, N, H)`` queries against ``(S, K, H)`` keys and values.
+def _kernel(plan: Plan, axis: str, held: int, inputs, shared, out_type, own, ring, consumer):
+    """A warp-specialized kernel: program ``(n, m)`` a producer and :data:`CONSUMERS` consumers.
 
-    The arrays as :func:`jax_sdpa._kernels.calls.padded` gives them, ``T`` a multiple of
-    ``CONSUMERS · block_q``; ``out`` ``(T, N, V)`` in ``out_dtype``, the rows' ``lse`` and largest
-    scores ``(T, N)``. A program per head and ``CONSUMERS · block_q`` rows: each consumer sweeps
-    its ``block_q`` rows over the keys its rows may see, the producer copying the union.
-    ``interpret``: a ``plgpu.InterpretGPUParams`` to run it on the simulator.
+    Each consumer holds ``held`` positions of the axis that is not ``axis``, the program
+    ``CONSUMERS · held`` of them, and sweeps the ``axis`` blocks its positions may meet; the
+    producer copies the blocks any of them may meet into a ring of ``stages`` slots,
+    ``ring = (slots, sources, stages)``: each swept array's block (a ``jax.ShapeDtypeStruct``)
+    and ``sources(inputs, n)``, for each, the ref of block ``m`` (``m -> ref``). ``own``: the
+    consumers' scratch (shared-memory types). ``consumer(inputs, outputs, own, program)`` runs
+    in each consumer (refs; :class:`_Program`). ``inputs``: arrays, the queries first,
+    ``(T, N, ·)``.
     """
-    plan = dataclasses.replace(plan, backend=MOSAIC_GPU)
-    tiles = plan.tiles
-    block_q, block_kv = tiles.block_q, tiles.block_kv
-    (seq_q, heads, width), value_width = query.shape, value.shape[-1]
+    interpret = plan.tunables.interpret or None
+    slots, sources, stages = ring
+    rows = CONSUMERS * held
+    heads = inputs[0].shape[1]
+    count = (plan.seq_q if axis == "kv" else plan.seq_kv) // rows
     leaves, tree = jax.tree.flatten(shared)
-    rows = CONSUMERS * block_q
+    arity = len(inputs) + len(leaves)
 
-    def kernel(q_ref, k_ref, v_ref, *refs):
-        *shared_leaves, out_ref, lse_ref, top_ref, scratch = refs
-        shared_refs = jax.tree.unflatten(tree, shared_leaves)
-        q_smem, o_smem, stats, k_ring, v_ring, q_full, kv_full, kv_free, staging = scratch
+    def kernel(*refs):
+        ins, (*outs, scratch) = refs[: len(inputs)], refs[arity:]
+        shared_refs = jax.tree.unflatten(tree, refs[len(inputs) : arity])
+        own_refs, ring_refs, full, free = scratch
         n, c = lax.axis_index("heads"), lax.axis_index("wg")
         first = lax.axis_index("blocks") * rows
-        start = first + jnp.minimum(c, CONSUMERS - 1) * block_q
-        span, whole = (start, start + block_q), (first, first + rows)
-        own, lo, hi = _key_runs(plan, shared_refs, n, span, whole)
-        ring = _Ring((k_ring, v_ring), kv_full, kv_free)
+        start = first + jnp.minimum(c, CONSUMERS - 1) * held
+        span, whole = (start, start + held), (first, first + rows)
+        own_runs, lo, hi = _runs(plan, shared_refs, n, axis, span, whole)
+        ring = _Ring(ring_refs, full, free)
 
         @pl.when(c == CONSUMERS)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            kv_head = n // plan.group
-            keys = lambda ref: lambda j: ref.at[pl.ds(j * block_kv, block_kv), kv_head]  # noqa: E731
-            ring.produce((keys(k_ref), keys(v_ref)), lo, hi)
+            ring.produce(sources(ins, n), lo, hi)
 
         @pl.when(c < CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
-            q = q_smem.at[c]
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, block_q), n], q, q_full.at[c])
-            plgpu.barrier_wait(q_full.at[c])
-            staged = None if staging is None else staging.at[c]
-            tiled = dataclasses.replace(tiles, product=_product(staged))
+            program = _Program(plan, axis, n, c, start, held, shared_refs, (own_runs, lo), ring)
+            consumer(ins, outs, own_refs, program)
 
-            def init(arrays, sink, offsets, _):
-                like = jnp.zeros((), query.dtype)  # (a kernel's state need not vary)
-                return online_softmax.init(like, (block_q,), (block_q, value_width), sink)
-
-            def tile(j, slots, state, kind):
-                def body(arrays, sink, offsets, _):
-                    tile = dataclasses.replace(arrays, rule=arrays.rule if kind == RULE else None)
-                    at = (offsets[0] + start, offsets[1] + j * block_kv)
-                    return tiled.forward_tile(state, q, *slots, tile, *at)
-
-                return _laid_out(plan.run(body, shared_refs, n))
-
-            state = ring.consume(own, lo, _laid_out(plan.run(init, shared_refs, n)), tile)
-            out, lse = tiles.formula.normalizer.finish(state, out_dtype)
-            o = (q_smem if o_smem is None else o_smem).at[c]  # (the queries are read by now)
-            o[...] = out
-            stats.at[0, c][...] = lse
-            stats.at[1, c][...] = online_softmax.top_scores(state)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o, out_ref.at[pl.ds(start, block_q), n])
-            for k, ref in enumerate((lse_ref, top_ref)):
-                plgpu.copy_smem_to_gmem(stats.at[k, c], ref.at[n, pl.ds(start, block_q)])
-            plgpu.wait_smem_to_gmem(0)
-
-    stats = jax.ShapeDtypeStruct((heads, seq_q), jnp.float32)
     scratch = (
-        plgpu.SMEM((CONSUMERS, block_q, width), query.dtype),
-        None
-        if (value_width, out_dtype) == (width, query.dtype)
-        else plgpu.SMEM((CONSUMERS, block_q, value_width), out_dtype),
-        plgpu.SMEM((2, CONSUMERS, block_q), jnp.float32),
-        plgpu.SMEM((STAGES, block_kv, width), key.dtype),
-        plgpu.SMEM((STAGES, block_kv, value_width), value.dtype),
-        plgpu.Barrier(num_barriers=CONSUMERS),
-        (plgpu.Barrier(num_barriers=STAGES),) * 2,
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=STAGES),
-        plgpu.SMEM((CONSUMERS, block_q, block_kv), query.dtype) if interpret else None,
+        own,
+        tuple(plgpu.SMEM((stages, *slot.shape), slot.dtype) for slot in slots),
+        tuple(plgpu.Barrier(num_barriers=stages) for _ in slots),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
     )
-    out, lse, top = plgpu.kernel(
+    return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((seq_q, heads, value_width), out_dtype), stats, stats),
+        out_type=out_type,
         scratch_types=(scratch,),
-        grid=(heads, seq_q // rows),
+        grid=(heads, count),
         grid_names=("heads", "blocks"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
@@ -269,5 +318,228 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, interpret=
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup
         ),
         interpret=interpret,
-    )(query, key, value, *leaves)
+    )(*inputs, *leaves)
+
+
+def _blocks(ref, size: int, head):
+    """Block ``m`` of ``size`` rows of head ``head`` of a ``(T, heads, d)`` ref: ``m -> ref``."""
+    return lambda m: ref.at[pl.ds(m * size, size), head]
+
+
+def _load(pairs, barriers, c) -> None:
+    """Copies each ``(source, destination)`` into shared memory, each with its barrier; waits."""
+    for (source, destination), barrier in zip(pairs, barriers, strict=True):
+        plgpu.copy_gmem_to_smem(source, destination, barrier.at[c])
+    for barrier in barriers:
+        plgpu.barrier_wait(barrier.at[c])
+
+
+def _store(pairs) -> None:
+    """Writes each ``(value, shared-memory ref, destination)`` out through shared memory."""
+    for value, smem, _ in pairs:
+        smem[...] = value.astype(smem.dtype)
+    plgpu.commit_smem()
+    for _, smem, destination in pairs:
+        plgpu.copy_smem_to_gmem(smem, destination)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _staging(plan: Plan, dtype, always: bool) -> tuple:
+    """The consumers' shared memory for tiles that meet a product through it, or None."""
+    simulated = bool(plan.tunables.interpret)
+    if not (always or simulated):
+        return None, simulated
+    return plgpu.SMEM((CONSUMERS, plan.tiles.block_q, plan.tiles.block_kv), dtype), simulated
+
+
+def _tiled(plan: Plan, staging, simulated: bool, c):
+    """The plan's tiles, their products ``wgmma`` (:func:`_product`), consumer ``c``'s staging."""
+    staged = None if staging is None else staging.at[c]
+    return dataclasses.replace(plan.tiles, product=_product(staged, simulated))
+
+
+def forward(plan: Plan, query, key, value, shared: Shared, out_dtype) -> tuple:
+    """``(out, lse, top)`` of ``(T, N, H)`` queries against ``(S, K, H)`` keys and values.
+
+    The arrays as :func:`jax_sdpa._kernels.calls.padded` gives them; ``out`` ``(T, N, V)`` in
+    ``out_dtype``, the rows' ``lse`` and largest scores ``(T, N)``. A program per head and
+    ``CONSUMERS · block_q`` rows: each consumer sweeps its ``block_q`` rows over the keys its
+    rows may see, the producer copying the union.
+    """
+    plan = dataclasses.replace(plan, backend=MOSAIC_GPU)
+    tiles = plan.tiles
+    block_q, block_kv = tiles.block_q, tiles.block_kv
+    (seq_q, heads, width), value_width = query.shape, value.shape[-1]
+    staging, simulated = _staging(plan, query.dtype, always=False)
+
+    def consumer(ins, outs, own, program: _Program):
+        q_ref, _, _ = ins
+        out_ref, lse_ref, top_ref = outs
+        q_smem, o_smem, stats, loaded, staging = own
+        n, c, start = program.n, program.c, program.start
+        q = q_smem.at[c]
+        _load([(q_ref.at[pl.ds(start, block_q), n], q)], [loaded], c)
+        tiled = _tiled(plan, staging, simulated, c)
+
+        def init(arrays, sink, offsets):
+            like = jnp.zeros((), query.dtype)  # (a kernel's state need not vary)
+            return online_softmax.init(like, (block_q,), (block_q, value_width), sink)
+
+        def tile(slots, state, arrays, at):
+            return tiled.forward_tile(state, q, *slots, arrays, *at)
+
+        state = program.sweep(program.run(init), tile)
+        out, lse = tiles.formula.normalizer.finish(state, out_dtype)
+        rows = pl.ds(start, block_q)
+        _store(
+            [
+                (out, (q_smem if o_smem is None else o_smem).at[c], out_ref.at[rows, n]),
+                (lse, stats.at[0, c], lse_ref.at[n, rows]),
+                (online_softmax.top_scores(state), stats.at[1, c], top_ref.at[n, rows]),
+            ]
+        )  # (the output may take the queries' place: they are read by now)
+
+    stats = jax.ShapeDtypeStruct((heads, seq_q), jnp.float32)
+    own = (
+        plgpu.SMEM((CONSUMERS, block_q, width), query.dtype),
+        None
+        if (value_width, out_dtype) == (width, query.dtype)
+        else plgpu.SMEM((CONSUMERS, block_q, value_width), out_dtype),
+        plgpu.SMEM((2, CONSUMERS, block_q), jnp.float32),
+        plgpu.Barrier(num_barriers=CONSUMERS),
+        staging,
+    )
+    slots = [jax.ShapeDtypeStruct((block_kv, x.shape[-1]), x.dtype) for x in (key, value)]
+
+    def sources(ins, n):
+        return [_blocks(ref, block_kv, n // plan.group) for ref in ins[1:]]
+
+    out_type = (jax.ShapeDtypeStruct((seq_q, heads, value_width), out_dtype), stats, stats)
+    inputs = (query, key, value)
+    out, lse, top = _kernel(
+        plan, "kv", block_q, inputs, shared, out_type, own, (slots, sources, STAGES), consumer
+    )
     return out, lse.T, top.T
+
+
+def _backward_plan(plan: Plan) -> Plan:
+    """The backward kernels' plan: tiles of ``(BACKWARD_SIDE, BACKWARD_SIDE)``."""
+    side = BACKWARD_SIDE
+    tiles = dataclasses.replace(plan.tiles, block_q=side, block_kv=side)
+    return dataclasses.replace(plan, tiles=tiles, backend=MOSAIC_GPU)
+
+
+def _terms(d_out, delta, shift) -> BackwardRows:
+    """A block's backward terms: ``d_out`` a ref, the vectors read from theirs."""
+    return BackwardRows(d_out, *_laid_out((delta[...], shift[...])))
+
+
+def query_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: Shared):
+    """The queries' gradient ``(T, N, H)`` of :func:`forward`'s call, in their dtype.
+
+    ``rows``: the queries' terms, ``d_out`` ``(T, N, V)`` in the values' dtype, ``delta`` and
+    ``shift`` ``(N, T)``. A program per head and ``CONSUMERS · BACKWARD_SIDE`` rows, each
+    consumer sweeping the keys its rows saw.
+    """
+    plan, side = _backward_plan(plan), BACKWARD_SIDE
+    width, value_width = query.shape[-1], value.shape[-1]
+    staging, simulated = _staging(plan, query.dtype, always=False)
+
+    def consumer(ins, outs, own, program: _Program):
+        q_ref, _, _, do_ref, delta_ref, shift_ref = ins
+        (dq_ref,) = outs
+        q_smem, do_smem, row_smem, loaded, staging = own
+        n, c, start = program.n, program.c, program.start
+        q, d_out, delta, shift = q_smem.at[c], do_smem.at[c], row_smem.at[0, c], row_smem.at[1, c]
+        rows = pl.ds(start, side)
+        sources = (
+            q_ref.at[rows, n],
+            do_ref.at[rows, n],
+            delta_ref.at[n, rows],
+            shift_ref.at[n, rows],
+        )
+        _load(list(zip(sources, (q, d_out, delta, shift), strict=True)), loaded, c)
+        tiled = _tiled(plan, staging, simulated, c)
+        row_terms = _terms(d_out, delta, shift)
+
+        def tile(slots, d_q, arrays, at):
+            grad = tiled.tile_gradient(q, *slots, arrays, row_terms, *at)
+            return d_q + tiled.query_gradient(grad, slots[0], query.dtype)
+
+        d_q = program.sweep(jnp.zeros((side, width), jnp.float32), tile)
+        _store([(d_q, q, dq_ref.at[rows, n])])  # (in the queries' place: read by now)
+
+    own = (
+        plgpu.SMEM((CONSUMERS, side, width), query.dtype),
+        plgpu.SMEM((CONSUMERS, side, value_width), value.dtype),
+        plgpu.SMEM((2, CONSUMERS, side), jnp.float32),
+        (plgpu.Barrier(num_barriers=CONSUMERS),) * 4,
+        staging,
+    )
+    slots = [jax.ShapeDtypeStruct((side, x.shape[-1]), x.dtype) for x in (key, value)]
+
+    def sources(ins, n):
+        return [_blocks(ref, side, n // plan.group) for ref in ins[1:3]]
+
+    inputs = (query, key, value, *rows)
+    out_type = (jax.ShapeDtypeStruct(query.shape, query.dtype),)
+    ring = (slots, sources, _backward_stages(width))
+    (d_query,) = _kernel(plan, "kv", side, inputs, shared, out_type, own, ring, consumer)
+    return d_query
+
+
+def key_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: Shared) -> tuple:
+    """Each query head's key and value gradients ``(S, N, ·)`` of :func:`forward`'s call.
+
+    In the keys' and values' dtypes; ``rows`` as :func:`query_gradients` takes them. A program
+    per head and ``CONSUMERS · BACKWARD_SIDE`` keys, each consumer holding its keys and values
+    and sweeping the queries that saw them.
+    """
+    plan, side = _backward_plan(plan), BACKWARD_SIDE
+    (_, heads, width), value_width = query.shape, value.shape[-1]
+    staging, simulated = _staging(plan, query.dtype, always=True)
+
+    def consumer(ins, outs, own, program: _Program):
+        _, k_ref, v_ref, _, _, _ = ins
+        dk_ref, dv_ref = outs
+        k_smem, v_smem, loaded, staging = own
+        n, c, start = program.n, program.c, program.start
+        k, v = k_smem.at[c], v_smem.at[c]
+        rows = pl.ds(start, side)
+        kv_head = n // plan.group
+        _load([(k_ref.at[rows, kv_head], k), (v_ref.at[rows, kv_head], v)], loaded, c)
+        tiled = _tiled(plan, staging, simulated, c)
+
+        def tile(slots, grads, arrays, at):
+            q_i, d_out, delta, shift = slots
+            grad = tiled.tile_gradient(q_i, k, v, arrays, _terms(d_out, delta, shift), *at)
+            parts = tiled.key_gradients(grad, d_out, (key.dtype, value.dtype))
+            return jax.tree.map(jnp.add, grads, parts)
+
+        zeros = tuple(jnp.zeros((side, w), jnp.float32) for w in (width, value_width))
+        d_k, d_v = program.sweep(zeros, tile)
+        _store([(d_k, k, dk_ref.at[rows, n]), (d_v, v, dv_ref.at[rows, n])])
+
+    own = (
+        plgpu.SMEM((CONSUMERS, side, width), key.dtype),
+        plgpu.SMEM((CONSUMERS, side, value_width), value.dtype),
+        (plgpu.Barrier(num_barriers=CONSUMERS),) * 2,
+        staging,
+    )
+    slots = [
+        jax.ShapeDtypeStruct((side, width), query.dtype),
+        jax.ShapeDtypeStruct((side, value_width), value.dtype),
+        *[jax.ShapeDtypeStruct((side,), jnp.float32)] * 2,
+    ]
+
+    def sources(ins, n):
+        q_ref, _, _, do_ref, delta_ref, shift_ref = ins
+        vectors = [lambda m, r=r: r.at[n, pl.ds(m * side, side)] for r in (delta_ref, shift_ref)]
+        return [_blocks(q_ref, side, n), _blocks(do_ref, side, n), *vectors]
+
+    inputs = (query, key, value, *rows)
+    out_type = tuple(
+        jax.ShapeDtypeStruct((plan.seq_kv, heads, x.shape[-1]), x.dtype) for x in (key, value)
+    )
+    ring = (slots, sources, _backward_stages(width))
+    return _kernel(plan, "q", side, inputs, shared, out_type, own, ring, consumer)

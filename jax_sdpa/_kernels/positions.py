@@ -85,6 +85,38 @@ class Grid(Lazy):
 
 
 @dataclasses.dataclass(frozen=True)
+class Compared(Lazy):
+    """A run compared with a scalar (``kv_idx < length``), kept until it is broadcast over a tile.
+
+    Then the comparison is made there, of the tile's positions (:func:`tile_positions`).
+    ``operands``: the run and the scalar (a :class:`Uniform`, an array or a ref's element), in
+    the equation's order.
+    """
+
+    eqn: Any
+    operands: tuple
+
+    @property
+    def run(self) -> Run:
+        return next(x for x in self.operands if isinstance(x, Run))
+
+    def over(self, positions):
+        """The comparison of ``positions`` (an array of any shape) with the scalar."""
+        return bind(
+            self.eqn, [positions if isinstance(x, Run) else _scalar(x) for x in self.operands]
+        )
+
+    def read(self):
+        return self.over(self.run.read())
+
+
+def _scalar(x):
+    """A :class:`Uniform`'s scalar, or one element (an array's, a ref's) as a scalar."""
+    x = x.scalar if isinstance(x, Uniform) else value(x)
+    return x if jnp.ndim(x) == 0 else jnp.reshape(x, ())
+
+
+@dataclasses.dataclass(frozen=True)
 class Uniform(Lazy):
     """An integer scalar broadcast to ``shape``: an index the same at every point of a tile.
 
@@ -250,21 +282,32 @@ def tile_positions(laid_out) -> dict:
     """
 
     def spread(x, shape: tuple, axis: int):
-        """``x`` as a grid over ``shape`` if it is a run that broadcasts to it, else None."""
+        """``x`` over ``shape`` if it is a run (or a run compared) that broadcasts to it.
+
+        A run becomes a grid, a comparison an array of the grid's; None for anything else.
+        """
+        if isinstance(x, Compared):
+            grid = spread(x.run, shape, axis)
+            return None if grid is None else x.over(value(grid))
         if not isinstance(x, Run) or x.wrap is not None or math.prod(shape) == x.size:
             return None  # (axes of 1 added or dropped: still a run)
         return Grid(x, shape, axis, laid_out) if shape[axis] == x.size else None
 
+    def run_of(x):
+        return x.run if isinstance(x, Compared) else x
+
     def tiled(eqn, operands):
         first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
-        if not isinstance(first, Run):
+        if not isinstance(first, Run | Compared):
             return None
-        return spread(first, shape, eqn.params["broadcast_dimensions"][first.axis])
+        return spread(first, shape, eqn.params["broadcast_dimensions"][run_of(first).axis])
 
     def elementwise(eqn, operands):
         shape = tuple(eqn.outvars[0].aval.shape)
         grids = [
-            spread(x, shape, x.axis) if isinstance(x, Run) and len(x.shape) == len(shape) else None
+            spread(x, shape, run_of(x).axis)
+            if isinstance(x, Run | Compared) and len(run_of(x).shape) == len(shape)
+            else None
             for x in operands
         ]
         if all(grid is None for grid in grids):
@@ -274,5 +317,22 @@ def tile_positions(laid_out) -> dict:
         ]
         return bind(eqn, reads)
 
-    binary = ("add", "sub", "mul", "max", "min", "eq", "ne", "lt", "le", "gt", "ge", "and", "or")
-    return {"broadcast_in_dim": (tiled,), **{name: (elementwise,) for name in binary}}
+    def compared(eqn, operands):
+        """A run compared with a scalar: :class:`Compared` (but ``run < 0``, a ``jnp`` wrap's)."""
+        runs = [x for x in operands if isinstance(x, Run) and x.wrap is None]
+        others = [x for x in operands if not isinstance(x, Run)]
+        scalar = len(others) == 1 and (
+            isinstance(others[0], Uniform)
+            or (isinstance(others[0], Unread) and math.prod(others[0].shape) == 1)
+            or (not isinstance(others[0], Lazy) and jnp.size(others[0]) == 1)
+        )
+        wrap = eqn.primitive.name == "lt" and isinstance(operands[0], Run) and is_zero(operands[1])
+        return Compared(eqn, tuple(operands)) if len(runs) == 1 and scalar and not wrap else None
+
+    comparisons = ("eq", "ne", "lt", "le", "gt", "ge")
+    binary = ("add", "sub", "mul", "max", "min", "and", "or")
+    return {
+        "broadcast_in_dim": (tiled,),
+        **{name: (elementwise,) for name in binary},
+        **{name: (elementwise, compared) for name in comparisons},
+    }

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jax_sdpa._jax_compat import live
 from jax_sdpa._jaxpr import Rules, interpret, table
 from jax_sdpa._kernels.positions import POSITIONS, Run, Uniform, read_run
 from jax_sdpa._kernels.scatters import SCATTERS
@@ -67,7 +68,8 @@ def evaluate(fn, refs: list, *args, rules=None):
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*avals, *args)
     unread = [Unread(ref, tuple(pl.ds(0, n) for n in ref.shape)) for ref in refs]
     rules = Rules(table=table(rules or {}, KERNEL_RULES), array=value)
-    outs = interpret(closed.jaxpr, closed.consts, [*unread, *jax.tree.leaves(args)], rules)
+    jaxpr, inputs = live(closed, [*unread, *jax.tree.leaves(args)])  # (a kernel lowers all)
+    outs = interpret(jaxpr, [], inputs, rules)
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
