@@ -14,7 +14,8 @@ causal sigmoid call with its max scores; the causal call in float32 too, and the
 forward+backward time beside the chunked and dense paths' in both dtypes. Then the time of B2
 H16 T4096 d128 bfloat16, forward and forward+backward, medians of ``--reps`` calls: our kernel
 (causal, ALiBi, 16 documents, no mask; sigmoid causal and not, and causal with the max scores
-out),
+out), its Mosaic GPU port (``Pallas(backend="mosaic_gpu")``: causal, no mask, ALiBi; every
+correctness case is run with it too),
 ``jax.nn.dot_product_attention`` with ``implementation="cudnn"`` and ``"xla"``, our chunked XLA
 path, and upstream ``jax.experimental.pallas.ops.gpu.attention.mha``, each as TFLOP/s (the
 products a causal call needs: half the scores) and as a ratio to cuDNN, beside the machine's own
@@ -22,8 +23,9 @@ bfloat16 matrix product measured in the same run. Every case runs in its own ``t
 failure prints its error and the rest go on; the deadline stops the run between cases.
 
 ``--lower`` and ``--interpret`` are its rehearsal on a machine without a GPU: ``--lower``
-proves that every timed call's kernels compile for sm_90 (``tests/lowering.py``, an abstract
-H100 standing in for the chip), ``--interpret`` that the checks pass; neither says anything of
+proves that every timed call's Triton kernels compile for sm_90 and its Mosaic GPU kernels lower
+and verify (``tests/lowering.py``, an abstract H100 standing in for the chip; a CPU jaxlib
+cannot compile those), ``--interpret`` that the checks pass; neither says anything of
 speed. ``--smoke`` runs the matrix of calls users make (``tests/matrix.py``), every gradient
 checked, one line a case, at sequences of up to 1024 in 2 minutes (``--smoke --interpret``:
 up to 80, in the interpreter). Times are the device's own (CUPTI), never a host sync per call.
@@ -36,6 +38,7 @@ dependency, pure Python, brought along::
 """
 
 import argparse
+import dataclasses
 import functools
 import time
 import traceback
@@ -175,9 +178,21 @@ def timed_calls(kernel) -> dict:
     nn = functools.partial(jax.nn.dot_product_attention, is_causal=True)
     # In the order they matter, should the deadline stop the run: the kernel against cuDNN and
     # our own chunked path first.
+    mosaic = functools.partial(js.dot_product_attention, implementation=_mosaic_gpu(kernel))
     calls = {
         "pallas causal": (functools.partial(ours, is_causal=True), True),
         "jax.nn cudnn causal": (functools.partial(nn, implementation="cudnn"), True),
+        # The Mosaic GPU kernel (issue 43): forward and both backward kernels its own.
+        "mosaic_gpu causal": (functools.partial(mosaic, is_causal=True), True),
+        "mosaic_gpu no mask": (mosaic, False),
+        "jax.nn cudnn no mask": (
+            functools.partial(nn, is_causal=False, implementation="cudnn"),
+            False,
+        ),
+        "mosaic_gpu causal ALiBi": (
+            functools.partial(mosaic, is_causal=True, score_mod=alibi),
+            True,
+        ),
         "chunked causal": (
             functools.partial(js.dot_product_attention, is_causal=True, implementation="chunked"),
             True,
@@ -214,6 +229,15 @@ def timed_calls(kernel) -> dict:
         "jax.nn default causal": (nn, True),
     }
     return calls
+
+
+def _mosaic_gpu(kernel):
+    """``kernel`` as the Mosaic GPU kernel, or (JAX before 0.11) ``kernel``, saying so."""
+    try:
+        return dataclasses.replace(kernel, backend="mosaic_gpu")
+    except ValueError as error:
+        print(f"  mosaic_gpu: {error} (its rows run the Triton kernel)")
+        return kernel
 
 
 def _failure(error: Exception, width: int) -> str:
@@ -467,21 +491,23 @@ def _compared(case, ours, reference) -> tuple[str, bool]:
 def lower_all(kernel) -> None:
     """Every timed call of ours lowered for cuda at full size, each kernel module verified and
     compiled for sm_90 (``tests/lowering.py``): on any machine."""
-    from tests.lowering import verified_kernels
+    from tests.lowering import mosaic_gpu_kernels, verified_kernels
 
     x = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
     for name, (fn, _) in timed_calls(kernel).items():
-        if not name.startswith("pallas"):
+        if not name.startswith(("pallas", "mosaic_gpu")):
             continue
         for backward in (False, True):
             program = _forward_backward(fn) if backward else fn
             passes = "fwd+bwd" if backward else "fwd"
             try:
                 kernels = verified_kernels(program, x, x, x, platform="cuda")
-                if not kernels:
+                mosaic = mosaic_gpu_kernels(program, x, x, x) if name.startswith("mosaic") else []
+                if not kernels and not mosaic:
                     raise RuntimeError("no kernel in the exported program")
-                shared = ", ".join(f"{k.name} {k.shared_bytes} B" for k in kernels)
-                print(f"  {name:24s} {passes:8s} compiles; shared memory: {shared}", flush=True)
+                parts = [f"{k.name} compiles ({k.shared_bytes} B shared)" for k in kernels]
+                parts += [f"{len(mosaic)} Mosaic GPU kernels lower and verify"] * bool(mosaic)
+                print(f"  {name:24s} {passes:8s} {', '.join(parts)}", flush=True)
             except Exception as error:  # one case's failure must not lose the others
                 print(f"  {name:24s} {passes:8s} FAILS: {_failure(error, 300)}", flush=True)
 
@@ -517,11 +543,13 @@ def main():
         (256, 4, jnp.float32, 1e-5) if args.interpret else (1024, H, jnp.bfloat16, 3e-2)
     )
     print(f"correctness, T={seq} {jnp.dtype(dtype).name}, against xla in float32:")
+    mosaic = _mosaic_gpu(kernel)
     for name, (keywords, arrays) in correctness_cases(seq, heads).items():
-        try:
-            check(name, keywords, arrays, seq, heads, dtype, kernel, tolerance)
-        except Exception:  # one case's failure must not lose the others
-            print(f"  {name}: FAILED\n{traceback.format_exc(limit=3)}")
+        for label, tried in ((name, kernel), (f"{name} [mosaic_gpu]", mosaic)):
+            try:
+                check(label, keywords, arrays, seq, heads, dtype, tried, tolerance)
+            except Exception:  # one case's failure must not lose the others
+                print(f"  {label}: FAILED\n{traceback.format_exc(limit=3)}")
     if not args.interpret:
         try:  # float32 inputs: the products in TF32 (Triton's default precision), as XLA's
             keywords, _ = correctness_cases(seq, heads)["causal, soft cap"]

@@ -15,7 +15,7 @@ import jax
 from jax_sdpa._block_mask import BlockMask, blocked
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
-from jax_sdpa._kernels.calls import backward, fitted, forward, padded
+from jax_sdpa._kernels.calls import backward, fitted, for_inputs, forward, padded
 from jax_sdpa._kernels.programs import BlockLists
 from jax_sdpa._tiles import Tiles, differentiable
 from jax_sdpa._tiles_backward import backward_rows, sinks_grad
@@ -58,6 +58,7 @@ def pallas_sequence(
     exclude.
     """
     (seq_q, _, _), value_width = query.shape, value.shape[-1]
+    tunables = for_inputs(tunables, query, key, value)
     tiles = fitted(formula, tunables, query, key)
     query, key, value, arrays = padded(tiles, tunables, query, key, value, arrays)
     arrays = blocked(tiles, arrays, seq_q, key.shape[0])

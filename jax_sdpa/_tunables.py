@@ -9,10 +9,11 @@ kernel) name them without importing the code they configure.
 import dataclasses
 from typing import Any
 
+import jax
 from jax.experimental.pallas import tpu as pltpu
 
 from jax_sdpa import _checks
-from jax_sdpa._jax_compat import GPU_SIMULATOR
+from jax_sdpa._jax_compat import GPU_SIMULATOR, MOSAIC_GPU_KERNEL
 
 # The fastest tile measured on a 2-core CPU, causal or not, forward and backward (BENCHMARKS.md):
 # smaller tiles pay more per-iteration overhead than they save in cache misses.
@@ -147,6 +148,11 @@ class Pallas:
         if self.backend not in GPU_BACKENDS:
             raise ValueError(
                 f"`Pallas.backend` must be one of {GPU_BACKENDS}; got {self.backend!r}."
+            )
+        if self.backend == "mosaic_gpu" and not MOSAIC_GPU_KERNEL:
+            raise ValueError(
+                '`Pallas.backend="mosaic_gpu"` needs JAX 0.11 or later (Mosaic GPU\'s Warpgroup '
+                f"semantics); this is JAX {jax.__version__}."
             )
 
 

@@ -36,6 +36,11 @@ from jaxlib.mosaic.python import tpu as mosaic_tpu
 from tests.util import abstract_devices, abstract_mesh
 
 CUSTOM_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+# The GPU kernels' custom calls, which an export refuses unless told (a program may hold both)
+UNCHECKED = [
+    export.DisabledSafetyCheck.custom_call(target)
+    for target in (CUSTOM_CALLS["cuda"], "mosaic_gpu_v2")
+]
 # Upstream Triton's wheels are for Linux x86-64 (the test dependencies install it there): on
 # other hosts the Triton modules are verified, not compiled.
 CAN_COMPILE = sys.platform == "linux" and platform.machine() == "x86_64"
@@ -63,9 +68,8 @@ def exported(program, *args, platform: str, mesh=None) -> str:
     """The StableHLO text of ``jax.jit(program)(*args)`` exported for ``platform`` on this CPU,
     over ``mesh`` (an abstract one, :func:`tests.util.abstract_mesh`, for a ``shard_map`` in
     ``program``) or one abstract chip."""
-    unchecked = [export.DisabledSafetyCheck.custom_call(CUSTOM_CALLS["cuda"])]
     with abstract_devices(mesh or abstract_mesh(platform)):
-        lowered = export.export(jax.jit(program), platforms=[platform], disabled_checks=unchecked)
+        lowered = export.export(jax.jit(program), platforms=[platform], disabled_checks=UNCHECKED)
         return lowered(*args).mlir_module()
 
 
@@ -195,8 +199,7 @@ def mosaic_gpu_kernels(program, *args) -> list[str]:
     from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
     with abstract_devices(abstract_mesh("cuda")):
-        unchecked = [export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")]
-        program = export.export(jax.jit(program), platforms=["cuda"], disabled_checks=unchecked)
+        program = export.export(jax.jit(program), platforms=["cuda"], disabled_checks=UNCHECKED)
         stablehlo = program(*args).mlir_module()
     context = jax_mlir.make_ir_context()
     mosaic_gpu_dialect.register_dialect(context)

@@ -76,6 +76,13 @@ def test_sigmoid_attention_and_more_keys_than_queries_on_the_gpu_simulator():
     assert ref.rel_err(out, want["out"]) < 2e-2
 
 
+def test_float32_inputs_run_the_other_kernel_and_are_the_reference():
+    q, k, v = qkv(np.random.default_rng(5), 1, 100, 100, 2, 1, 64)  # (Mosaic GPU's take 16 bits)
+    out = js.dot_product_attention(q, k, v, is_causal=True, implementation=_simulated())
+    assert out.dtype == jnp.float32
+    assert ref.rel_err(out, ref.attention(q, k, v, is_causal=True)["out"]) < 1e-5
+
+
 GRADIENT_CASES = {
     "causal GQA": ((200, 200, 4, 2, 96), dict(is_causal=True)),
     "no mask, more keys": ((64, 300, 2, 1, 64), {}),

@@ -43,6 +43,14 @@ def test_tunables_the_backends_cannot_take_are_refused_when_made(options, error,
         js.Pallas(**options)
 
 
+def test_the_mosaic_gpu_kernel_says_which_jax_it_needs():
+    if jax.__version_info__ >= (0, 11):
+        assert js.Pallas(backend="mosaic_gpu").backend == "mosaic_gpu"
+    else:
+        with pytest.raises(ValueError, match=re.escape("needs JAX 0.11 or later")):
+            js.Pallas(backend="mosaic_gpu")
+
+
 @pytest.mark.parametrize(
     "keywords, named",
     [

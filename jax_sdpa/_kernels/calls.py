@@ -392,6 +392,18 @@ def fitted(formula: Formula, tunables: Pallas, query, key) -> Tiles:
     return Tiles(formula, block_q, block_kv, (kv_heads, heads // kv_heads), fused=True)
 
 
+def for_inputs(tunables: Pallas, query, key, value) -> Pallas:
+    """The tunables for these inputs: the Mosaic GPU kernel's products take one 16-bit dtype.
+
+    Others (float32) run the Triton kernel on a GPU, the interpreter in the simulator's place.
+    """
+    dtypes = {jnp.dtype(x.dtype) for x in (query, key, value)}
+    sixteen_bits = len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
+    if not _on_mosaic_gpu(tunables) or sixteen_bits:
+        return tunables
+    return dataclasses.replace(tunables, backend="triton", interpret=bool(tunables.interpret))
+
+
 def _on_mosaic_gpu(tunables: Pallas) -> bool:
     """Whether the Mosaic GPU kernel runs (on its simulator, or on ``cuda``)."""
     return tunables.backend == "mosaic_gpu" or isinstance(tunables.interpret, GPU_SIMULATOR)
