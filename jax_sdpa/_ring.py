@@ -50,16 +50,18 @@ def _heads(x, heads: int):
 
 
 def _on_kernel(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, kv_offset) -> tuple:
-    """``(tiles, (q, k, v), padded)``: a run's rows ``(r, heads·d)`` as the kernel takes them.
+    """``(kernel, tiles, (q, k, v), padded)``: a run's rows ``(r, heads·d)`` for the kernel.
 
+    ``kernel`` is the one for these inputs (:func:`jax_sdpa._kernels.calls.for_inputs`);
     ``(q, k, v)`` are ``(r, heads, d)``; ``padded`` is :func:`jax_sdpa._kernels.calls.padded`'s
     ``(q, k, v, arrays)``, without the sinks (the ring's state met them from the start).
     """
     heads, kv_heads = math.prod(tiles.groups), tiles.groups[0]
     q, k, v = _heads(queries, heads), _heads(key, kv_heads), _heads(value, kv_heads)
+    kernel = kernels.for_inputs(kernel, q, k, v)
     fitted = kernels.fitted(tiles.formula, kernel, q, k)
     arrays = dataclasses.replace(arrays, sinks=None)
-    return fitted, (q, k, v), kernels.padded(fitted, kernel, q, k, v, arrays, kv_offset)
+    return kernel, fitted, (q, k, v), kernels.padded(fitted, kernel, q, k, v, arrays, kv_offset)
 
 
 def _kernel_forward(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, state, offsets):
@@ -67,7 +69,8 @@ def _kernel_forward(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, s
 
     The kernel gives ``(out, lse)`` of these queries over these keys, merged into ``state``.
     """
-    fitted, (q, _, v), padded = _on_kernel(kernel, tiles, queries, key, value, arrays, offsets[1])
+    on_kernel = _on_kernel(kernel, tiles, queries, key, value, arrays, offsets[1])
+    kernel, fitted, (q, _, v), padded = on_kernel
     out, lse, top = kernels.forward(fitted, kernel, *padded, offsets, out_dtype=state.acc.dtype)
     rows, heads, width = q.shape[0], q.shape[1], v.shape[-1]
     part = tiles.formula.normalizer.from_result(out[:rows, :, :width], lse[:rows], top[:rows])
@@ -79,7 +82,8 @@ def _kernel_backward(
     kernel: Pallas, tiles: Tiles, queries, key, value, arrays, rows, grads, offsets
 ):
     """:func:`~jax_sdpa._tiles_backward.backward_sweep`, the tiles computed by the fused kernel."""
-    fitted, runs, padded = _on_kernel(kernel, tiles, queries, key, value, arrays, offsets[1])
+    on_kernel = _on_kernel(kernel, tiles, queries, key, value, arrays, offsets[1])
+    kernel, fitted, runs, padded = on_kernel
     rows = kernels.padded_rows(rows, padded[0].shape[0], runs[0].shape[1], padded[2].shape[-1])
     *d_runs, d_consts = kernels.backward(fitted, kernel, *padded, rows, offsets)
     *totals, d_bias, consts = grads

@@ -304,7 +304,7 @@ def runs(rule: MaskRule | None, blocks: Blocks, span: tuple) -> tuple:
     ``kv_range(*span)`` (or ``q_range``) is where it may allow anything, its ``kv_full_range``
     where it allows everything. Blocks outside the first range are in no run; blocks wholly
     inside the second run with ``tile_rule=None``, no mask to evaluate; the blocks in between
-    run with the rule.
+    run with the rule. The runs are in order, each ``start ≤ stop``.
     """
     if rule is None:
         return ((0, blocks.count, None),)
@@ -314,7 +314,8 @@ def runs(rule: MaskRule | None, blocks: Blocks, span: tuple) -> tuple:
     }[blocks.axis]
     offset, size, count = blocks.offset, blocks.size, blocks.count
     lo, hi = (x - offset for x in reach(*span))
-    lo, hi = jnp.clip(lo // size, 0, count), jnp.clip(-(-hi // size), 0, count)
+    lo = jnp.clip(lo // size, 0, count)
+    hi = jnp.clip(-(-hi // size), lo, count)  # (an empty range stays in order: lo ≤ hi)
     full_lo, full_hi = (x - offset for x in full_reach(*span))
     full_lo = jnp.clip(-(-full_lo // size), lo, hi)
     full_hi = jnp.clip(full_hi // size, full_lo, hi)

@@ -3,8 +3,9 @@
 - Its forward and backward kernels on the GPU simulator (``plgpu.InterpretGPUParams``: shared
   memory, the three warpgroups, TMA copies and barriers simulated) against the float64
   reference, in bfloat16: causal and not, GQA, windows, sinks, a ``score_mod``, sigmoid, a
-  log-sum-exp, key lengths, lengths no tile divides, heads that are not a power of two; the
-  gradient of a ``score_mod``'s captured array (the keys' part by the Triton programs).
+  log-sum-exp, key and query lengths, lengths no tile divides, heads that are not a power of
+  two, a block mask; the gradient of a ``score_mod``'s captured array (the keys' part by the
+  Triton programs).
 - Lowering for ``cuda`` on this CPU (Mosaic GPU's layout inference and its shared-memory check
   run then) of the forward and both backward kernels, for 64, 128 and 256 wide heads: each
   kernel module is then parsed and verified with Mosaic GPU's dialect. Compiling
@@ -92,8 +93,16 @@ GRADIENT_CASES = {
     "sinks": ((128, 128, 4, 2, 64), dict(is_causal=True, sinks=np.array([0.5, -1.0, 2.0, 0.0]))),
     "sigmoid": ((128, 128, 2, 1, 64), dict(normalizer="sigmoid")),
     "key lengths": ((128, 256, 2, 1, 64), dict(is_causal=True, kv_lengths=np.array([100, 256]))),
+    # Programs whose consumers meet no block: keys padded past half a program, a window past
+    # the queries' lengths.
+    "causal, 60": ((60, 60, 2, 1, 64), dict(is_causal=True)),
+    "window, query lengths": (
+        (100, 100, 2, 1, 64),
+        dict(is_causal=True, window=(30, 0), q_lengths=np.array([40, 100])),
+    ),
 }
 OURS = {"window": "local_window_size", "soft_cap": "logits_soft_cap"}
+LENGTHS = {"q_lengths": "query_seq_lengths", "kv_lengths": "key_value_seq_lengths"}
 
 
 @pytest.mark.parametrize("case", list(GRADIENT_CASES))
@@ -101,9 +110,8 @@ def test_the_backward_kernels_on_the_gpu_simulator_are_the_reference(case):
     (t, s, n, kv_heads, width), theirs = GRADIENT_CASES[case]
     q, k, v = qkv(np.random.default_rng(2), 2, t, s, n, kv_heads, width, dtype=jnp.bfloat16)
     d_out = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.bfloat16)
-    ours = {OURS.get(name, name): x for name, x in theirs.items() if name != "kv_lengths"}
-    if "kv_lengths" in theirs:
-        ours["key_value_seq_lengths"] = jnp.asarray(theirs["kv_lengths"])
+    ours = {OURS.get(name, name): x for name, x in theirs.items() if name not in LENGTHS}
+    ours |= {LENGTHS[name]: jnp.asarray(x) for name, x in theirs.items() if name in LENGTHS}
 
     def loss(q, k, v):
         out = js.dot_product_attention(q, k, v, implementation=_simulated(), **ours)
@@ -113,6 +121,24 @@ def test_the_backward_kernels_on_the_gpu_simulator_are_the_reference(case):
     want = ref.attention(q, k, v, d_out=d_out, **theirs)
     for got, name in zip(grads, ("dq", "dk", "dv"), strict=True):
         assert ref.rel_err(got, want[name]) < 2e-2, name  # (bfloat16 inputs and weights)
+
+
+def test_a_block_mask_on_the_gpu_simulator_is_the_reference():
+    def band(b, h, i, j):
+        return (i >= j) & (i - j < 100)
+
+    block_mask = js.create_block_mask(band, None, None, 256, 256, block_q=128, block_kv=128)
+    q, k, v = qkv(np.random.default_rng(6), 1, 256, 256, 2, 1, 64, dtype=jnp.bfloat16)
+    d_out = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = js.dot_product_attention(q, k, v, mask_mod=block_mask, implementation=_simulated())
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    want = ref.attention(q, k, v, d_out=d_out, mask_mod=band)
+    for got, name in zip(grads, ("dq", "dk", "dv"), strict=True):
+        assert ref.rel_err(got, want[name]) < 2e-2, name
 
 
 def test_a_captured_arrays_gradient_with_the_mosaic_gpu_kernels():

@@ -410,7 +410,7 @@ def _on_mosaic_gpu(tunables: Pallas) -> bool:
 
 
 def padded(tiles: Tiles, tunables: Pallas, query, key, value, arrays: CallArrays, kv_offset=0):
-    """``(query, key, value, arrays)`` padded to whole tiles and heads of a power of two ≥ 16.
+    """``(query, key, value, arrays)`` padded to whole tiles, heads to a power of two ≥ 16.
 
     The padded keys are masked by a length rule (at global positions from ``kv_offset``); the
     padded queries are the caller's to drop; the heads' zeros change no product. For the Mosaic

@@ -1,10 +1,11 @@
-r"""The Mosaic GPU backend, on Hopper GPUs (sm_90): the forward pass as a warp-specialized kernel.
+r"""The Mosaic GPU backend, on Hopper GPUs (sm_90): warp-specialized kernels, forward and backward.
 
-A ``plgpu.kernel`` of three warpgroups, as FlashAttention-3 and JAX's own ``attention_mgpu`` are
-built: a producer copies the key and value blocks a program sweeps over into a ring of
-``STAGES`` shared-memory slots by TMA, each slot with a barrier that says it is full and one that
-says both consumers are done with it; two consumers each hold ``block_q`` rows and run the
-engine's own tile on every block: its products are ``wgmma`` on the slots (:func:`_product`),
+Each a ``plgpu.kernel`` of three warpgroups (:func:`_kernel`), as FlashAttention-3 and JAX's own
+``attention_mgpu`` are built: a producer copies the blocks a program sweeps over (in the forward
+pass, the keys and values) into a ring of shared-memory slots by TMA, each slot with a barrier
+that says it is full and one that says both consumers are done with it; two consumers each hold
+their own positions (in the forward pass, ``block_q`` rows) and run the engine's own tile on
+every block: its products are ``wgmma`` on the slots (:func:`_product`),
 everything between them (the formula, the mods, the mask rules, the online softmax) is
 :class:`~jax_sdpa._tiles.Tiles`' code, the XLA paths' and the Triton kernel's, traced into the
 kernel. The blocks a rule excludes are not copied; those it allows wholly run with no mask
@@ -26,6 +27,7 @@ simulator has no ``wgmma`` from registers.
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +92,7 @@ def _product(staging, simulated: bool):
         return staging
 
     def product(spec: str, a, b, dtype, *, precision=None):
+        # (``dtype``: every operand has it, the kernels' inputs' one dtype, calls.for_inputs)
         if spec == "td,sd->ts":
             shape, b = (a.shape[0], b.shape[0]), b.transpose((1, 0))
         elif spec == "ts,sd->td":
@@ -183,11 +186,24 @@ def _static(x):
 
 
 @dataclasses.dataclass(frozen=True)
+class _Swept:
+    """What a kernel's producer copies into its ring of ``stages`` slots.
+
+    ``blocks``: each swept array's block (a ``jax.ShapeDtypeStruct``); ``sources(inputs, n)``:
+    for each, the ref of block ``m`` (``m -> ref``) in a program of query head ``n``.
+    """
+
+    blocks: list
+    sources: Callable
+    stages: int
+
+
+@dataclasses.dataclass(frozen=True)
 class _Program:
     """What a consumer of program ``(n, ·)`` knows.
 
-    It holds ``held`` positions of one axis from ``start``; the producer sweeps blocks of the
-    other, ``axis`` (``"kv"``: keys, for query rows; ``"q"``: queries, for keys).
+    It holds positions of one axis from ``start``; the producer sweeps blocks of the other,
+    ``axis`` (``"kv"``: keys, for query rows; ``"q"``: queries, for keys).
     """
 
     plan: Plan
@@ -195,7 +211,6 @@ class _Program:
     n: jax.Array  # the query head
     c: jax.Array  # the consumer
     start: jax.Array
-    held: int
     shared: Shared  # refs
     runs: tuple  # the consumer's runs, and the producer's first block
     ring: _Ring
@@ -250,7 +265,9 @@ def _runs(plan: Plan, shared: Shared, n, axis: str, span: tuple, whole: tuple) -
         blocks = Blocks(axis, swept, size, count)
         own, union = (runs(arrays.rule, blocks, (held + a, held + b)) for a, b in (span, whole))
         kinds.extend(FULL if rule is None else RULE for *_, rule in own)
-        ends = [(a, b) for a, b, _ in own] + [(union[0][0], union[-1][1])]
+        lo, hi = union[0][0], union[-1][1]
+        # (within the producer's: a consumer whose range is empty may have it anywhere)
+        ends = [tuple(jnp.clip(x, lo, hi) for x in run[:2]) for run in own] + [(lo, hi)]
         return [tuple(jnp.asarray(x, INDEX) for x in pair) for pair in ends]
 
     *own, (lo, hi) = jax.tree.map(_static, plan.run(bounds, shared, n))
@@ -258,20 +275,17 @@ def _runs(plan: Plan, shared: Shared, n, axis: str, span: tuple, whole: tuple) -
     return [(lo, own[0][0], SKIP), *own, (own[-1][1], hi, SKIP)], lo, hi
 
 
-def _kernel(plan: Plan, axis: str, held: int, inputs, shared, out_type, own, ring, consumer):
+def _kernel(plan: Plan, axis: str, held: int, inputs, shared, out_type, own, swept, consumer):
     """A warp-specialized kernel: program ``(n, m)`` a producer and :data:`CONSUMERS` consumers.
 
     Each consumer holds ``held`` positions of the axis that is not ``axis``, the program
     ``CONSUMERS · held`` of them, and sweeps the ``axis`` blocks its positions may meet; the
-    producer copies the blocks any of them may meet into a ring of ``stages`` slots,
-    ``ring = (slots, sources, stages)``: each swept array's block (a ``jax.ShapeDtypeStruct``)
-    and ``sources(inputs, n)``, for each, the ref of block ``m`` (``m -> ref``). ``own``: the
+    producer copies the blocks any of them may meet into its ring (:class:`_Swept`). ``own``: the
     consumers' scratch (shared-memory types). ``consumer(inputs, outputs, own, program)`` runs
     in each consumer (refs; :class:`_Program`). ``inputs``: arrays, the queries first,
     ``(T, N, ·)``.
     """
     interpret = plan.tunables.interpret or None
-    slots, sources, stages = ring
     rows = CONSUMERS * held
     heads = inputs[0].shape[1]
     count = (plan.seq_q if axis == "kv" else plan.seq_kv) // rows
@@ -292,19 +306,19 @@ def _kernel(plan: Plan, axis: str, held: int, inputs, shared, out_type, own, rin
         @pl.when(c == CONSUMERS)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            ring.produce(sources(ins, n), lo, hi)
+            ring.produce(swept.sources(ins, n), lo, hi)
 
         @pl.when(c < CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
-            program = _Program(plan, axis, n, c, start, held, shared_refs, (own_runs, lo), ring)
+            program = _Program(plan, axis, n, c, start, shared_refs, (own_runs, lo), ring)
             consumer(ins, outs, own_refs, program)
 
     scratch = (
         own,
-        tuple(plgpu.SMEM((stages, *slot.shape), slot.dtype) for slot in slots),
-        tuple(plgpu.Barrier(num_barriers=stages) for _ in slots),
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        tuple(plgpu.SMEM((swept.stages, *block.shape), block.dtype) for block in swept.blocks),
+        tuple(plgpu.Barrier(num_barriers=swept.stages) for _ in swept.blocks),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=swept.stages),
     )
     return plgpu.kernel(
         kernel,
@@ -345,7 +359,12 @@ def _store(pairs) -> None:
 
 
 def _staging(plan: Plan, dtype, always: bool) -> tuple:
-    """The consumers' shared memory for tiles that meet a product through it, or None."""
+    """``(staging, simulated)``: the consumers' staging memory, and whether it is simulated.
+
+    ``staging`` is the shared memory (a type) through which tiles meet a product
+    (:func:`_product`), or None: a kernel needs it ``always`` (its tiles meet products
+    transposed) or on the simulator.
+    """
     simulated = bool(plan.tunables.interpret)
     if not (always or simulated):
         return None, simulated
@@ -370,7 +389,7 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype) -> tuple:
     tiles = plan.tiles
     block_q, block_kv = tiles.block_q, tiles.block_kv
     (seq_q, heads, width), value_width = query.shape, value.shape[-1]
-    staging, simulated = _staging(plan, query.dtype, always=False)
+    staging_type, simulated = _staging(plan, query.dtype, always=False)
 
     def consumer(ins, outs, own, program: _Program):
         q_ref, _, _ = ins
@@ -407,7 +426,7 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype) -> tuple:
         else plgpu.SMEM((CONSUMERS, block_q, value_width), out_dtype),
         plgpu.SMEM((2, CONSUMERS, block_q), jnp.float32),
         plgpu.Barrier(num_barriers=CONSUMERS),
-        staging,
+        staging_type,
     )
     slots = [jax.ShapeDtypeStruct((block_kv, x.shape[-1]), x.dtype) for x in (key, value)]
 
@@ -417,7 +436,7 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype) -> tuple:
     out_type = (jax.ShapeDtypeStruct((seq_q, heads, value_width), out_dtype), stats, stats)
     inputs = (query, key, value)
     out, lse, top = _kernel(
-        plan, "kv", block_q, inputs, shared, out_type, own, (slots, sources, STAGES), consumer
+        plan, "kv", block_q, inputs, shared, out_type, own, _Swept(slots, sources, STAGES), consumer
     )
     return out, lse.T, top.T
 
@@ -443,7 +462,7 @@ def query_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: S
     """
     plan, side = _backward_plan(plan), BACKWARD_SIDE
     width, value_width = query.shape[-1], value.shape[-1]
-    staging, simulated = _staging(plan, query.dtype, always=False)
+    staging_type, simulated = _staging(plan, query.dtype, always=False)
 
     def consumer(ins, outs, own, program: _Program):
         q_ref, _, _, do_ref, delta_ref, shift_ref = ins
@@ -474,7 +493,7 @@ def query_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: S
         plgpu.SMEM((CONSUMERS, side, value_width), value.dtype),
         plgpu.SMEM((2, CONSUMERS, side), jnp.float32),
         (plgpu.Barrier(num_barriers=CONSUMERS),) * 4,
-        staging,
+        staging_type,
     )
     slots = [jax.ShapeDtypeStruct((side, x.shape[-1]), x.dtype) for x in (key, value)]
 
@@ -483,21 +502,23 @@ def query_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: S
 
     inputs = (query, key, value, *rows)
     out_type = (jax.ShapeDtypeStruct(query.shape, query.dtype),)
-    ring = (slots, sources, _backward_stages(width))
-    (d_query,) = _kernel(plan, "kv", side, inputs, shared, out_type, own, ring, consumer)
+    swept = _Swept(slots, sources, _backward_stages(width))
+    (d_query,) = _kernel(plan, "kv", side, inputs, shared, out_type, own, swept, consumer)
     return d_query
 
 
 def key_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: Shared) -> tuple:
     """Each query head's key and value gradients ``(S, N, ·)`` of :func:`forward`'s call.
 
-    In the keys' and values' dtypes; ``rows`` as :func:`query_gradients` takes them. A program
-    per head and ``CONSUMERS · BACKWARD_SIDE`` keys, each consumer holding its keys and values
-    and sweeping the queries that saw them.
+    In the keys' and values' dtypes (written through their shared memory, which holds no float32
+    block of 256-wide heads): under GQA each query head's part is rounded before a group's are
+    summed, where the Triton programs sum float32 parts. ``rows`` as :func:`query_gradients`
+    takes them. A program per head and ``CONSUMERS · BACKWARD_SIDE`` keys, each consumer
+    holding its keys and values and sweeping the queries that saw them.
     """
     plan, side = _backward_plan(plan), BACKWARD_SIDE
     (_, heads, width), value_width = query.shape, value.shape[-1]
-    staging, simulated = _staging(plan, query.dtype, always=True)
+    staging_type, simulated = _staging(plan, query.dtype, always=True)
 
     def consumer(ins, outs, own, program: _Program):
         _, k_ref, v_ref, _, _, _ = ins
@@ -524,7 +545,7 @@ def key_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: Sha
         plgpu.SMEM((CONSUMERS, side, width), key.dtype),
         plgpu.SMEM((CONSUMERS, side, value_width), value.dtype),
         (plgpu.Barrier(num_barriers=CONSUMERS),) * 2,
-        staging,
+        staging_type,
     )
     slots = [
         jax.ShapeDtypeStruct((side, width), query.dtype),
@@ -541,5 +562,5 @@ def key_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: Sha
     out_type = tuple(
         jax.ShapeDtypeStruct((plan.seq_kv, heads, x.shape[-1]), x.dtype) for x in (key, value)
     )
-    ring = (slots, sources, _backward_stages(width))
-    return _kernel(plan, "q", side, inputs, shared, out_type, own, ring, consumer)
+    swept = _Swept(slots, sources, _backward_stages(width))
+    return _kernel(plan, "q", side, inputs, shared, out_type, own, swept, consumer)

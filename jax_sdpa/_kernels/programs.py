@@ -7,15 +7,15 @@ block, for queries and keys that start at any global position (a ring's shards):
     forward   program (n, i):  for j in the key blocks the rule may allow (sweep):
                                    state = forward_tile(state, q_i, k_j, v_j)
                                o_i, lse_i = finish(state)
-    backward  program (n, i):  dq_i  = Σ_j backward_tile(...)[dq]      (sweep over keys)
+    backward  program (n, i):  dq_i  = Σ_j query_gradient(tile_gradient(...))   (over keys)
               program (n, j):  dk_j, dv_j, dconsts_j = Σ_i backward_tile(...)   (over queries)
 
 Every tile is the engine's own (:meth:`jax_sdpa._tiles.Tiles.forward_tile`,
-:meth:`~jax_sdpa._tiles.Tiles.backward_tile`): the formula, the mods, their ``jax.vjp`` and the
-mask rules are the XLA paths', traced into the kernel body. Query head ``n`` reads key/value
-head ``n // G`` (GQA without copying); the key gradients of the ``G`` heads that share a key
-head are summed after the kernel. The arrays a call brings besides ``q``, ``k``, ``v`` (the
-rule's, the mods' captured arrays, the sinks) enter whole.
+:meth:`~jax_sdpa._tiles.Tiles.tile_gradient` and the products after it): the formula, the
+mods, their ``jax.vjp`` and the mask rules are the XLA paths', traced into the kernel body.
+Query head ``n`` reads key/value head ``n // G`` (GQA without copying); the key gradients of
+the ``G`` heads that share a key head are summed after the kernel. The arrays a call brings
+besides ``q``, ``k``, ``v`` (the rule's, the mods' captured arrays, the sinks) enter whole.
 
 Each program's refs are named (:class:`Shared`, ``ForwardIn``, …: pytrees of refs, as
 ``pallas_call`` hands them over), and what it reads whole besides (:class:`Shared`) is read where
@@ -275,7 +275,8 @@ def queries_program(plan: Plan, refs: BackwardIn, d_query):
             tile = dataclasses.replace(arrays, rule=rule)
             k_j, v_j = refs.key[keys, :], refs.value[keys, :]
             tile_kv = kv_offset + j * tiles.block_kv
-            return dq + tiles.backward_tile(q, k_j, v_j, tile, terms, tile_q, tile_kv)[0]
+            grad = tiles.tile_gradient(q, k_j, v_j, tile, terms, tile_q, tile_kv)
+            return dq + tiles.query_gradient(grad, k_j, q.dtype)
 
         return sweep(step, "kv", i, _zeros(q))
 
