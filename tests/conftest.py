@@ -12,12 +12,16 @@ from importlib.metadata import version
 FAST_COMPILE = {
     "xla_backend_optimization_level": "0",
     "xla_cpu_parallel_codegen_split_count": "1",
-    # (and each computation runs in its caller's thread: see the async dispatch below)
-    "xla_cpu_multi_thread_eigen": "false",
 }
 # (jaxlib 0.11's XLA has only the fusion emitters, and stops at the flag as unknown)
-if tuple(int(part) for part in version("jaxlib").split(".")[:2]) < (0, 11):
+NEW_JAXLIB = tuple(int(part) for part in version("jaxlib").split(".")[:2]) >= (0, 11)
+if not NEW_JAXLIB:
     FAST_COMPILE["xla_cpu_use_fusion_emitters"] = "false"
+# Where the GPU simulator's tests run (JAX 0.11 and later), each computation runs in its
+# caller's thread: see the async dispatch below. (Not before: the rest of the suite need not
+# run on one Eigen thread.)
+if NEW_JAXLIB:
+    FAST_COMPILE["xla_cpu_multi_thread_eigen"] = "false"
 _flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
     [_flags, *(f"--{name}={value}" for name, value in FAST_COMPILE.items() if name not in _flags)]
@@ -39,13 +43,13 @@ from tests.profile import X64  # noqa: E402
 collect_ignore = [] if os.environ.get("JAX_SDPA_MULTIDEVICE") else ["multidevice"]
 
 jax.config.update("jax_enable_x64", X64)  # JAX_SDPA_X64=1 (tests/profile.py)
-# Each computation on the CPU runs in the thread that calls it (set before the CPU client is
-# made), not in XLA's pool of one thread per core: JAX's GPU simulator runs each warpgroup's
-# computation from its own thread, and a warpgroup blocked at a barrier in a pool thread could
-# hold a 2-core machine's pool while the warpgroup that would release it waited for a thread
-# (tests/test_mosaic_gpu.py hung in about 1 run in 5; a loop of its calls beside a busy core
-# hung in its third round, and passed eight rounds with both settings).
-jax.config.update("jax_cpu_enable_async_dispatch", False)
+# Under JAX 0.11 and later each computation on the CPU runs in the thread that calls it (set
+# before the CPU client is made), not in XLA's pool of one thread per core: JAX's GPU simulator
+# runs each warpgroup's computation from its own thread, and a warpgroup blocked at a barrier
+# in a pool thread could hold a 2-core machine's pool while the warpgroup that would release it
+# waited for a thread (tests/test_mosaic_gpu.py hung in about 1 run in 5; a loop of its calls
+# beside a busy core hung in its third round, and passed eight rounds with both settings).
+jax.config.update("jax_cpu_enable_async_dispatch", not NEW_JAXLIB)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
