@@ -26,6 +26,11 @@ from tests import reference as ref
 from tests.util import enable_x64, qkv
 
 pytestmark = pytest.mark.skipif(not MOSAIC_GPU_KERNEL, reason="Mosaic GPU kernel: JAX ≥ 0.11")
+# The backward kernels on the simulator: outside the inner loop (`-m "not slow"`, CI's newest-JAX
+# pass), for JAX's GPU simulator hangs now and then on 2 cores, warpgroups blocked at barriers
+# inside XLA:CPU's threads (tests/conftest.py's settings made it rarer, not gone); run them with
+# `python -m pytest tests/test_mosaic_gpu.py` under JAX 0.11 or later.
+SIMULATED_BACKWARD = pytest.mark.slow
 
 
 def _simulated():
@@ -106,6 +111,7 @@ LENGTHS = {"q_lengths": "query_seq_lengths", "kv_lengths": "key_value_seq_length
 
 
 @pytest.mark.parametrize("case", list(GRADIENT_CASES))
+@SIMULATED_BACKWARD
 def test_the_backward_kernels_on_the_gpu_simulator_are_the_reference(case):
     (t, s, n, kv_heads, width), theirs = GRADIENT_CASES[case]
     q, k, v = qkv(np.random.default_rng(2), 2, t, s, n, kv_heads, width, dtype=jnp.bfloat16)
@@ -123,6 +129,7 @@ def test_the_backward_kernels_on_the_gpu_simulator_are_the_reference(case):
         assert ref.rel_err(got, want[name]) < 2e-2, name  # (bfloat16 inputs and weights)
 
 
+@SIMULATED_BACKWARD
 def test_a_block_mask_on_the_gpu_simulator_is_the_reference():
     def band(b, h, i, j):
         return (i >= j) & (i - j < 100)
@@ -141,6 +148,7 @@ def test_a_block_mask_on_the_gpu_simulator_is_the_reference():
         assert ref.rel_err(got, want[name]) < 2e-2, name
 
 
+@SIMULATED_BACKWARD
 def test_a_captured_arrays_gradient_with_the_mosaic_gpu_kernels():
     q, k, v = qkv(np.random.default_rng(4), 1, 128, 128, 4, 2, 64, dtype=jnp.bfloat16)
     slopes = jnp.array([0.1, 0.2, 0.05, 0.3], jnp.float32)

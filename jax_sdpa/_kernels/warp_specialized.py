@@ -1,0 +1,357 @@
+r"""Warp-specialized Mosaic GPU kernels: a producer's ring and consumers running the engine's tiles.
+
+:func:`warp_specialized` is a ``plgpu.kernel`` of three warpgroups, as FlashAttention-3 and JAX's
+own ``attention_mgpu`` are built: a producer copies the blocks a program sweeps over into a ring
+of shared-memory slots by TMA (:class:`Ring`), each slot with a barrier that says it is full and
+one that says both consumers are done with it; two consumers each hold their own positions
+(:class:`Program`) and run the engine's own tile on every block: its products are ``wgmma`` on
+the slots (:func:`product`), everything between them (the formula, the mods, the mask rules,
+the online softmax, their ``jax.vjp``) is :class:`~jax_sdpa._tiles.Tiles`' code, the XLA
+paths' and the Triton kernel's, traced into the kernel. The blocks a rule excludes are not
+copied; those it allows wholly run with no mask (:func:`~jax_sdpa._tiles.runs`). The kernels
+themselves are :mod:`jax_sdpa._kernels.mosaic_gpu`'s.
+
+Written for the Warpgroup lowering semantics (Mosaic GPU infers the register layouts): JAX 0.11
+and later. ``plgpu.InterpretGPUParams`` runs the same kernels on a CPU (shared memory, threads
+and barriers simulated), where the tiles that meet a product go through shared memory: the
+simulator has no ``wgmma`` from registers.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_sdpa._indices import INDEX
+from jax_sdpa._kernels.backend import Backend
+from jax_sdpa._kernels.positions import tile_positions
+from jax_sdpa._kernels.programs import Plan, Shared
+from jax_sdpa._tiles import Blocks, runs
+
+CONSUMERS = 2  # warpgroups that compute, each its own rows; a third copies
+STAGES = 2  # shared-memory slots of the producer's ring
+
+# A run's kind: its tiles run with the mask rule, or without (the rule allows them wholly), or
+# not at all (the blocks of the producer's range that a consumer's positions never meet: it
+# waits for each and frees it).
+RULE, FULL, SKIP = "rule", "full", "skip"
+# Its programs' own rules: a tile's positions as the products' (``wgmma``'s) register layout.
+MOSAIC_GPU = Backend(
+    lambda tunables: None,
+    rules=tile_positions(lambda iota: plgpu.layout_cast(iota, plgpu.Layout.WGMMA)),
+)
+
+
+def product(staging, simulated: bool):
+    """The tiles' :func:`~jax_sdpa._steps.cast_product` as ``wgmma``.
+
+    ``td,sd->ts`` (the raw scores ``q · kᵀ``, the weights' gradient ``dO · vᵀ``) of two refs in
+    shared memory; ``ts,sd->td`` (``p · v``, ``dS · k``) of a tile (an array) and a ref, the
+    tile from registers, or through ``staging`` (shared memory) under the simulator
+    (``simulated``), which has no ``wgmma`` from registers; ``ts,td->sd`` (``Pᵀ · dO``,
+    ``dSᵀ · q``) of a tile and a ref, the tile through ``staging``, read transposed.
+    """
+
+    def stage(a, dtype):
+        staging[...] = a.astype(dtype)
+        plgpu.commit_smem()
+        return staging
+
+    def product(spec: str, a, b, dtype, *, precision=None):
+        # (``dtype``: every operand has it, the kernels' inputs' one dtype, calls.for_inputs)
+        if spec == "td,sd->ts":
+            shape, b = (a.shape[0], b.shape[0]), b.transpose((1, 0))
+        elif spec == "ts,sd->td":
+            shape = (a.shape[0], b.shape[1])
+            a = stage(a, b.dtype) if simulated else a.astype(b.dtype)
+        else:  # "ts,td->sd"
+            shape, a = (a.shape[1], b.shape[1]), stage(a, b.dtype).transpose((1, 0))
+
+        def run(acc):
+            plgpu.wgmma(acc, a, b)
+            return acc[...]
+
+        return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+    return product
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """The producer's ring: slots of each swept array, and their barriers."""
+
+    slots: tuple  # a (stages, *block) shared-memory ref per swept array
+    full: tuple  # a barrier per slot, per array: its copy landed
+    free: object  # a barrier per slot: both consumers are done with it (all its arrays)
+
+    @property
+    def stages(self) -> int:
+        return self.slots[0].shape[0]
+
+    def fill(self, sources, step, slot) -> None:
+        """The producer: the block ``step`` of each source into ``slot``."""
+        for source, ring, full in zip(sources, self.slots, self.full, strict=True):
+            plgpu.copy_gmem_to_smem(source(step), ring.at[slot], full.at[slot])
+
+    def produce(self, sources, lo, hi) -> None:
+        """The producer's loop: blocks ``lo … hi − 1``, each into the slot freed for it.
+
+        It ends when the consumers are done with the last.
+        """
+        for first in range(self.stages):
+            pl.when(lo + first < hi)(functools.partial(self.fill, sources, lo + first, first))
+
+        @pl.loop(lo + self.stages, jnp.maximum(hi, lo + self.stages))
+        def _(step):
+            slot = lax.rem(step - lo, self.stages)
+            plgpu.barrier_wait(self.free.at[slot])
+            self.fill(sources, step, slot)
+
+        # Each slot's last block: waited for too, so no barrier ends a phase ahead of its
+        # waiter (JAX 0.11's simulator checks that).
+        for slot in range(self.stages):
+            pl.when(lo + slot < hi)(functools.partial(plgpu.barrier_wait, self.free.at[slot]))
+
+    def consume(self, runs, lo, carry, tile):
+        """A consumer's loop over its ``runs`` ``(start, stop, kind)``.
+
+        All within the producer's range from ``lo``: ``carry = tile(step, slots, carry, kind)``
+        on each block, in its slot; a :data:`SKIP` run only waits for its blocks and frees them.
+        """
+
+        def step(kind, n, carry):
+            slot = lax.rem(n - lo, self.stages)
+            for full in self.full:
+                plgpu.barrier_wait(full.at[slot])
+            if kind != SKIP:
+                carry = tile(n, [ring.at[slot] for ring in self.slots], carry, kind)
+            plgpu.barrier_arrive(self.free.at[slot])
+            return carry
+
+        for start, stop, kind in runs:
+            carry = lax.fori_loop(start, stop, functools.partial(step, kind), carry)
+        return carry
+
+
+def laid_out(tree):
+    """A consumer's carry in ``wgmma``'s register layouts.
+
+    Tiles as the products', vectors as their rows. (Layout inference, left to find them across
+    the loops, runs out of attempts.)
+    """
+    rows, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA
+    return jax.tree.map(lambda x: plgpu.layout_cast(x, tile if x.ndim == 2 else rows), tree)
+
+
+def _static(x):
+    """A bound the interpreter found constant (a NumPy scalar) as a Python int.
+
+    Mosaic GPU's indexing takes those; a traced bound stays as it is.
+    """
+    return int(x) if isinstance(x, np.generic | np.ndarray) else x
+
+
+@dataclasses.dataclass(frozen=True)
+class Swept:
+    """What a kernel's producer copies into its ring of ``stages`` slots.
+
+    ``blocks``: each swept array's block (a ``jax.ShapeDtypeStruct``); ``sources(inputs, n)``:
+    for each, the ref of block ``m`` (``m -> ref``) in a program of query head ``n``.
+    """
+
+    blocks: list
+    sources: Callable
+    stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """What a consumer of program ``(n, ·)`` knows.
+
+    It holds positions of one axis from ``start``; the producer sweeps blocks of the other,
+    ``axis`` (``"kv"``: keys, for query rows; ``"q"``: queries, for keys).
+    """
+
+    plan: Plan
+    axis: str
+    n: jax.Array  # the query head
+    c: jax.Array  # the consumer
+    start: jax.Array
+    shared: Shared  # refs
+    runs: tuple  # the consumer's runs, and the producer's first block
+    ring: Ring
+
+    @property
+    def size(self) -> int:
+        """The swept blocks' size."""
+        tiles = self.plan.tiles
+        return tiles.block_kv if self.axis == "kv" else tiles.block_q
+
+    def tiles(self, staging):
+        """The plan's tiles, their products ``wgmma`` (:func:`product`).
+
+        Through this consumer's part of ``staging`` (a ref, or None).
+        """
+        staged = None if staging is None else staging.at[self.c]
+        return dataclasses.replace(self.plan.tiles, product=product(staged, simulated(self.plan)))
+
+    def run(self, body):
+        """``body(arrays, sink, offsets)`` with head ``n``'s arrays (:meth:`Plan.run`)."""
+        return self.plan.run(lambda *args: body(*args[:3]), self.shared, self.n)
+
+    def sweep(self, carry, tile):
+        """``carry = tile(slots, carry, arrays, (q_offset, kv_offset))`` on each swept block.
+
+        In the producer's slots; ``arrays`` are the tile's (with the rule where it needs it),
+        the offsets the global positions of its first query and key.
+        """
+
+        def step(m, slots, carry, kind):
+            def body(arrays, _, offsets):
+                arrays = dataclasses.replace(arrays, rule=arrays.rule if kind == RULE else None)
+                held, swept = self.start, m * self.size
+                q, kv = (held, swept) if self.axis == "kv" else (swept, held)
+                return tile(slots, carry, arrays, (offsets[0] + q, offsets[1] + kv))
+
+            return laid_out(self.run(body))
+
+        runs, lo = self.runs
+        return self.ring.consume(runs, lo, laid_out(carry), step)
+
+
+def _runs(plan: Plan, shared: Shared, n, axis: str, span: tuple, whole: tuple) -> tuple:
+    """A consumer's runs over the ``axis`` blocks, and the producer's range ``(lo, hi)``.
+
+    ``span`` is the consumer's positions of the other axis, ``whole`` the program's (all its
+    consumers'), each ``(lo, hi)`` from that axis's first. A run is ``(start, stop, kind)``:
+    :data:`RULE` (its tiles run with the rule), :data:`FULL` (without: the rule allows them
+    wholly) or :data:`SKIP` (blocks of the producer's range that the consumer's positions never
+    meet). The producer's range is the rule's for the whole program, which holds each
+    consumer's (the rules' ranges are intervals).
+    """
+    forward = axis == "kv"
+    size = plan.tiles.block_kv if forward else plan.tiles.block_q
+    count = (plan.seq_kv if forward else plan.seq_q) // size
+    kinds = []  # static: whether the call has a rule decides them
+
+    def bounds(arrays, _, offsets, __):
+        swept, held = (offsets[1], offsets[0]) if forward else (offsets[0], offsets[1])
+        blocks = Blocks(axis, swept, size, count)
+        own, union = (runs(arrays.rule, blocks, (held + a, held + b)) for a, b in (span, whole))
+        kinds.extend(FULL if rule is None else RULE for *_, rule in own)
+        lo, hi = union[0][0], union[-1][1]
+        # (within the producer's: a consumer whose range is empty may have it anywhere)
+        ends = [tuple(jnp.clip(x, lo, hi) for x in run[:2]) for run in own] + [(lo, hi)]
+        return [tuple(jnp.asarray(x, INDEX) for x in pair) for pair in ends]
+
+    *own, (lo, hi) = jax.tree.map(_static, plan.run(bounds, shared, n))
+    own = [(a, b, kind) for (a, b), kind in zip(own, kinds, strict=True)]
+    return [(lo, own[0][0], SKIP), *own, (own[-1][1], hi, SKIP)], lo, hi
+
+
+def warp_specialized(
+    plan: Plan, axis: str, held: int, inputs, shared, out_type, own, swept, consumer
+):
+    """A warp-specialized kernel: program ``(n, m)`` a producer and :data:`CONSUMERS` consumers.
+
+    Each consumer holds ``held`` positions of the axis that is not ``axis``, the program
+    ``CONSUMERS · held`` of them, and sweeps the ``axis`` blocks its positions may meet; the
+    producer copies the blocks any of them may meet into its ring (:class:`Swept`). ``own``: the
+    consumers' scratch (shared-memory types). ``consumer(inputs, outputs, own, program)`` runs
+    in each consumer (refs; :class:`Program`). ``inputs``: arrays, the queries first,
+    ``(T, N, ·)``.
+    """
+    plan = dataclasses.replace(plan, backend=MOSAIC_GPU)  # (its reads' rules)
+    interpret = plan.tunables.interpret or None
+    rows = CONSUMERS * held
+    heads = inputs[0].shape[1]
+    count = (plan.seq_q if axis == "kv" else plan.seq_kv) // rows
+    leaves, tree = jax.tree.flatten(shared)
+    arity = len(inputs) + len(leaves)
+
+    def kernel(*refs):
+        ins, (*outs, scratch) = refs[: len(inputs)], refs[arity:]
+        shared_refs = jax.tree.unflatten(tree, refs[len(inputs) : arity])
+        own_refs, ring_refs, full, free = scratch
+        n, c = lax.axis_index("heads"), lax.axis_index("wg")
+        first = lax.axis_index("blocks") * rows
+        start = first + jnp.minimum(c, CONSUMERS - 1) * held
+        span, whole = (start, start + held), (first, first + rows)
+        own_runs, lo, hi = _runs(plan, shared_refs, n, axis, span, whole)
+        ring = Ring(ring_refs, full, free)
+
+        @pl.when(c == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            ring.produce(swept.sources(ins, n), lo, hi)
+
+        @pl.when(c < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            program = Program(plan, axis, n, c, start, shared_refs, (own_runs, lo), ring)
+            consumer(ins, outs, own_refs, program)
+
+    scratch = (
+        own,
+        tuple(plgpu.SMEM((swept.stages, *block.shape), block.dtype) for block in swept.blocks),
+        tuple(plgpu.Barrier(num_barriers=swept.stages) for _ in swept.blocks),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=swept.stages),
+    )
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=(scratch,),
+        grid=(heads, count),
+        grid_names=("heads", "blocks"),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+        ),
+        interpret=interpret,
+    )(*inputs, *leaves)
+
+
+def head_blocks(ref, size: int, head):
+    """Block ``m`` of ``size`` rows of head ``head`` of a ``(T, heads, d)`` ref: ``m -> ref``."""
+    return lambda m: ref.at[pl.ds(m * size, size), head]
+
+
+def load(pairs, barriers, c) -> None:
+    """Copies each ``(source, destination)`` into shared memory, each with its barrier; waits."""
+    for (source, destination), barrier in zip(pairs, barriers, strict=True):
+        plgpu.copy_gmem_to_smem(source, destination, barrier.at[c])
+    for barrier in barriers:
+        plgpu.barrier_wait(barrier.at[c])
+
+
+def store(pairs) -> None:
+    """Writes each ``(value, shared-memory ref, destination)`` out through shared memory."""
+    for value, smem, _ in pairs:
+        smem[...] = value.astype(smem.dtype)
+    plgpu.commit_smem()
+    for _, smem, destination in pairs:
+        plgpu.copy_smem_to_gmem(smem, destination)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def simulated(plan: Plan) -> bool:
+    """Whether the plan's kernels run on the GPU simulator."""
+    return bool(plan.tunables.interpret)
+
+
+def staging_memory(plan: Plan, dtype, always: bool):
+    """The consumers' shared memory (a type) through which tiles meet a product, or None.
+
+    (:func:`product`.) A kernel needs it ``always`` (its tiles meet products transposed) or on
+    the simulator.
+    """
+    if not (always or simulated(plan)):
+        return None
+    return plgpu.SMEM((CONSUMERS, plan.tiles.block_q, plan.tiles.block_kv), dtype)
