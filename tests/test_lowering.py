@@ -76,6 +76,25 @@ def test_every_kernel_module_verifies_forward_and_backward(platform, name):
     assert atomics == (["jax_sdpa_backward_keys"] if name in ATOMICS else [])
 
 
+def test_an_arrays_gradient_of_a_side_no_block_has_is_added_into_memory():
+    # 200 entries, one a key: fewer than one-hot sums take, but no Triton block has a side that
+    # is not a power of two, so its programs add it into memory at its points.
+    bias = jnp.linspace(-1.0, 1.0, 200)
+    q = jax.ShapeDtypeStruct((1, 200, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v, bias):
+        def biased(score, b, h, i, j):
+            return score + bias[j].astype(score.dtype)
+
+        out = js.dot_product_attention(q, k, v, score_mod=biased, implementation="pallas")
+        return out.astype(jnp.float32).sum()
+
+    program = jax.grad(loss, argnums=(0, 1, 2, 3))
+    kernels = verified_kernels(program, q, q, q, bias, platform="cuda", compile=False)
+    atomics = [kernel.name for kernel in kernels if "tt.atomic_rmw" in kernel.asm]
+    assert atomics == ["jax_sdpa_backward_keys"]
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_on_a_gpu_the_kernels_read_and_write_the_callers_layout_in_place(causal):
     # BTNH in, BTNH out: each program reads its head's rows where they lie (a strided block), so

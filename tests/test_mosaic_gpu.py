@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa as js
+from jax_sdpa import mods
 from jax_sdpa._jax_compat import MOSAIC_GPU_KERNEL
 from tests import reference as ref
 from tests.util import enable_x64, qkv
@@ -115,9 +116,14 @@ LENGTHS = {"q_lengths": "query_seq_lengths", "kv_lengths": "key_value_seq_length
 def test_the_backward_kernels_on_the_gpu_simulator_are_the_reference(case):
     (t, s, n, kv_heads, width), theirs = GRADIENT_CASES[case]
     q, k, v = qkv(np.random.default_rng(2), 2, t, s, n, kv_heads, width, dtype=jnp.bfloat16)
-    d_out = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.bfloat16)
     ours = {OURS.get(name, name): x for name, x in theirs.items() if name not in LENGTHS}
     ours |= {LENGTHS[name]: jnp.asarray(x) for name, x in theirs.items() if name in LENGTHS}
+    _assert_simulated_gradients(q, k, v, ours, theirs)
+
+
+def _assert_simulated_gradients(q, k, v, ours, theirs):
+    """The gradients of a call with keywords ``ours`` on the simulator are the reference's."""
+    d_out = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.bfloat16)
 
     def loss(q, k, v):
         out = js.dot_product_attention(q, k, v, implementation=_simulated(), **ours)
@@ -169,6 +175,78 @@ def test_a_captured_arrays_gradient_with_the_mosaic_gpu_kernels():
         want = grads(*wide, "xla")
     for g, w, name in zip(got, want, ("dq", "dk", "dv", "dslopes"), strict=True):
         assert ref.rel_err(g, w) < 2e-2, name
+
+
+# Arrays read along a run of positions (segment ids, documents, per-position biases), over 200
+# positions: the programs' last rows and keys (padded to 256) read past the arrays' ends.
+DOCUMENTS = np.arange(200)[None] // 50 + np.array([[0], [7]])  # (2, 200): 4 documents each
+BIAS = np.linspace(-1.0, 1.0, 256, dtype=np.float32)
+POSITIONAL = {
+    "segment ids": (
+        dict(query_segment_ids=DOCUMENTS, key_value_segment_ids=DOCUMENTS),
+        dict(q_segments=DOCUMENTS, kv_segments=DOCUMENTS),
+    ),
+    "document_mask and causal": (
+        dict(mask_mod=mods.and_masks(mods.document_mask(DOCUMENTS), lambda b, h, i, j: j <= i)),
+        dict(mask_mod=lambda b, h, i, j: (DOCUMENTS[b, i] == DOCUMENTS[b, j]) & (j <= i)),
+    ),
+    "a bias per key, wrapped": (
+        dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(BIAS)[j - 256].astype(s.dtype)),
+        dict(score_mod=lambda s, b, h, i, j: s + BIAS[j]),
+    ),
+}
+
+
+def _positional(case):
+    ours, theirs = POSITIONAL[case]
+    ours = {name: jnp.asarray(x) if name.endswith("ids") else x for name, x in ours.items()}
+    return ours, theirs
+
+
+@pytest.mark.parametrize("case", list(POSITIONAL))
+def test_arrays_read_along_positions_on_the_gpu_simulator_are_the_reference(case):
+    ours, theirs = _positional(case)
+    q, k, v = qkv(np.random.default_rng(8), 2, 200, 200, 2, 1, 64, dtype=jnp.bfloat16)
+    out = js.dot_product_attention(q, k, v, implementation=_simulated(), **ours)
+    assert ref.rel_err(out, ref.attention(q, k, v, **theirs)["out"]) < 2e-2
+
+
+@pytest.mark.parametrize("case", list(POSITIONAL))
+@SIMULATED_BACKWARD
+def test_gradients_with_arrays_read_along_positions_on_the_gpu_simulator(case):
+    q, k, v = qkv(np.random.default_rng(9), 2, 200, 200, 2, 1, 64, dtype=jnp.bfloat16)
+    _assert_simulated_gradients(q, k, v, *_positional(case))
+
+
+@pytest.mark.parametrize("case", list(POSITIONAL))
+def test_arrays_read_along_positions_lower_for_cuda(case):
+    from tests.lowering import mosaic_gpu_kernels
+
+    ours, _ = _positional(case)
+    q = jnp.zeros((2, 200, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((2, 200, 2, 64), jnp.bfloat16)
+    pallas = js.Pallas(backend="mosaic_gpu")
+
+    def loss(q, k, v):
+        return js.dot_product_attention(q, k, v, implementation=pallas, **ours).sum()
+
+    kernels = mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
+    # (a captured float array's gradient: the keys' kernel is the Triton programs', unchecked)
+    assert len(kernels) == (2 if "bias" in case else 3)
+
+
+def test_a_table_read_at_a_tile_of_points_is_refused_by_name():
+    table = jnp.linspace(-1.0, 1.0, 512)
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+
+    def relative(score, b, h, i, j):
+        return score + table[i - j + 256].astype(score.dtype)
+
+    pallas = js.Pallas(backend="mosaic_gpu")
+    with pytest.raises(NotImplementedError, match=r"tile of points.*backend='triton'"):
+        jax.jit(
+            lambda q: js.dot_product_attention(q, q, q, score_mod=relative, implementation=pallas)
+        ).trace(q)
 
 
 @pytest.mark.parametrize(

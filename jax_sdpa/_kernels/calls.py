@@ -373,8 +373,17 @@ def _plan(tiles: Tiles, tunables: Pallas, query, key, arrays: CallArrays, lists)
         key.shape[0],
         shared,
         tuple(jnp.shape(x) for x in leaves),
-        tuple(c.size > ONE_HOT_MAX for c in differentiable(arrays.score_consts) if c is not None),
+        tuple(not _one_hot(c) for c in differentiable(arrays.score_consts) if c is not None),
     )
+
+
+def _one_hot(array) -> bool:
+    """Whether an array's gradient is summed by one-hot products, in its programs' own block.
+
+    Up to ``ONE_HOT_MAX`` entries, of sides that are powers of two (Triton's blocks' sides); any
+    other is added into memory at its points.
+    """
+    return array.size <= ONE_HOT_MAX and all(n & (n - 1) == 0 for n in array.shape)
 
 
 def fitted(formula: Formula, tunables: Pallas, query, key) -> Tiles:

@@ -2,11 +2,14 @@
 
 A tile's positions are followed from their ``iota`` (:class:`Run`) through adds, reshapes and
 the ``jnp`` negative-index wrap, so that a read at them (``documents[q_idx]``) is one load of a
-contiguous window, which is all a TPU loads (:mod:`jax_sdpa._kernels.reads`).
+contiguous window, which is all a TPU loads (:mod:`jax_sdpa._kernels.reads`), kept as a
+:class:`Window` until read: a backend whose tiles' rows and columns have layouts of their own
+(Mosaic GPU) loads it where it meets a tile, in the layout of that axis (:func:`tile_positions`).
 """
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -42,7 +45,11 @@ class Run(Lazy):
         return self.base + self.shift
 
     def read(self):
-        run = self.start + lax.broadcasted_iota(self.base.dtype, self.shape, self.axis)
+        return self.at(lax.broadcasted_iota(self.base.dtype, self.shape, self.axis))
+
+    def at(self, iota):
+        """The positions ``iota`` (``0 … size − 1``, of any shape or layout) along the run."""
+        run = self.start + iota
         return run if self.wrap is None else jnp.where(run < 0, run + self.wrap, run)
 
     def reshaped(self, shape: tuple) -> "Run | None":
@@ -141,27 +148,92 @@ class Negative(Lazy):
         return self.run.read() < 0
 
 
-def read_run(operand: Unread, run: Run, params):
-    """``operand[run]`` of a 1-D part: one load of a contiguous window where the run lies inside.
+@dataclasses.dataclass(frozen=True)
+class Vectors:
+    """How a backend holds a vector along one axis of a tile, where it gives the axes layouts.
+
+    ``load(part)``: a window of memory (an :class:`Unread`) as such a vector; ``iota(count)``:
+    ``0 … count − 1`` as one.
+    """
+
+    load: Callable
+    iota: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Window(Lazy):
+    """``part[run]`` of a 1-D part of a ref, not read yet, then ``ops`` on it: values at positions.
+
+    ``params``: the gather's (its mode and fill). Read whole where the program needs it; a
+    backend whose tiles' axes have their own layouts reads it where it meets a tile, along the
+    axis it lies on (:func:`tile_positions`), the elementwise ``ops`` (with scalars) on the
+    way kept until then.
+    """
+
+    part: Unread
+    run: Run
+    params: Any
+    ops: tuple = ()
+
+    @property
+    def shape(self) -> tuple:
+        return self.run.shape
+
+    def values(self, vectors: "Vectors | None" = None):
+        """The values as a vector (in ``vectors``' layout if given), ``ops`` applied."""
+        x = read_run(self.part, self.run, self.params, vectors)
+        for op in self.ops:
+            x = op(x)
+        return x
+
+    def read(self):
+        return self.values().reshape(self.shape)
+
+    def reshaped(self, shape: tuple) -> "Window | None":
+        run = self.run.reshaped(shape)
+        return None if run is None else dataclasses.replace(self, run=run)
+
+    def then(self, op) -> "Window":
+        """The window with the elementwise ``op`` applied to its values."""
+        return dataclasses.replace(self, ops=(*self.ops, op))
+
+
+def read_run(operand: Unread, run: Run, params, vectors: Vectors | None = None):
+    """``operand[run]`` of a 1-D part, as a vector: one load of a window where the run lies inside.
 
     That is what a TPU loads (it has no load at a vector of indices) and the common case: the
     positions of a tile. A run that leaves the part (a tile past the end of a sequence) is read
-    by :func:`_windowed`, equal to the gather's clamped or filled values.
+    by :func:`_windowed`, or with ``vectors`` one entry at a time (a tile's edge), equal to the
+    gather's clamped or filled values.
     """
     (length,), count = operand.shape, run.size
     start = run.start
 
     def outside():
-        points = run.read().reshape(count)
-        value = _windowed(operand, jnp.clip(points, 0, length - 1))
+        if vectors is None:
+            points = run.read().reshape(count)
+            value = _windowed(operand, jnp.clip(points, 0, length - 1))
+        else:
+            iota = vectors.iota(count)
+            points = run.at(iota)
+
+            def entry(n, x):  # (its point clamped into the part, as the other reads are)
+                point = run.at(n.astype(run.base.dtype))
+                return jnp.where(iota == n, operand.at_points([point]), x)
+
+            zeros = jnp.zeros_like(iota, operand.ref.dtype)
+            value = lax.fori_loop(INDEX(0), INDEX(count), entry, zeros)
         if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
             fill = fill_value(params["fill_value"], value.dtype)
             value = jnp.where(in_bounds([points], operand.shape), value, fill)
         return value
 
+    def window():
+        part = operand.narrowed([start], [count])
+        return part.read() if vectors is None else vectors.load(part)
+
     within = (start >= 0) & (start <= length - count)
-    value = lax.cond(within, lambda: operand.narrowed([start], [count]).read(), outside)
-    return value.reshape(run.shape[:-1])
+    return lax.cond(within, window, outside)
 
 
 def _windowed(operand: Unread, points):
@@ -210,7 +282,7 @@ def _reshaped(eqn, operands):
         return None
     if isinstance(first, Uniform):
         return Uniform(first.scalar, shape)
-    if isinstance(first, Run):
+    if isinstance(first, Run | Window):
         return first.reshaped(shape)
     integer = jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.integer)
     scalar = not isinstance(first, Lazy) and jnp.ndim(first) == 0
@@ -273,32 +345,38 @@ POSITIONS = {
 }
 
 
-def tile_positions(laid_out) -> dict:
-    """A backend's rules before those: positions broadcast over a whole tile as one iota.
+def tile_positions(laid_out, along) -> dict:
+    """A backend's rules before those: positions and values at them broadcast over a whole tile.
 
     By a ``broadcast_in_dim`` of a run, or by an operation whose other operand spans the tile
     (``q_idx[:, None] >= kv_idx[None, :]``): one iota of the tile's shape, placed by
-    ``laid_out`` (a :class:`Grid`).
+    ``laid_out`` (a :class:`Grid`). A :class:`Window` is read there, as a vector along the
+    tile's axis (``along(axis)``: its :class:`Vectors`), and broadcast; elementwise operations
+    of a window and scalars on the way are kept for its values.
     """
 
     def spread(x, shape: tuple, axis: int):
-        """``x`` over ``shape`` if it is a run (or a run compared) that broadcasts to it.
+        """``x`` over ``shape`` if it is a run (or a run compared) or a window along ``axis``.
 
-        A run becomes a grid, a comparison an array of the grid's; None for anything else.
+        A run becomes a grid, a comparison an array of the grid's, a window its values
+        broadcast; None for anything else.
         """
         if isinstance(x, Compared):
             grid = spread(x.run, shape, axis)
             return None if grid is None else x.over(value(grid))
-        if not isinstance(x, Run) or x.wrap is not None or math.prod(shape) == x.size:
+        run = x.run if isinstance(x, Window) else x
+        if not isinstance(run, Run) or math.prod(shape) == run.size or shape[axis] != run.size:
             return None  # (axes of 1 added or dropped: still a run)
-        return Grid(x, shape, axis, laid_out) if shape[axis] == x.size else None
+        if isinstance(x, Window):  # (its values read at the run's positions, wrapped or not)
+            return laid_out(lax.broadcast_in_dim(x.values(along(axis)), shape, (axis,)))
+        return None if x.wrap is not None else Grid(x, shape, axis, laid_out)
 
     def run_of(x):
-        return x.run if isinstance(x, Compared) else x
+        return x.run if isinstance(x, Compared | Window) else x
 
     def tiled(eqn, operands):
         first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
-        if not isinstance(first, Run | Compared):
+        if not isinstance(first, Run | Compared | Window):
             return None
         return spread(first, shape, eqn.params["broadcast_dimensions"][run_of(first).axis])
 
@@ -306,7 +384,7 @@ def tile_positions(laid_out) -> dict:
         shape = tuple(eqn.outvars[0].aval.shape)
         grids = [
             spread(x, shape, run_of(x).axis)
-            if isinstance(x, Run | Compared) and len(run_of(x).shape) == len(shape)
+            if isinstance(x, Run | Compared | Window) and len(run_of(x).shape) == len(shape)
             else None
             for x in operands
         ]
@@ -321,18 +399,39 @@ def tile_positions(laid_out) -> dict:
         """A run compared with a scalar: :class:`Compared` (but ``run < 0``, a ``jnp`` wrap's)."""
         runs = [x for x in operands if isinstance(x, Run) and x.wrap is None]
         others = [x for x in operands if not isinstance(x, Run)]
-        scalar = len(others) == 1 and (
-            isinstance(others[0], Uniform)
-            or (isinstance(others[0], Unread) and math.prod(others[0].shape) == 1)
-            or (not isinstance(others[0], Lazy) and jnp.size(others[0]) == 1)
-        )
         wrap = eqn.primitive.name == "lt" and isinstance(operands[0], Run) and is_zero(operands[1])
-        return Compared(eqn, tuple(operands)) if len(runs) == 1 and scalar and not wrap else None
+        single = len(runs) == 1 and len(others) == 1 and is_scalar(others[0])
+        return Compared(eqn, tuple(operands)) if single and not wrap else None
+
+    def of_a_window(eqn, operands):
+        """A window and scalars (``ids == 0``, ``ids.astype(f32)``): the operation kept for it."""
+        window = next((x for x in operands if isinstance(x, Window)), None)
+        if window is None or not all(x is window or is_scalar(x) for x in operands):
+            return None
+
+        def operation(values):
+            def operand(x):
+                return values if x is window else jnp.broadcast_to(_scalar(x), values.shape)
+
+            return bind(eqn, [operand(x) for x in operands])
+
+        return window.then(operation)
 
     comparisons = ("eq", "ne", "lt", "le", "gt", "ge")
-    binary = ("add", "sub", "mul", "max", "min", "and", "or")
+    binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor")
+    unary = ("convert_element_type", "neg", "not", "abs", "sign")
     return {
         "broadcast_in_dim": (tiled,),
-        **{name: (elementwise,) for name in binary},
-        **{name: (elementwise, compared) for name in comparisons},
+        **{name: (elementwise, of_a_window) for name in binary},
+        **{name: (elementwise, compared, of_a_window) for name in comparisons},
+        **{name: (of_a_window,) for name in unary},
     }
+
+
+def is_scalar(x) -> bool:
+    """Whether ``x`` is one number at every point: a :class:`Uniform`, or of one element."""
+    return (
+        isinstance(x, Uniform)
+        or (isinstance(x, Unread) and math.prod(x.shape) == 1)
+        or (not isinstance(x, Lazy) and jnp.size(x) == 1)
+    )

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from jax_sdpa._jax_compat import live
 from jax_sdpa._jaxpr import Rules, interpret, table
-from jax_sdpa._kernels.positions import POSITIONS, Run, Uniform, read_run
+from jax_sdpa._kernels.positions import POSITIONS, Run, Uniform, Window
 from jax_sdpa._kernels.scatters import SCATTERS
 from jax_sdpa._kernels.values import (
     Joined,
@@ -206,7 +206,13 @@ def _gather(operand: Unread, indices, params):
     operand, indices, inside = _along_a_run(operand, indices)
     value = _gathered(operand, indices, params)
     if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP and inside is not None:
-        value = jnp.where(inside, value, fill_value(params["fill_value"], value.dtype))
+
+        def filled(x):
+            return jnp.where(inside, x, fill_value(params["fill_value"], x.dtype))
+
+        value = value.then(filled) if isinstance(value, Window) else filled(value)
+    if isinstance(value, Window):  # (kept unread: a backend may read it where it meets a tile)
+        return value.reshaped(value.shape + (1,) * ones)
     return _Expanded(value, ones)
 
 
@@ -231,8 +237,9 @@ def _gathered(operand: Unread, indices, params):
     """The values of a point gather, before axes of 1 are added."""
     rank = len(operand.shape)
     if isinstance(indices, Run):
-        if rank == 1 and 0 < indices.size <= operand.shape[0]:
-            return read_run(operand, indices, params)
+        run = indices.reshaped(indices.shape[:-1])  # (the indices' last axis, of 1, dropped)
+        if rank == 1 and run is not None and run.size <= operand.shape[0]:
+            return Window(operand, run, params)
         indices = indices.read()  # a run longer than the array
     points = index_arrays(indices, rank)
     value = operand.at_points(points)

@@ -29,9 +29,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_sdpa._indices import INDEX
+from jax_sdpa._jaxpr import table
 from jax_sdpa._kernels.backend import Backend
-from jax_sdpa._kernels.positions import tile_positions
+from jax_sdpa._kernels.positions import Run, Vectors, is_scalar, tile_positions
 from jax_sdpa._kernels.programs import Plan, Shared
+from jax_sdpa._kernels.values import Joined
 from jax_sdpa._tiles import Blocks, runs
 
 CONSUMERS = 2  # warpgroups that compute, each its own rows; a third copies
@@ -41,10 +43,47 @@ STAGES = 2  # shared-memory slots of the producer's ring
 # not at all (the blocks of the producer's range that a consumer's positions never meet: it
 # waits for each and frees it).
 RULE, FULL, SKIP = "rule", "full", "skip"
-# Its programs' own rules: a tile's positions as the products' (``wgmma``'s) register layout.
+
+
+def _tile(x):
+    """A tile in ``wgmma``'s register layout."""
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+
+def _along(axis: int) -> Vectors:
+    """Vectors along a tile's ``axis`` (0: its rows, 1: its columns) in ``wgmma``'s layout."""
+    layout = plgpu.Layout.WGMMA.reduce(1 - axis)
+    return Vectors(
+        load=lambda part: plgpu.load(part.ref.at[part.index], layout=layout),
+        iota=lambda count: plgpu.broadcasted_iota(INDEX, (count,), 0, layout=layout),
+    )
+
+
+def _points(eqn, operands):
+    """A gather this backend has no load for: an error that says which and what to use.
+
+    Mosaic GPU loads an array's entries at one index or along a run of positions
+    (``slopes[h]``, ``documents[q_idx]``), not at a tile of points (``table[q_idx - kv_idx]``).
+    """
+    indices = operands[1]
+    parts = indices.parts if isinstance(indices, Joined) else [indices]
+    runs = [part for part in parts if isinstance(part, Run)]
+    scalars = [part for part in parts if is_scalar(part)]
+    if len(runs) + len(scalars) == len(parts) and len(runs) <= 1:
+        return None
+    raise NotImplementedError(
+        "Pallas(backend='mosaic_gpu') reads a captured array at one index or along a run of "
+        f"positions (slopes[h], documents[q_idx]); this call reads a {eqn.invars[0].aval} array "
+        f"at a {eqn.outvars[0].aval.shape} tile of points (a table at q_idx - kv_idx?), which "
+        "it has no load for: use Pallas(backend='triton')"
+    )
+
+
+# Its programs' own rules: a tile's positions, and values read at them, in the products'
+# (``wgmma``'s) register layouts; gathers it cannot load refused.
 MOSAIC_GPU = Backend(
     lambda tunables: None,
-    rules=tile_positions(lambda iota: plgpu.layout_cast(iota, plgpu.Layout.WGMMA)),
+    rules=table(tile_positions(_tile, _along), {"gather": (_points,)}),
 )
 
 
