@@ -8,13 +8,15 @@
 
 On the device, first the correctness of ``implementation="pallas"`` in bfloat16 at T = 1024,
 forward and gradients against ``implementation="xla"`` on the same inputs in float32: a causal
-call with a soft cap, a block mask of 16 documents, ALiBi over a captured slope array with a
+call with a soft cap, a block mask of 16 documents, 16 documents as segment ids, ALiBi over a
+captured slope array with a
 document mask over a captured array and sinks (every gradient, the arrays' included), and a
 causal sigmoid call with its max scores; the causal call in float32 too, and the kernel's
 forward+backward time beside the chunked and dense paths' in both dtypes. Then the time of B2
 H16 T4096 d128 bfloat16, forward and forward+backward, medians of ``--reps`` calls: our kernel
 (causal, ALiBi, 16 documents, no mask; sigmoid causal and not, and causal with the max scores
-out), its Mosaic GPU port (``Pallas(backend="mosaic_gpu")``: causal, no mask, ALiBi; every
+out), its Mosaic GPU port (``Pallas(backend="mosaic_gpu")``: causal, no mask, ALiBi, 16
+documents as segment ids; every
 correctness case is run with it too),
 ``jax.nn.dot_product_attention`` with ``implementation="cudnn"`` and ``"xla"``, our chunked XLA
 path, and upstream ``jax.experimental.pallas.ops.gpu.attention.mha``, each as TFLOP/s (the
@@ -87,6 +89,10 @@ def correctness_cases(seq: int, heads: int) -> dict:
     return {
         "causal, soft cap": (lambda: dict(is_causal=True, logits_soft_cap=20.0), ()),
         "block mask, 16 documents": (lambda: dict(mask_mod=block_mask), ()),
+        "segment ids, 16 documents": (
+            lambda: dict(query_segment_ids=documents[None], key_value_segment_ids=documents[None]),
+            (),
+        ),
         "ALiBi + documents + sinks": (alibi_documents, (slopes, sinks)),
         "sigmoid causal + max scores": (
             lambda: dict(is_causal=True, normalizer="sigmoid", return_max_scores=True),
@@ -170,6 +176,7 @@ def timed_calls(kernel) -> dict:
     documents = _documents(T)
     tiles = dict(block_q=kernel.block_q, block_kv=kernel.block_kv)
     block_mask = js.create_block_mask(_same_document(documents), None, None, T, T, **tiles)
+    segments = jnp.broadcast_to(documents, (B, T))
     ours = functools.partial(js.dot_product_attention, implementation=kernel)
 
     def alibi(s, b, h, i, j):
@@ -192,6 +199,10 @@ def timed_calls(kernel) -> dict:
         "mosaic_gpu causal ALiBi": (
             functools.partial(mosaic, is_causal=True, score_mod=alibi),
             True,
+        ),
+        "mosaic_gpu 16 documents (segment ids)": (
+            functools.partial(mosaic, query_segment_ids=segments, key_value_segment_ids=segments),
+            False,
         ),
         "chunked causal": (
             functools.partial(js.dot_product_attention, is_causal=True, implementation="chunked"),
