@@ -27,11 +27,12 @@ from tests import reference as ref
 from tests.util import enable_x64, qkv
 
 pytestmark = pytest.mark.skipif(not MOSAIC_GPU_KERNEL, reason="Mosaic GPU kernel: JAX ≥ 0.11")
-# The backward kernels on the simulator: outside the inner loop (`-m "not slow"`, CI's newest-JAX
-# pass), for JAX's GPU simulator hangs now and then on 2 cores, warpgroups blocked at barriers
-# inside XLA:CPU's threads (tests/conftest.py's settings made it rarer, not gone); run them with
+# The backward kernels on the simulator, and the forward's rarer cases: outside the inner loop
+# (`-m "not slow"`, CI's newest-JAX pass), for JAX's GPU simulator hangs now and then on 2 cores,
+# warpgroups blocked at barriers inside XLA:CPU's threads (tests/conftest.py's settings made it
+# rarer, not gone; each simulated call is a chance of it); run them with
 # `python -m pytest tests/test_mosaic_gpu.py` under JAX 0.11 or later.
-SIMULATED_BACKWARD = pytest.mark.slow
+SIMULATED_SLOW = pytest.mark.slow
 
 
 def _simulated():
@@ -112,7 +113,7 @@ LENGTHS = {"q_lengths": "query_seq_lengths", "kv_lengths": "key_value_seq_length
 
 
 @pytest.mark.parametrize("case", list(GRADIENT_CASES))
-@SIMULATED_BACKWARD
+@SIMULATED_SLOW
 def test_the_backward_kernels_on_the_gpu_simulator_are_the_reference(case):
     (t, s, n, kv_heads, width), theirs = GRADIENT_CASES[case]
     q, k, v = qkv(np.random.default_rng(2), 2, t, s, n, kv_heads, width, dtype=jnp.bfloat16)
@@ -135,7 +136,7 @@ def _assert_simulated_gradients(q, k, v, ours, theirs):
         assert ref.rel_err(got, want[name]) < 2e-2, name  # (bfloat16 inputs and weights)
 
 
-@SIMULATED_BACKWARD
+@SIMULATED_SLOW
 def test_a_block_mask_on_the_gpu_simulator_is_the_reference():
     def band(b, h, i, j):
         return (i >= j) & (i - j < 100)
@@ -154,7 +155,7 @@ def test_a_block_mask_on_the_gpu_simulator_is_the_reference():
         assert ref.rel_err(got, want[name]) < 2e-2, name
 
 
-@SIMULATED_BACKWARD
+@SIMULATED_SLOW
 def test_a_captured_arrays_gradient_with_the_mosaic_gpu_kernels():
     q, k, v = qkv(np.random.default_rng(4), 1, 128, 128, 4, 2, 64, dtype=jnp.bfloat16)
     slopes = jnp.array([0.1, 0.2, 0.05, 0.3], jnp.float32)
@@ -177,10 +178,15 @@ def test_a_captured_arrays_gradient_with_the_mosaic_gpu_kernels():
         assert ref.rel_err(g, w) < 2e-2, name
 
 
-# Arrays read along a run of positions (segment ids, documents, per-position biases), over 200
+# Arrays read along positions (segment ids, documents, a bias per key, tables at q_idx − kv_idx), over 200
 # positions: the programs' last rows and keys (padded to 256) read past the arrays' ends.
 DOCUMENTS = np.arange(200)[None] // 50 + np.array([[0], [7]])  # (2, 200): 4 documents each
 BIAS = np.linspace(-1.0, 1.0, 256, dtype=np.float32)
+TABLE = np.linspace(-1.0, 1.0, 400, dtype=np.float32)  # (a table at q_idx − kv_idx: looped)
+T5 = mods.relative_position_bias(
+    np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(32, 2), 32, 128
+)
+
 POSITIONAL = {
     "segment ids": (
         dict(query_segment_ids=DOCUMENTS, key_value_segment_ids=DOCUMENTS),
@@ -189,6 +195,14 @@ POSITIONAL = {
     "document_mask and causal": (
         dict(mask_mod=mods.and_masks(mods.document_mask(DOCUMENTS), lambda b, h, i, j: j <= i)),
         dict(mask_mod=lambda b, h, i, j: (DOCUMENTS[b, i] == DOCUMENTS[b, j]) & (j <= i)),
+    ),
+    "a relative table": (
+        dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(TABLE)[i - j + 200].astype(s.dtype)),
+        dict(score_mod=lambda s, b, h, i, j: s + TABLE[i - j + 200]),
+    ),
+    "T5's buckets, causal": (
+        dict(is_causal=True, score_mod=T5),
+        dict(is_causal=True, score_mod=lambda s, *at: s + np.asarray(T5(np.float32(0), *at))),
     ),
     "a bias per key, wrapped": (
         dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(BIAS)[j - 256].astype(s.dtype)),
@@ -203,7 +217,13 @@ def _positional(case):
     return ours, theirs
 
 
-@pytest.mark.parametrize("case", list(POSITIONAL))
+@pytest.mark.parametrize(  # (the inner loop simulates one)
+    "case",
+    [
+        case if case == "segment ids" else pytest.param(case, marks=SIMULATED_SLOW)
+        for case in POSITIONAL
+    ],
+)
 def test_arrays_read_along_positions_on_the_gpu_simulator_are_the_reference(case):
     ours, theirs = _positional(case)
     q, k, v = qkv(np.random.default_rng(8), 2, 200, 200, 2, 1, 64, dtype=jnp.bfloat16)
@@ -212,7 +232,7 @@ def test_arrays_read_along_positions_on_the_gpu_simulator_are_the_reference(case
 
 
 @pytest.mark.parametrize("case", list(POSITIONAL))
-@SIMULATED_BACKWARD
+@SIMULATED_SLOW
 def test_gradients_with_arrays_read_along_positions_on_the_gpu_simulator(case):
     q, k, v = qkv(np.random.default_rng(9), 2, 200, 200, 2, 1, 64, dtype=jnp.bfloat16)
     _assert_simulated_gradients(q, k, v, *_positional(case))
@@ -232,20 +252,20 @@ def test_arrays_read_along_positions_lower_for_cuda(case):
 
     kernels = mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
     # (a captured float array's gradient: the keys' kernel is the Triton programs', unchecked)
-    assert len(kernels) == (2 if "bias" in case else 3)
+    assert len(kernels) == (3 if "ids" in case or "document" in case else 2)
 
 
-def test_a_table_read_at_a_tile_of_points_is_refused_by_name():
-    table = jnp.linspace(-1.0, 1.0, 512)
+def test_an_array_read_at_points_along_two_axes_is_refused_by_name():
+    classes = jnp.zeros((7, 5))
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
 
-    def relative(score, b, h, i, j):
-        return score + table[i - j + 256].astype(score.dtype)
+    def by_class(score, b, h, i, j):
+        return score + classes[i % 7, j % 5].astype(score.dtype)
 
     pallas = js.Pallas(backend="mosaic_gpu")
-    with pytest.raises(NotImplementedError, match=r"tile of points.*backend='triton'"):
+    with pytest.raises(NotImplementedError, match=r"points along several.*backend='triton'"):
         jax.jit(
-            lambda q: js.dot_product_attention(q, q, q, score_mod=relative, implementation=pallas)
+            lambda q: js.dot_product_attention(q, q, q, score_mod=by_class, implementation=pallas)
         ).trace(q)
 
 

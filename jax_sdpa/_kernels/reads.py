@@ -24,6 +24,7 @@ program too, so the tests check the values of the program a GPU or TPU is given.
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import live
 from jax_sdpa._jaxpr import Rules, interpret, table
 from jax_sdpa._kernels.positions import POSITIONS, Run, Uniform, Window
@@ -120,10 +122,10 @@ def _concatenate(eqn, operands):  # a gather's indices, kept apart until it read
     return None
 
 
-def _point_gather_rule(eqn, operands):
+def _point_gather_rule(eqn, operands, looped=None):
     first = operands[0]
     if isinstance(first, Unread) and _point_gather(eqn, first):
-        return _gather(first, operands[1], eqn.params)
+        return _gather(first, operands[1], eqn.params, looped)
     return None
 
 
@@ -200,11 +202,14 @@ def _point_gather(eqn, operand: Unread) -> bool:
     )
 
 
-def _gather(operand: Unread, indices, params):
-    """A point gather: loads at the points (one contiguous load for a run of positions)."""
+def _gather(operand: Unread, indices, params, looped=None):
+    """A point gather: loads at the points (one contiguous load for a run of positions).
+
+    ``looped``: see :func:`looped_gathers`.
+    """
     ones = 0 if params["dimension_numbers"].collapsed_slice_dims else len(operand.shape)
-    operand, indices, inside = _along_a_run(operand, indices)
-    value = _gathered(operand, indices, params)
+    operand, indices, inside = _along_a_run(operand, indices, any_points=looped is not None)
+    value = _gathered(operand, indices, params, looped)
     if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP and inside is not None:
 
         def filled(x):
@@ -216,14 +221,19 @@ def _gather(operand: Unread, indices, params):
     return _Expanded(value, ones)
 
 
-def _along_a_run(operand: Unread, indices):
+def _along_a_run(operand: Unread, indices, any_points: bool = False):
     """A gather at positions along one axis and one index along the others, as a 1-D gather.
 
     ``(operand, indices, inside)``: the operand's row at those indices (clamped), the positions,
     and whether the indices lie inside (None if nothing was taken). Any other gather is as given.
+    ``any_points``: along one axis at any points, not only positions.
     """
     parts = indices.parts if isinstance(indices, Joined) else []
-    runs = [n for n, part in enumerate(parts) if isinstance(part, Run)]
+    runs = [
+        n
+        for n, part in enumerate(parts)
+        if isinstance(part, Run) or any_points and not isinstance(part, Uniform)
+    ]
     if len(parts) != len(operand.shape) or len(runs) != 1:
         return operand, indices, None
     scalars = {n: part.scalar for n, part in enumerate(parts) if isinstance(part, Uniform)}
@@ -233,20 +243,65 @@ def _along_a_run(operand: Unread, indices):
     return operand.taken(scalars), parts[runs[0]], inside
 
 
-def _gathered(operand: Unread, indices, params):
-    """The values of a point gather, before axes of 1 are added."""
+def _gathered(operand: Unread, indices, params, looped=None):
+    """The values of a point gather, before axes of 1 are added.
+
+    ``looped``: a 1-D part read at a tile of points one entry at a time (:func:`_looped`).
+    """
     rank = len(operand.shape)
     if isinstance(indices, Run):
         run = indices.reshaped(indices.shape[:-1])  # (the indices' last axis, of 1, dropped)
         if rank == 1 and run is not None and run.size <= operand.shape[0]:
             return Window(operand, run, params)
         indices = indices.read()  # a run longer than the array
-    points = index_arrays(indices, rank)
-    value = operand.at_points(points)
+    if looped is not None and rank == 1 and isinstance(indices, _Expanded) and indices.ones == 1:
+        points = [indices.value]  # (a tile's points, as the program made them)
+        value = _looped(operand, points[0], looped)
+    else:
+        points = index_arrays(indices, rank)
+        value = operand.at_points(points)
     if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:  # read clamped, then filled
         inside = in_bounds(points, operand.shape)
         value = jnp.where(inside, value, fill_value(params["fill_value"], value.dtype))
     return value
+
+
+def _looped(operand: Unread, points, laid_out):
+    """``operand[points]`` of a 1-D part, each of its entries loaded once and placed.
+
+    ``Σ_e part[e] [clip(point) = e]``, as selects; ``laid_out`` places the tiles in registers.
+    """
+    points = laid_out(jnp.clip(points, 0, operand.shape[0] - 1).astype(INDEX))
+
+    def entry(e, x):
+        return laid_out(jnp.where(points == e, operand.at_points([e]), x))
+
+    zeros = laid_out(jnp.zeros(points.shape, operand.ref.dtype))
+    return lax.fori_loop(INDEX(0), INDEX(operand.shape[0]), entry, zeros)
+
+
+def looped_gathers(laid_out) -> dict:
+    """The rules of a backend that loads no vector of points (Mosaic GPU).
+
+    A 1-D part read at a tile of points one entry at a time (:func:`_looped`); the tile's
+    points, given as the gather's ``(..., 1)`` indices, kept as they are (an integer tile with
+    an axis of 1 added after its own: :class:`_Expanded`).
+    """
+
+    def indices(eqn, operands):
+        first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
+        if isinstance(first, Lazy) or not jnp.issubdtype(jnp.result_type(first), jnp.integer):
+            return None
+        rank = jnp.ndim(first)
+        kept = tuple(eqn.params["broadcast_dimensions"]) == tuple(range(rank))
+        return (
+            _Expanded(first, 1) if rank >= 2 and kept and shape == jnp.shape(first) + (1,) else None
+        )
+
+    return {
+        "broadcast_in_dim": (indices,),
+        "gather": (functools.partial(_point_gather_rule, looped=laid_out),),
+    }
 
 
 def _updated(operand, update, *starts):

@@ -31,8 +31,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jaxpr import table
 from jax_sdpa._kernels.backend import Backend
-from jax_sdpa._kernels.positions import Run, Vectors, is_scalar, tile_positions
+from jax_sdpa._kernels.positions import Vectors, is_scalar, tile_positions
 from jax_sdpa._kernels.programs import Plan, Shared
+from jax_sdpa._kernels.reads import looped_gathers
 from jax_sdpa._kernels.values import Joined
 from jax_sdpa._tiles import Blocks, runs
 
@@ -62,28 +63,27 @@ def _along(axis: int) -> Vectors:
 def _points(eqn, operands):
     """A gather this backend has no load for: an error that says which and what to use.
 
-    Mosaic GPU loads an array's entries at one index or along a run of positions
-    (``slopes[h]``, ``documents[q_idx]``), not at a tile of points (``table[q_idx - kv_idx]``).
+    Mosaic GPU reads an array at one index, along a run of positions or at a tile of points
+    along one axis (``slopes[h]``, ``documents[q_idx]``, ``table[q_idx - kv_idx, h]``:
+    :func:`~jax_sdpa._kernels.reads.looped_gathers`), not at points along several.
     """
     indices = operands[1]
     parts = indices.parts if isinstance(indices, Joined) else [indices]
-    runs = [part for part in parts if isinstance(part, Run)]
-    scalars = [part for part in parts if is_scalar(part)]
-    if len(runs) + len(scalars) == len(parts) and len(runs) <= 1:
+    if sum(not is_scalar(part) for part in parts) <= 1:
         return None
     raise NotImplementedError(
-        "Pallas(backend='mosaic_gpu') reads a captured array at one index or along a run of "
-        f"positions (slopes[h], documents[q_idx]); this call reads a {eqn.invars[0].aval} array "
-        f"at a {eqn.outvars[0].aval.shape} tile of points (a table at q_idx - kv_idx?), which "
-        "it has no load for: use Pallas(backend='triton')"
+        "Pallas(backend='mosaic_gpu') reads a captured array at one index, along a run of "
+        "positions or at a tile of points along one axis (slopes[h], documents[q_idx], "
+        f"table[q_idx - kv_idx, h]); this call reads a {eqn.invars[0].aval} array at points "
+        "along several, which it has no load for: use Pallas(backend='triton')"
     )
 
 
 # Its programs' own rules: a tile's positions, and values read at them, in the products'
-# (``wgmma``'s) register layouts; gathers it cannot load refused.
+# (``wgmma``'s) register layouts; gathers at a tile of points looped; the others refused.
 MOSAIC_GPU = Backend(
     lambda tunables: None,
-    rules=table(tile_positions(_tile, _along), {"gather": (_points,)}),
+    rules=table(tile_positions(_tile, _along), {"gather": (_points,)}, looped_gathers(_tile)),
 )
 
 
