@@ -52,7 +52,10 @@ from jax_sdpa._masks import all_of
 
 @dataclasses.dataclass(frozen=True)
 class _Expanded(Lazy):
-    """A point gather's result, ``value`` with ``ones`` trailing axes of size 1 still to add."""
+    """``value`` with ``ones`` trailing axes of size 1 still to add.
+
+    A point gather's result, or a tile of points made a gather's indices (:func:`looped_gathers`).
+    """
 
     value: Any
     ones: int
@@ -267,9 +270,11 @@ def _gathered(operand: Unread, indices, params, looped=None):
 
 
 def _looped(operand: Unread, points, laid_out):
-    """``operand[points]`` of a 1-D part, each of its entries loaded once and placed.
+    """``operand[points]`` of a 1-D part, each entry the points span loaded once and placed.
 
-    ``Σ_e part[e] [clip(point) = e]``, as selects; ``laid_out`` places the tiles in registers.
+    ``Σ_e part[e] [clip(point) = e]`` over ``e`` from the tile's least point to its greatest
+    (``block_q + block_kv − 1`` entries of a table at ``q_idx − kv_idx``), as selects;
+    ``laid_out`` places the tiles in registers.
     """
     points = laid_out(jnp.clip(points, 0, operand.shape[0] - 1).astype(INDEX))
 
@@ -277,7 +282,7 @@ def _looped(operand: Unread, points, laid_out):
         return laid_out(jnp.where(points == e, operand.at_points([e]), x))
 
     zeros = laid_out(jnp.zeros(points.shape, operand.ref.dtype))
-    return lax.fori_loop(INDEX(0), INDEX(operand.shape[0]), entry, zeros)
+    return lax.fori_loop(points.min(axis=1).min(), points.max(axis=1).max() + 1, entry, zeros)
 
 
 def looped_gathers(laid_out) -> dict:
