@@ -121,11 +121,12 @@ RUNS = {
     ],
     ids=["ids", "booleans", "−0 and NaN"],
 )
-@pytest.mark.parametrize("start", [0, 9, 24, 30, 39, -6], ids=lambda s: f"start {s}")
+@pytest.mark.parametrize("start", [0, 9, 24, 30, 39, -6, -20], ids=lambda s: f"start {s}")
 @pytest.mark.parametrize("case", RUNS)
 def test_a_run_of_positions_reads_what_the_function_reads(case, start, array):
-    # 16 positions from `start` in 40 entries: inside (0, 9, 24), past the end (30, 39) and
-    # before the start (−6, which a jnp index wraps): the last two read window by window.
+    # 16 positions from `start` in 40 entries: inside (0, 9, 24), past the end (30, 39), across
+    # the start (−6, which a jnp index wraps): those read window by window; and wholly before
+    # it (−20: wrapped whole, one window again).
     fn = RUNS[case]
     start = jnp.int32(start)
     want = fn(array, start + jnp.arange(16, dtype=jnp.int32))

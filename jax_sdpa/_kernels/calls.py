@@ -380,8 +380,8 @@ def _plan(tiles: Tiles, tunables: Pallas, query, key, arrays: CallArrays, lists)
 def _one_hot(array) -> bool:
     """Whether an array's gradient is summed by one-hot products, in its programs' own block.
 
-    Up to ``ONE_HOT_MAX`` entries, of sides that are powers of two (Triton's blocks' sides); any
-    other is added into memory at its points.
+    Up to ``ONE_HOT_MAX`` entries, of sides that are powers of two (Triton's blocks' sides; one
+    plan serves every platform, so all sum so); any other is added into memory at its points.
     """
     return array.size <= ONE_HOT_MAX and all(n & (n - 1) == 0 for n in array.shape)
 

@@ -179,7 +179,7 @@ class Window(Lazy):
     def shape(self) -> tuple:
         return self.run.shape
 
-    def values(self, vectors: "Vectors | None" = None):
+    def values(self, vectors: Vectors | None = None):
         """The values as a vector (in ``vectors``' layout if given), ``ops`` applied."""
         x = read_run(self.part, self.run, self.params, vectors)
         for op in self.ops:
@@ -208,6 +208,8 @@ def read_run(operand: Unread, run: Run, params, vectors: Vectors | None = None):
     """
     (length,), count = operand.shape, run.size
     start = run.start
+    if run.wrap is not None:  # (a run wholly below 0 wraps whole: a window too)
+        start = jnp.where(start + count <= 0, start + run.wrap, start)
 
     def outside():
         if vectors is None:
@@ -419,7 +421,8 @@ def tile_positions(laid_out, along) -> dict:
 
     comparisons = ("eq", "ne", "lt", "le", "gt", "ge")
     binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor")
-    unary = ("convert_element_type", "neg", "not", "abs", "sign")
+    unary = ("convert_element_type", "neg", "not", "abs", "sign", "floor", "ceil", "integer_pow")
+    unary += ("exp", "exp2", "log", "log1p", "sqrt", "rsqrt", "tanh", "logistic")
     return {
         "broadcast_in_dim": (tiled,),
         **{name: (elementwise, of_a_window) for name in binary},

@@ -125,10 +125,10 @@ def _concatenate(eqn, operands):  # a gather's indices, kept apart until it read
     return None
 
 
-def _point_gather_rule(eqn, operands, looped=None):
+def _point_gather_rule(eqn, operands, laid_out=None):
     first = operands[0]
     if isinstance(first, Unread) and _point_gather(eqn, first):
-        return _gather(first, operands[1], eqn.params, looped)
+        return _gather(first, operands[1], eqn.params, laid_out)
     return None
 
 
@@ -205,14 +205,15 @@ def _point_gather(eqn, operand: Unread) -> bool:
     )
 
 
-def _gather(operand: Unread, indices, params, looped=None):
+def _gather(operand: Unread, indices, params, laid_out=None):
     """A point gather: loads at the points (one contiguous load for a run of positions).
 
-    ``looped``: see :func:`looped_gathers`.
+    ``laid_out``: a backend's placing of tiles, where it loads no vector of points
+    (:func:`looped_gathers`): then a run's values stay a :class:`Window` until they meet a tile.
     """
     ones = 0 if params["dimension_numbers"].collapsed_slice_dims else len(operand.shape)
-    operand, indices, inside = _along_a_run(operand, indices, any_points=looped is not None)
-    value = _gathered(operand, indices, params, looped)
+    operand, indices, inside = _along_one_axis(operand, indices, any_points=laid_out is not None)
+    value = _gathered(operand, indices, params, laid_out)
     if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP and inside is not None:
 
         def filled(x):
@@ -224,7 +225,7 @@ def _gather(operand: Unread, indices, params, looped=None):
     return _Expanded(value, ones)
 
 
-def _along_a_run(operand: Unread, indices, any_points: bool = False):
+def _along_one_axis(operand: Unread, indices, *, any_points: bool = False):
     """A gather at positions along one axis and one index along the others, as a 1-D gather.
 
     ``(operand, indices, inside)``: the operand's row at those indices (clamped), the positions,
@@ -235,7 +236,7 @@ def _along_a_run(operand: Unread, indices, any_points: bool = False):
     runs = [
         n
         for n, part in enumerate(parts)
-        if isinstance(part, Run) or any_points and not isinstance(part, Uniform)
+        if isinstance(part, Run) or (any_points and not isinstance(part, Uniform))
     ]
     if len(parts) != len(operand.shape) or len(runs) != 1:
         return operand, indices, None
@@ -246,20 +247,23 @@ def _along_a_run(operand: Unread, indices, any_points: bool = False):
     return operand.taken(scalars), parts[runs[0]], inside
 
 
-def _gathered(operand: Unread, indices, params, looped=None):
+def _gathered(operand: Unread, indices, params, laid_out=None):
     """The values of a point gather, before axes of 1 are added.
 
-    ``looped``: a 1-D part read at a tile of points one entry at a time (:func:`_looped`).
+    ``laid_out``: as :func:`_gather` takes it; a 1-D part read at a tile of points is then read
+    one entry at a time (:func:`_looped`).
     """
     rank = len(operand.shape)
     if isinstance(indices, Run):
         run = indices.reshaped(indices.shape[:-1])  # (the indices' last axis, of 1, dropped)
-        if rank == 1 and run is not None and run.size <= operand.shape[0]:
-            return Window(operand, run, params)
+        if rank == 1 and run is not None and 0 < run.size <= operand.shape[0]:
+            window = Window(operand, run, params)
+            return window if laid_out is not None else window.read()
         indices = indices.read()  # a run longer than the array
-    if looped is not None and rank == 1 and isinstance(indices, _Expanded) and indices.ones == 1:
+    tile = isinstance(indices, _Expanded) and indices.ones == 1 and jnp.ndim(indices.value) == 2
+    if laid_out is not None and rank == 1 and tile:
         points = [indices.value]  # (a tile's points, as the program made them)
-        value = _looped(operand, points[0], looped)
+        value = _looped(operand, points[0], laid_out)
     else:
         points = index_arrays(indices, rank)
         value = operand.at_points(points)
@@ -305,7 +309,7 @@ def looped_gathers(laid_out) -> dict:
 
     return {
         "broadcast_in_dim": (indices,),
-        "gather": (functools.partial(_point_gather_rule, looped=laid_out),),
+        "gather": (functools.partial(_point_gather_rule, laid_out=laid_out),),
     }
 
 

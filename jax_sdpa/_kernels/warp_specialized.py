@@ -72,10 +72,10 @@ def _points(eqn, operands):
     if sum(not is_scalar(part) for part in parts) <= 1:
         return None
     raise NotImplementedError(
-        "Pallas(backend='mosaic_gpu') reads a captured array at one index, along a run of "
-        "positions or at a tile of points along one axis (slopes[h], documents[q_idx], "
-        f"table[q_idx - kv_idx, h]); this call reads a {eqn.invars[0].aval} array at points "
-        "along several, which it has no load for: use Pallas(backend='triton')"
+        "`Pallas(backend='mosaic_gpu')` reads an array at one index, along a run of positions or "
+        "at a tile of points along one axis (`slopes[h]`, `documents[q_idx]`, "
+        f"`table[q_idx - kv_idx, h]`), and this call reads a {eqn.invars[0].aval} array at "
+        "points along several, which it has no load for: use `Pallas(backend='triton')`."
     )
 
 
