@@ -155,6 +155,31 @@ def test_a_block_mask_on_the_gpu_simulator_is_the_reference():
         assert ref.rel_err(got, want[name]) < 2e-2, name
 
 
+def _listed(b, h, i, j):
+    """A rule per head that allows no key from 128 on: no kernel's block there is listed."""
+    return (j < 128) & ((h == 0) | (j <= i))
+
+
+@SIMULATED_SLOW
+def test_the_kernels_visit_only_the_blocks_a_block_mask_lists():
+    # NaN in the blocks no tile lists: a kernel that visited one would put 0 · NaN in the
+    # products. 200 positions: the padded queries are listed for nothing.
+    q, k, v = qkv(np.random.default_rng(10), 1, 200, 200, 2, 1, 64, dtype=jnp.bfloat16)
+    unlisted = (jnp.arange(200) >= 128)[None, :, None, None]
+    k_nan, v_nan = (jnp.where(unlisted, jnp.nan, x) for x in (k, v))
+    d_out = jnp.asarray(np.random.default_rng(11).normal(size=q.shape), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = js.dot_product_attention(q, k, v, mask_mod=_listed, implementation=_simulated())
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k_nan, v_nan)
+    want = ref.attention(q, k, v, d_out=d_out, mask_mod=_listed)
+    assert ref.rel_err(out, want["out"]) < 2e-2
+    for got, name in zip(grads, ("dq", "dk", "dv"), strict=True):
+        assert ref.rel_err(got, want[name]) < 2e-2, name
+
+
 @SIMULATED_SLOW
 def test_a_captured_arrays_gradient_with_the_mosaic_gpu_kernels():
     q, k, v = qkv(np.random.default_rng(4), 1, 128, 128, 4, 2, 64, dtype=jnp.bfloat16)
@@ -208,6 +233,10 @@ POSITIONAL = {
         dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(BIAS)[j - 256].astype(s.dtype)),
         dict(score_mod=lambda s, b, h, i, j: s + BIAS[j]),
     ),
+    "a bias shorter than a tile": (  # (100 entries: read one at a time, clamped as jnp reads)
+        dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(BIAS[:100])[j].astype(s.dtype)),
+        dict(score_mod=lambda s, b, h, i, j: s + BIAS[np.minimum(j, 99)]),
+    ),
 }
 
 
@@ -255,17 +284,28 @@ def test_arrays_read_along_positions_lower_for_cuda(case):
     assert len(kernels) == (3 if "ids" in case or "document" in case else 2)
 
 
-def test_an_array_read_at_points_along_two_axes_is_refused_by_name():
-    classes = jnp.zeros((7, 5))
+CLASSES, IDS = jnp.zeros((7, 5)), jnp.arange(256) % 3
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda i, j: CLASSES[i % 7, j % 5],
+        lambda i, j: CLASSES[0][i // 64],
+        lambda i, j: jnp.asarray(BIAS)[IDS[i]],
+    ],
+    ids=["along two axes", "at a vector of points", "at values read from another array"],
+)
+def test_an_array_read_at_points_the_kernel_has_no_load_for_is_refused_by_name(read):
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
 
-    def by_class(score, b, h, i, j):
-        return score + classes[i % 7, j % 5].astype(score.dtype)
+    def score_mod(score, b, h, i, j):
+        return score + read(i, j).astype(score.dtype)
 
     pallas = js.Pallas(backend="mosaic_gpu")
-    with pytest.raises(NotImplementedError, match=r"points along several.*backend=.triton."):
+    with pytest.raises(NotImplementedError, match=r"at other points.*backend=.triton."):
         jax.jit(
-            lambda q: js.dot_product_attention(q, q, q, score_mod=by_class, implementation=pallas)
+            lambda q: js.dot_product_attention(q, q, q, score_mod=score_mod, implementation=pallas)
         ).trace(q)
 
 
@@ -278,8 +318,17 @@ def test_an_array_read_at_points_along_two_axes_is_refused_by_name():
         ((1, 1024, 2, 2, 128), dict(is_causal=True, local_window_size=(256, 0))),
         ((1, 256, 2, 2, 64), dict(key_length=300)),
         ((2, 256, 2, 2, 64), dict(is_causal=True, key_value_seq_lengths=jnp.array([100, 256]))),
+        ((1, 512, 2, 1, 128), dict(mask_mod=_listed)),
     ],
-    ids=["causal GQA d128", "no mask d64", "causal d256", "window", "300 keys", "key lengths"],
+    ids=[
+        "causal GQA d128",
+        "no mask d64",
+        "causal d256",
+        "window",
+        "300 keys",
+        "key lengths",
+        "block mask",
+    ],
 )
 def test_the_kernels_lower_for_cuda_and_their_modules_verify(shape, keywords):
     from tests.lowering import mosaic_gpu_kernels

@@ -139,9 +139,17 @@ def forward(
     )
     rows = shaped_like((seq_q, heads, 1), accumulation_dtype(query.dtype), query)
 
+    listed = None if lists is None else arrays  # (the Mosaic GPU kernels list their own)
+
     def on_mosaic_gpu(inputs: ForwardIn) -> ForwardOut:
         out, lse, top = mosaic_gpu.forward(
-            plan, inputs.query, inputs.key, inputs.value, inputs.shared, out_dtype or value.dtype
+            plan,
+            inputs.query,
+            inputs.key,
+            inputs.value,
+            inputs.shared,
+            out_dtype or value.dtype,
+            listed,
         )
         return ForwardOut(out, _as_rows(lse), _as_rows(top))
 
@@ -192,8 +200,9 @@ def backward(
         plan.inputs(arrays, offsets, lists),
     )
     consts = [c for c in differentiable(arrays.score_consts) if c is not None]
-    dq = _query_gradients(plan, inputs)
-    dk, dv, d_consts = _key_gradients(plan, inputs, consts)
+    listed = None if lists is None else arrays  # (the Mosaic GPU kernels list their own)
+    dq = _query_gradients(plan, inputs, listed)
+    dk, dv, d_consts = _key_gradients(plan, inputs, consts, listed)
 
     def per_kv_head(d):  # (S, N, d) → (S, K, d), summed over the heads that share one
         return d.reshape(d.shape[0], heads // plan.group, plan.group, d.shape[-1]).sum(2)
@@ -203,7 +212,7 @@ def backward(
     return dq, per_kv_head(dk), per_kv_head(dv), d_consts
 
 
-def _on_mosaic_gpu_backward(kernel, plan: Plan):
+def _on_mosaic_gpu_backward(kernel, plan: Plan, listed):
     """The Mosaic GPU backward ``kernel`` as a function of the :class:`BackwardIn` inputs.
 
     :func:`~jax_sdpa._kernels.mosaic_gpu.query_gradients` or ``key_gradients``: the rows'
@@ -213,13 +222,14 @@ def _on_mosaic_gpu_backward(kernel, plan: Plan):
     def call(inputs: BackwardIn):
         rows = inputs.rows
         rows = BackwardRows(rows.d_out, rows.delta[:, :, 0].T, rows.shift[:, :, 0].T)
-        grads = kernel(plan, inputs.query, inputs.key, inputs.value, rows, inputs.shared)
+        query, key, value = inputs.query, inputs.key, inputs.value
+        grads = kernel(plan, query, key, value, rows, inputs.shared, listed)
         return jax.tree.map(lambda x: x.astype(accumulation_dtype(x.dtype)), grads)
 
     return call
 
 
-def _query_gradients(plan: Plan, inputs: BackwardIn):
+def _query_gradients(plan: Plan, inputs: BackwardIn, listed):
     """The queries' gradients, ``(T, N, H)``: a program per head and query block."""
     (seq_q, heads, width), value_width = inputs.query.shape, inputs.value.shape[-1]
     tiles = plan.tiles
@@ -241,15 +251,15 @@ def _query_gradients(plan: Plan, inputs: BackwardIn):
         out_specs=_Rows(tiles.block_q, width),
         out_shape=d_query,
         name="jax_sdpa_backward_queries",
-        mosaic_gpu=_on_mosaic_gpu_backward(mosaic_gpu.query_gradients, plan),
+        mosaic_gpu=_on_mosaic_gpu_backward(mosaic_gpu.query_gradients, plan, listed),
     )(inputs)
 
 
-def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list):
+def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list, listed):
     """Each query head's key and value gradients ``(S, N, ·)``; per program, ``consts``'.
 
     ``consts`` are the ``score_mod``'s arrays with gradients; a program per query head and key
-    block.
+    block. ``listed``: the call's arrays where the Mosaic GPU kernels list a block mask's blocks.
     """
     query, key, value = inputs.query, inputs.key, inputs.value
     (seq_q, heads, width), value_width = query.shape, value.shape[-1]
@@ -280,7 +290,7 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list):
         tuple(d_specs[n] for n in summed),
     )
     first_sum = len(jax.tree.leaves(inputs)) - len(summed)  # (the sums come last)
-    keys_kernel = _on_mosaic_gpu_backward(mosaic_gpu.key_gradients, plan)
+    keys_kernel = _on_mosaic_gpu_backward(mosaic_gpu.key_gradients, plan, listed)
 
     def on_mosaic_gpu(inputs: BackwardIn) -> KeysOut:
         return KeysOut(*keys_kernel(inputs), consts=())

@@ -56,13 +56,14 @@ def _backward_stages(width: int) -> int:
     return STAGES if width <= 128 else 1
 
 
-def forward(plan: Plan, query, key, value, shared: Shared, out_dtype) -> tuple:
+def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, listed) -> tuple:
     """``(out, lse, top)`` of ``(T, N, H)`` queries against ``(S, K, H)`` keys and values.
 
     The arrays as :func:`jax_sdpa._kernels.calls.padded` gives them; ``out`` ``(T, N, V)`` in
     ``out_dtype``, the rows' ``lse`` and largest scores ``(T, N)``. A program per head and
     ``CONSUMERS · block_q`` rows: each consumer sweeps its ``block_q`` rows over the keys its
-    rows may see, the producer copying the union.
+    rows may see, the producer copying the union: the rule's ranges, or the blocks a block
+    mask lists where ``listed`` (the call's arrays) has one (:func:`warp_specialized`).
     """
     tiles = plan.tiles
     block_q, block_kv = tiles.block_q, tiles.block_kv
@@ -112,8 +113,9 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype) -> tuple:
 
     out_type = (jax.ShapeDtypeStruct((seq_q, heads, value_width), out_dtype), stats, stats)
     inputs = (query, key, value)
+    swept = Swept(slots, sources, STAGES)
     out, lse, top = warp_specialized(
-        plan, "kv", block_q, inputs, shared, out_type, own, Swept(slots, sources, STAGES), consumer
+        plan, "kv", block_q, inputs, shared, out_type, own, swept, consumer, listed
     )
     return out, lse.T, top.T
 
@@ -130,12 +132,12 @@ def _terms(d_out, delta, shift) -> BackwardRows:
     return BackwardRows(d_out, *laid_out((delta[...], shift[...])))
 
 
-def query_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: Shared):
+def query_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: Shared, listed):
     """The queries' gradient ``(T, N, H)`` of :func:`forward`'s call, in their dtype.
 
     ``rows``: the queries' terms, ``d_out`` ``(T, N, V)`` in the values' dtype, ``delta`` and
-    ``shift`` ``(N, T)``. A program per head and ``CONSUMERS · BACKWARD_SIDE`` rows, each
-    consumer sweeping the keys its rows saw.
+    ``shift`` ``(N, T)``; ``listed`` as :func:`forward` takes it. A program per head and
+    ``CONSUMERS · BACKWARD_SIDE`` rows, each consumer sweeping the keys its rows saw.
     """
     plan, side = _backward_plan(plan), BACKWARD_SIDE
     width, value_width = query.shape[-1], value.shape[-1]
@@ -179,18 +181,22 @@ def query_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: S
     inputs = (query, key, value, *rows)
     out_type = (jax.ShapeDtypeStruct(query.shape, query.dtype),)
     swept = Swept(slots, sources, _backward_stages(width))
-    (d_query,) = warp_specialized(plan, "kv", side, inputs, shared, out_type, own, swept, consumer)
+    (d_query,) = warp_specialized(
+        plan, "kv", side, inputs, shared, out_type, own, swept, consumer, listed
+    )
     return d_query
 
 
-def key_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: Shared) -> tuple:
+def key_gradients(
+    plan: Plan, query, key, value, rows: BackwardRows, shared: Shared, listed
+) -> tuple:
     """Each query head's key and value gradients ``(S, N, ·)`` of :func:`forward`'s call.
 
     In the keys' and values' dtypes (written through their shared memory, which holds no float32
     block of 256-wide heads): under GQA each query head's part is rounded before a group's are
-    summed, where the Triton programs sum float32 parts. ``rows`` as :func:`query_gradients`
-    takes them. A program per head and ``CONSUMERS · BACKWARD_SIDE`` keys, each consumer
-    holding its keys and values and sweeping the queries that saw them.
+    summed, where the Triton programs sum float32 parts. ``rows`` and ``listed`` as
+    :func:`query_gradients` takes them. A program per head and ``CONSUMERS · BACKWARD_SIDE``
+    keys, each consumer holding its keys and values and sweeping the queries that saw them.
     """
     plan, side = _backward_plan(plan), BACKWARD_SIDE
     (_, heads, width), value_width = query.shape, value.shape[-1]
@@ -238,4 +244,4 @@ def key_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: Sha
         jax.ShapeDtypeStruct((plan.seq_kv, heads, x.shape[-1]), x.dtype) for x in (key, value)
     )
     swept = Swept(slots, sources, _backward_stages(width))
-    return warp_specialized(plan, "q", side, inputs, shared, out_type, own, swept, consumer)
+    return warp_specialized(plan, "q", side, inputs, shared, out_type, own, swept, consumer, listed)

@@ -202,9 +202,9 @@ def read_run(operand: Unread, run: Run, params, vectors: Vectors | None = None):
     """``operand[run]`` of a 1-D part, as a vector: one load of a window where the run lies inside.
 
     That is what a TPU loads (it has no load at a vector of indices) and the common case: the
-    positions of a tile. A run that leaves the part (a tile past the end of a sequence) is read
-    by :func:`_windowed`, or with ``vectors`` one entry at a time (a tile's edge), equal to the
-    gather's clamped or filled values.
+    positions of a tile. A run that leaves the part (a tile past the end of a sequence, or of a
+    part shorter than a tile) is read by :func:`_windowed`, or with ``vectors`` one entry at a
+    time (a tile's edge), equal to the gather's clamped or filled values.
     """
     (length,), count = operand.shape, run.size
     start = run.start
@@ -234,6 +234,8 @@ def read_run(operand: Unread, run: Run, params, vectors: Vectors | None = None):
         part = operand.narrowed([start], [count])
         return part.read() if vectors is None else vectors.load(part)
 
+    if count > length:  # (no window of the run fits in the part)
+        return outside()
     within = (start >= 0) & (start <= length - count)
     return lax.cond(within, window, outside)
 
@@ -245,20 +247,21 @@ def _windowed(operand: Unread, points):
     the dtype's least), which keeps every value as it is (−0, NaN, ∞).
     """
     (length,), count = operand.shape, points.size
+    size = min(count, length)  # a window's (one window of a part shorter than the points)
     wide = jnp.int32 if operand.ref.dtype == jnp.bool_ else operand.ref.dtype
     floating = jnp.issubdtype(wide, jnp.floating)
     least = jnp.asarray(-jnp.inf if floating else jnp.iinfo(wide).min, wide)
 
     def window(c, value):
-        lo = jnp.minimum(c * count, length - count)  # the last window overlaps the one before
-        entries = operand.narrowed([lo], [count]).read().astype(wide)
-        at = lo + lax.broadcasted_iota(points.dtype, (1, count), 1)
-        hits = (points[:, None] == at) & (at >= c * count)
+        lo = jnp.minimum(c * size, length - size)  # the last window overlaps the one before
+        entries = operand.narrowed([lo], [size]).read().astype(wide)
+        at = lo + lax.broadcasted_iota(points.dtype, (1, size), 1)
+        hits = (points[:, None] == at) & (at >= c * size)
         picked = jnp.where(hits, entries[None, :], least).max(axis=1)
         found = hits.astype(jnp.int32).max(axis=1) > 0  # (Triton reduces no booleans)
         return jnp.where(found, picked, value)
 
-    windows = INDEX(-(-length // count))  # int32 under x64 too: Mosaic has no int64
+    windows = INDEX(-(-length // size))  # int32 under x64 too: Mosaic has no int64
     value = lax.fori_loop(INDEX(0), windows, window, jnp.full(count, least))
     return value.astype(operand.ref.dtype)
 

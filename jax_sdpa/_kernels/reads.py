@@ -256,7 +256,9 @@ def _gathered(operand: Unread, indices, params, laid_out=None):
     rank = len(operand.shape)
     if isinstance(indices, Run):
         run = indices.reshaped(indices.shape[:-1])  # (the indices' last axis, of 1, dropped)
-        if rank == 1 and run is not None and 0 < run.size <= operand.shape[0]:
+        # (on a backend that loads no vector of points, a run longer than the array too)
+        short = laid_out is not None or run is not None and run.size <= operand.shape[0]
+        if rank == 1 and run is not None and run.size > 0 and short:
             window = Window(operand, run, params)
             return window if laid_out is not None else window.read()
         indices = indices.read()  # a run longer than the array
@@ -266,11 +268,26 @@ def _gathered(operand: Unread, indices, params, laid_out=None):
         value = _looped(operand, points[0], laid_out)
     else:
         points = index_arrays(indices, rank)
+        if laid_out is not None and any(jnp.ndim(point) for point in points):
+            _refuse(operand)
         value = operand.at_points(points)
     if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:  # read clamped, then filled
         inside = in_bounds(points, operand.shape)
         value = jnp.where(inside, value, fill_value(params["fill_value"], value.dtype))
     return value
+
+
+def _refuse(operand: Unread):
+    """The error of a read at points that a backend with no load at a vector of them cannot make."""
+    raise NotImplementedError(
+        "`Pallas(backend='mosaic_gpu')` reads an array at one index, along a run of positions or "
+        "at a tile of points along one axis (`slopes[h]`, `documents[q_idx]`, "
+        f"`table[q_idx - kv_idx, h]`), and this call reads a {operand.shape} "
+        f"{jnp.dtype(operand.ref.dtype).name} array at other points (along several axes, at a "
+        "vector of them, at values read from another array: `classes[i % 7, j % 5]`, "
+        "`bias[i // 64]`, `table[ids[i]]`), which it has no load for: use "
+        "`Pallas(backend='triton')`."
+    )
 
 
 def _looped(operand: Unread, points, laid_out):

@@ -28,13 +28,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_sdpa._indices import INDEX
+from jax_sdpa._indices import INDEX, listed, positions
 from jax_sdpa._jaxpr import table
 from jax_sdpa._kernels.backend import Backend
-from jax_sdpa._kernels.positions import Vectors, is_scalar, tile_positions
+from jax_sdpa._kernels.positions import Vectors, tile_positions
 from jax_sdpa._kernels.programs import Plan, Shared
 from jax_sdpa._kernels.reads import looped_gathers
-from jax_sdpa._kernels.values import Joined
 from jax_sdpa._tiles import Blocks, runs
 
 CONSUMERS = 2  # warpgroups that compute, each its own rows; a third copies
@@ -44,6 +43,7 @@ STAGES = 2  # shared-memory slots of the producer's ring
 # not at all (the blocks of the producer's range that a consumer's positions never meet: it
 # waits for each and frees it).
 RULE, FULL, SKIP = "rule", "full", "skip"
+KINDS = (SKIP, RULE, FULL)  # a listed tile's kind, by its class (EMPTY, PARTIAL, FULL) as index
 
 
 def _tile(x):
@@ -60,30 +60,10 @@ def _along(axis: int) -> Vectors:
     )
 
 
-def _points(eqn, operands):
-    """A gather this backend has no load for: an error that says which and what to use.
-
-    Mosaic GPU reads an array at one index, along a run of positions or at a tile of points
-    along one axis (``slopes[h]``, ``documents[q_idx]``, ``table[q_idx - kv_idx, h]``:
-    :func:`~jax_sdpa._kernels.reads.looped_gathers`), not at points along several.
-    """
-    indices = operands[1]
-    parts = indices.parts if isinstance(indices, Joined) else [indices]
-    if sum(not is_scalar(part) for part in parts) <= 1:
-        return None
-    raise NotImplementedError(
-        "`Pallas(backend='mosaic_gpu')` reads an array at one index, along a run of positions or "
-        "at a tile of points along one axis (`slopes[h]`, `documents[q_idx]`, "
-        f"`table[q_idx - kv_idx, h]`), and this call reads a {eqn.invars[0].aval} array at "
-        "points along several, which it has no load for: use `Pallas(backend='triton')`."
-    )
-
-
 # Its programs' own rules: a tile's positions, and values read at them, in the products'
-# (``wgmma``'s) register layouts; gathers at a tile of points looped; the others refused.
+# (``wgmma``'s) register layouts; gathers at a tile of points looped, at other points refused.
 MOSAIC_GPU = Backend(
-    lambda tunables: None,
-    rules=table(tile_positions(_tile, _along), {"gather": (_points,)}, looped_gathers(_tile)),
+    lambda tunables: None, rules=table(tile_positions(_tile, _along), looped_gathers(_tile))
 )
 
 
@@ -138,38 +118,50 @@ class Ring:
         for source, ring, full in zip(sources, self.slots, self.full, strict=True):
             plgpu.copy_gmem_to_smem(source(step), ring.at[slot], full.at[slot])
 
-    def produce(self, sources, lo, hi) -> None:
-        """The producer's loop: blocks ``lo … hi − 1``, each into the slot freed for it.
+    def produce(self, sources, lo, hi, block) -> None:
+        """The producer's loop: steps ``lo … hi − 1``, each's ``block(step)`` into a freed slot.
 
         It ends when the consumers are done with the last.
         """
         for first in range(self.stages):
-            pl.when(lo + first < hi)(functools.partial(self.fill, sources, lo + first, first))
+            pl.when(lo + first < hi)(
+                lambda first=first: self.fill(sources, block(lo + first), first)
+            )
 
         @pl.loop(lo + self.stages, jnp.maximum(hi, lo + self.stages))
         def _(step):
             slot = lax.rem(step - lo, self.stages)
             plgpu.barrier_wait(self.free.at[slot])
-            self.fill(sources, step, slot)
+            self.fill(sources, block(step), slot)
 
         # Each slot's last block: waited for too, so no barrier ends a phase ahead of its
         # waiter (JAX 0.11's simulator checks that).
         for slot in range(self.stages):
             pl.when(lo + slot < hi)(functools.partial(plgpu.barrier_wait, self.free.at[slot]))
 
-    def consume(self, runs, lo, carry, tile):
-        """A consumer's loop over its ``runs`` ``(start, stop, kind)``.
+    def consume(self, runs, lo, carry, tile, block):
+        """A consumer's loop over its ``runs`` ``(start, stop, kind)`` of the producer's steps.
 
-        All within the producer's range from ``lo``: ``carry = tile(step, slots, carry, kind)``
-        on each block, in its slot; a :data:`SKIP` run only waits for its blocks and frees them.
+        All within the producer's range from ``lo``: ``carry = tile(block(step), slots, carry,
+        kind)`` on each step's block, in its slot; a :data:`SKIP` step only waits for its block
+        and frees it. A run's ``kind`` is one of :data:`KINDS`, or ``kind(step)`` an index of
+        one.
         """
 
         def step(kind, n, carry):
             slot = lax.rem(n - lo, self.stages)
             for full in self.full:
                 plgpu.barrier_wait(full.at[slot])
-            if kind != SKIP:
-                carry = tile(n, [ring.at[slot] for ring in self.slots], carry, kind)
+            slots = [ring.at[slot] for ring in self.slots]
+
+            def run(kind, carry):
+                return carry if kind == SKIP else tile(block(n), slots, carry, kind)
+
+            if callable(kind):
+                branches = [functools.partial(run, k) for k in KINDS]
+                carry = lax.switch(kind(n), branches, carry)
+            else:
+                carry = run(kind, carry)
             plgpu.barrier_arrive(self.free.at[slot])
             return carry
 
@@ -223,7 +215,7 @@ class Program:
     c: jax.Array  # the consumer
     start: jax.Array
     shared: Shared  # refs
-    runs: tuple  # the consumer's runs, and the producer's first block
+    steps: "Steps"
     ring: Ring
 
     @property
@@ -260,19 +252,32 @@ class Program:
 
             return laid_out(self.run(body))
 
-        runs, lo = self.runs
-        return self.ring.consume(runs, lo, laid_out(carry), step)
+        steps = self.steps
+        return self.ring.consume(steps.runs, steps.lo, laid_out(carry), step, steps.block)
 
 
-def _runs(plan: Plan, shared: Shared, n, axis: str, span: tuple, whole: tuple) -> tuple:
-    """A consumer's runs over the ``axis`` blocks, and the producer's range ``(lo, hi)``.
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """The producer's steps ``lo … hi − 1``, the block of each, and a consumer's runs of them.
+
+    A run is ``(start, stop, kind)`` (:meth:`Ring.consume`).
+    """
+
+    lo: jax.Array
+    hi: jax.Array
+    block: Callable  # step -> the swept block it copies
+    runs: list
+
+
+def _ranged(plan: Plan, shared: Shared, n, axis: str, span: tuple, whole: tuple) -> Steps:
+    """A consumer's runs over the ``axis`` blocks the rule's ranges hold, and the producer's.
 
     ``span`` is the consumer's positions of the other axis, ``whole`` the program's (all its
-    consumers'), each ``(lo, hi)`` from that axis's first. A run is ``(start, stop, kind)``:
-    :data:`RULE` (its tiles run with the rule), :data:`FULL` (without: the rule allows them
-    wholly) or :data:`SKIP` (blocks of the producer's range that the consumer's positions never
-    meet). The producer's range is the rule's for the whole program, which holds each
-    consumer's (the rules' ranges are intervals).
+    consumers'), each ``(lo, hi)`` from that axis's first. The producer's steps are the blocks
+    of the rule's range for the whole program, which holds each consumer's (the rules' ranges
+    are intervals); a consumer's runs are :data:`RULE` (its tiles run with the rule),
+    :data:`FULL` (without: the rule allows them wholly) or :data:`SKIP` (blocks of the
+    producer's range that the consumer's positions never meet).
     """
     forward = axis == "kv"
     size = plan.tiles.block_kv if forward else plan.tiles.block_q
@@ -291,11 +296,60 @@ def _runs(plan: Plan, shared: Shared, n, axis: str, span: tuple, whole: tuple) -
 
     *own, (lo, hi) = jax.tree.map(_static, plan.run(bounds, shared, n))
     own = [(a, b, kind) for (a, b), kind in zip(own, kinds, strict=True)]
-    return [(lo, own[0][0], SKIP), *own, (own[-1][1], hi, SKIP)], lo, hi
+    runs_ = [(lo, own[0][0], SKIP), *own, (own[-1][1], hi, SKIP)]
+    return Steps(lo, hi, lambda step: step, runs_)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Lists:
+    """A block mask's blocks for each program of a warp-specialized kernel: FlexAttention's lists.
+
+    For each query head (or one for all) and program, how many of the swept blocks its
+    consumers' tiles meet and which, those first (``count``, ``blocks``); and each consumer's
+    kind of its tile with each of them, an index of :data:`KINDS` (``kinds``). The producer
+    copies the listed blocks; each consumer skips its tile, or runs it with the rule or
+    without. Arrays outside a kernel, refs in it.
+    """
+
+    count: jax.Array  # (heads or 1, programs)
+    blocks: jax.Array  # (heads or 1, programs, swept blocks)
+    kinds: jax.Array  # (heads or 1, programs, swept blocks, CONSUMERS)
+
+    @classmethod
+    def of(cls, arrays, axis: str, held: int, size: int, shape: tuple) -> "Lists":
+        """The lists of ``arrays.rule``, an opaque rule (a block mask's classes, read).
+
+        For programs of :data:`CONSUMERS` · ``held`` positions sweeping the ``axis`` blocks of
+        ``size``; ``shape``: ``(programs, swept blocks)``. Both axes from position 0.
+        """
+        rule, (batch, heads) = arrays.rule, arrays.indices()
+        heads = jnp.atleast_1d(heads)
+        heads = heads if rule.per_head else heads[:1]
+
+        def kind(head, program, block, consumer):
+            own = positions((program * CONSUMERS + consumer) * held, held)
+            swept = positions(block * size, size)
+            q_idx, kv_idx = (own, swept) if axis == "kv" else (swept, own)
+            empty, full = rule.tile_class(q_idx, kv_idx, batch, head[None])
+            return jnp.where(empty, 0, jnp.where(full, 2, 1)).astype(INDEX)
+
+        for n in range(3, -1, -1):  # (head, program, block, consumer): vmapped from the last
+            kind = jax.vmap(kind, in_axes=tuple(None if k != n else 0 for k in range(4)))
+        kinds = kind(heads, *(jnp.arange(n, dtype=INDEX) for n in (*shape, CONSUMERS)))
+        count, blocks = listed((kinds != 0).any(-1))
+        return cls(count, blocks, jnp.take_along_axis(kinds, blocks[..., None], axis=2))
+
+    def steps(self, n, program, consumer) -> Steps:
+        """The producer's steps, and ``consumer``'s run, in program ``program`` of head ``n``."""
+        head = 0 if self.count.shape[0] == 1 else n
+        count = self.count[head, program]
+        blocks, kinds = self.blocks.at[head, program], self.kinds.at[head, program]
+        return Steps(0, count, lambda k: blocks[k], [(0, count, lambda k: kinds[k, consumer])])
 
 
 def warp_specialized(
-    plan: Plan, axis: str, held: int, inputs, shared, out_type, own, swept, consumer
+    plan: Plan, axis: str, held: int, inputs, shared, out_type, own, swept, consumer, listed
 ):
     """A warp-specialized kernel: program ``(n, m)`` a producer and :data:`CONSUMERS` consumers.
 
@@ -304,36 +358,43 @@ def warp_specialized(
     producer copies the blocks any of them may meet into its ring (:class:`Swept`). ``own``: the
     consumers' scratch (shared-memory types). ``consumer(inputs, outputs, own, program)`` runs
     in each consumer (refs; :class:`Program`). ``inputs``: arrays, the queries first,
-    ``(T, N, ·)``.
+    ``(T, N, ·)``. The blocks are the rule's ranges', or where ``listed`` (the call's arrays,
+    whose rule is a block mask's classes) a block mask's :class:`Lists`.
     """
     plan = dataclasses.replace(plan, backend=MOSAIC_GPU)  # (its reads' rules)
     interpret = plan.tunables.interpret or None
     rows = CONSUMERS * held
     heads = inputs[0].shape[1]
     count = (plan.seq_q if axis == "kv" else plan.seq_kv) // rows
-    leaves, tree = jax.tree.flatten(shared)
+    size = swept.blocks[0].shape[0]
+    swept_count = (plan.seq_kv if axis == "kv" else plan.seq_q) // size
+    lists = None if listed is None else Lists.of(listed, axis, held, size, (count, swept_count))
+    leaves, tree = jax.tree.flatten((shared, lists))
     arity = len(inputs) + len(leaves)
 
     def kernel(*refs):
         ins, (*outs, scratch) = refs[: len(inputs)], refs[arity:]
-        shared_refs = jax.tree.unflatten(tree, refs[len(inputs) : arity])
+        shared_refs, lists_refs = jax.tree.unflatten(tree, refs[len(inputs) : arity])
         own_refs, ring_refs, full, free = scratch
-        n, c = lax.axis_index("heads"), lax.axis_index("wg")
-        first = lax.axis_index("blocks") * rows
+        n, c, m = lax.axis_index("heads"), lax.axis_index("wg"), lax.axis_index("blocks")
+        first = m * rows
         start = first + jnp.minimum(c, CONSUMERS - 1) * held
         span, whole = (start, start + held), (first, first + rows)
-        own_runs, lo, hi = _runs(plan, shared_refs, n, axis, span, whole)
+        if lists_refs is None:
+            steps = _ranged(plan, shared_refs, n, axis, span, whole)
+        else:
+            steps = lists_refs.steps(n, m, c)
         ring = Ring(ring_refs, full, free)
 
         @pl.when(c == CONSUMERS)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            ring.produce(swept.sources(ins, n), lo, hi)
+            ring.produce(swept.sources(ins, n), steps.lo, steps.hi, steps.block)
 
         @pl.when(c < CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
-            program = Program(plan, axis, n, c, start, shared_refs, (own_runs, lo), ring)
+            program = Program(plan, axis, n, c, start, shared_refs, steps, ring)
             consumer(ins, outs, own_refs, program)
 
     scratch = (
