@@ -4,8 +4,9 @@
   memory, the three warpgroups, TMA copies and barriers simulated) against the float64
   reference, in bfloat16: causal and not, GQA, windows, sinks, a ``score_mod``, sigmoid, a
   log-sum-exp, key and query lengths, lengths no tile divides, heads that are not a power of
-  two, a block mask; the gradient of a ``score_mod``'s captured array (the keys' part by the
-  Triton programs).
+  two, a block mask (only its listed blocks visited); arrays read along positions and at tiles
+  of points; the gradient of a ``score_mod``'s array read at one index (the keys' kernel's; of
+  arrays read at more points, the Triton programs').
 - Lowering for ``cuda`` on this CPU (Mosaic GPU's layout inference and its shared-memory check
   run then) of the forward and both backward kernels, for 64, 128 and 256 wide heads: each
   kernel module is then parsed and verified with Mosaic GPU's dialect. Compiling
@@ -155,6 +156,11 @@ def test_a_block_mask_on_the_gpu_simulator_is_the_reference():
         assert ref.rel_err(got, want[name]) < 2e-2, name
 
 
+def _alibi(*at):
+    """ALiBi with captured slopes: their gradient is the keys' kernel's."""
+    return CAPTURED["ALiBi's slopes"][1](CAPTURED["ALiBi's slopes"][0], *at)
+
+
 def _listed(b, h, i, j):
     """A rule per head that allows no key from 128 on: no kernel's block there is listed."""
     return (j < 128) & ((h == 0) | (j <= i))
@@ -180,26 +186,43 @@ def test_the_kernels_visit_only_the_blocks_a_block_mask_lists():
         assert ref.rel_err(got, want[name]) < 2e-2, name
 
 
+CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU keys' kernel's)
+    "ALiBi's slopes": (
+        jnp.array([0.1, 0.2, 0.05, 0.3], jnp.float32),
+        lambda slopes, score, b, h, i, j: score - slopes[h] * (i - j).astype(score.dtype),
+    ),
+    "a table per head, read twice": (
+        jnp.array([[1.0, 0.5], [0.8, -0.2], [1.2, 0.1], [0.9, 0.3]], jnp.float32),
+        lambda w, score, b, h, i, j: score * w[h, 0] + w[h, 1],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CAPTURED))
 @SIMULATED_SLOW
-def test_a_captured_arrays_gradient_with_the_mosaic_gpu_kernels():
+def test_a_captured_arrays_gradient_with_the_mosaic_gpu_kernels(case):
     q, k, v = qkv(np.random.default_rng(4), 1, 128, 128, 4, 2, 64, dtype=jnp.bfloat16)
-    slopes = jnp.array([0.1, 0.2, 0.05, 0.3], jnp.float32)
+    array, mod = CAPTURED[case]
 
-    def loss(q, k, v, slopes, implementation):
-        def alibi(score, b, h, i, j):
-            return score - slopes[h] * (i - j).astype(score.dtype)
-
+    def loss(q, k, v, array, implementation):
         out = js.dot_product_attention(
-            q, k, v, is_causal=True, score_mod=alibi, implementation=implementation
+            q,
+            k,
+            v,
+            is_causal=True,
+            score_mod=lambda *at: mod(array, *at),
+            implementation=implementation,
         )
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     grads = jax.grad(loss, argnums=(0, 1, 2, 3))
-    got = grads(q, k, v, slopes, _simulated())
+    jaxpr = str(jax.make_jaxpr(grads, static_argnums=4)(q, k, v, array, _simulated()))
+    assert "jax_sdpa_backward" not in jaxpr  # (no Triton program: the keys' kernel is ours)
+    got = grads(q, k, v, array, _simulated())
     with enable_x64():
-        wide = [jnp.asarray(x, jnp.float64) for x in (q, k, v, slopes)]
+        wide = [jnp.asarray(x, jnp.float64) for x in (q, k, v, array)]
         want = grads(*wide, "xla")
-    for g, w, name in zip(got, want, ("dq", "dk", "dv", "dslopes"), strict=True):
+    for g, w, name in zip(got, want, ("dq", "dk", "dv", "d_array"), strict=True):
         assert ref.rel_err(g, w) < 2e-2, name
 
 
@@ -319,6 +342,7 @@ def test_an_array_read_at_points_the_kernel_has_no_load_for_is_refused_by_name(r
         ((1, 256, 2, 2, 64), dict(key_length=300)),
         ((2, 256, 2, 2, 64), dict(is_causal=True, key_value_seq_lengths=jnp.array([100, 256]))),
         ((1, 512, 2, 1, 128), dict(mask_mod=_listed)),
+        ((1, 256, 4, 2, 64), dict(is_causal=True, score_mod=lambda *at: _alibi(*at))),
     ],
     ids=[
         "causal GQA d128",
@@ -328,6 +352,7 @@ def test_an_array_read_at_points_the_kernel_has_no_load_for_is_refused_by_name(r
         "300 keys",
         "key lengths",
         "block mask",
+        "captured slopes",
     ],
 )
 def test_the_kernels_lower_for_cuda_and_their_modules_verify(shape, keywords):

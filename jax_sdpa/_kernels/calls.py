@@ -290,10 +290,22 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list, listed):
         tuple(d_specs[n] for n in summed),
     )
     first_sum = len(jax.tree.leaves(inputs)) - len(summed)  # (the sums come last)
-    keys_kernel = _on_mosaic_gpu_backward(mosaic_gpu.key_gradients, plan, listed)
+    shapes = tuple(c.shape for c in consts)
+    keys_kernel = functools.partial(mosaic_gpu.key_gradients, consts=shapes)
+    keys_kernel = _on_mosaic_gpu_backward(keys_kernel, plan, listed)
 
     def on_mosaic_gpu(inputs: BackwardIn) -> KeysOut:
-        return KeysOut(*keys_kernel(inputs), consts=())
+        d_key, d_value, *parts = keys_kernel(inputs)
+        # Each array's gradient summed, where the Triton programs' first part would be.
+        sums = [
+            x.sum(axis=(0, 1, 2))[: c.size].reshape(c.shape)
+            for x, c in zip(parts, consts, strict=True)
+        ]
+        d_consts = tuple(
+            jnp.zeros(d.shape, d.dtype).at[0, 0, 0, 0].set(x.astype(d.dtype))
+            for d, x in zip(d_shapes, sums, strict=True)
+        )
+        return KeysOut(d_key, d_value, d_consts)
 
     outs = _compiled(
         plan,
@@ -311,9 +323,31 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list, listed):
         # each sum's zeros become its output (KeysOut's leaves: key, value, then the consts)
         aliases={first_sum + k: 2 + n for k, n in enumerate(summed)},
         name="jax_sdpa_backward_keys",
-        mosaic_gpu=None if consts else on_mosaic_gpu,
+        mosaic_gpu=(
+            on_mosaic_gpu if _sums_in_registers(plan, consts, inputs, on_mosaic_gpu) else None
+        ),
     )(inputs)
     return outs.key, outs.value, outs.consts
+
+
+def _sums_in_registers(plan: Plan, consts: list, inputs: BackwardIn, keys_kernel) -> bool:
+    """Whether the Mosaic GPU keys' kernel runs: it sums the captured arrays' gradients, if any.
+
+    It does for arrays of up to ``ONE_HOT_MAX`` entries read at one index (``slopes[h]``):
+    tracing ``keys_kernel`` refuses the others, whose gradients (and the keys') are then the
+    Triton programs'.
+    """
+    if not _on_mosaic_gpu(plan.tunables):
+        return False
+    if not consts:
+        return True
+    if any(c.size > ONE_HOT_MAX for c in consts):
+        return False
+    try:
+        jax.eval_shape(keys_kernel, inputs)
+    except NotImplementedError:
+        return False
+    return True
 
 
 # The backend for each platform a program may be lowered for; any other runs the interpreter.

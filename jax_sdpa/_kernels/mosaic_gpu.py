@@ -14,9 +14,11 @@ transposed (:math:`P^\top dO`, :math:`dS^\top Q`) take it through shared memory.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -188,7 +190,7 @@ def query_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: S
 
 
 def key_gradients(
-    plan: Plan, query, key, value, rows: BackwardRows, shared: Shared, listed
+    plan: Plan, query, key, value, rows: BackwardRows, shared: Shared, listed, consts=()
 ) -> tuple:
     """Each query head's key and value gradients ``(S, N, ·)`` of :func:`forward`'s call.
 
@@ -197,13 +199,18 @@ def key_gradients(
     summed, where the Triton programs sum float32 parts. ``rows`` and ``listed`` as
     :func:`query_gradients` takes them. A program per head and ``CONSUMERS · BACKWARD_SIDE``
     keys, each consumer holding its keys and values and sweeping the queries that saw them.
+    ``consts``: the shapes of the ``score_mod``'s arrays with gradients, each read at one index
+    (``slopes[h]``); after the keys' and values', each one's gradient from each program's
+    consumers, ``(N, programs, CONSUMERS, entries)`` in float32, its entries flat and padded to
+    a multiple of 128 (a vector strided over a warpgroup's threads), for the caller to sum.
     """
     plan, side = _backward_plan(plan), BACKWARD_SIDE
     (_, heads, width), value_width = query.shape, value.shape[-1]
+    entries = [-(-math.prod(shape) // 128) * 128 for shape in consts]
 
     def consumer(ins, outs, own, program: Program):
         _, k_ref, v_ref, _, _, _ = ins
-        dk_ref, dv_ref = outs
+        dk_ref, dv_ref, *const_refs = outs
         k_smem, v_smem, loaded, staged = own
         n, c, start = program.n, program.c, program.start
         k, v = k_smem.at[c], v_smem.at[c]
@@ -216,11 +223,22 @@ def key_gradients(
             q_i, d_out, delta, shift = slots
             grad = tiled.tile_gradient(q_i, k, v, arrays, _terms(d_out, delta, shift), *at)
             parts = tiled.key_gradients(grad, d_out, (key.dtype, value.dtype))
-            return jax.tree.map(jnp.add, grads, parts)
+            d_consts = [d for d in grad.d_consts if d is not None]
+            flat = tuple(  # (each at the start of its vector)
+                lax.dynamic_update_slice(
+                    jnp.zeros(size, jnp.float32), d.astype(jnp.float32).ravel(), (0,)
+                )
+                for d, size in zip(d_consts, entries, strict=True)
+            )
+            return jax.tree.map(jnp.add, grads, (*parts, flat))
 
         zeros = tuple(jnp.zeros((side, w), jnp.float32) for w in (width, value_width))
-        d_k, d_v = program.sweep(zeros, tile)
+        d_k, d_v, d_consts = program.sweep(
+            (*zeros, tuple(jnp.zeros(n, jnp.float32) for n in entries)), tile
+        )
         store([(d_k, k, dk_ref.at[rows, n]), (d_v, v, dv_ref.at[rows, n])])
+        for ref, d in zip(const_refs, d_consts, strict=True):
+            ref[n, lax.axis_index("blocks"), c] = d
 
     own = (
         plgpu.SMEM((CONSUMERS, side, width), key.dtype),
@@ -240,8 +258,10 @@ def key_gradients(
         return [head_blocks(q_ref, side, n), head_blocks(do_ref, side, n), *vectors]
 
     inputs = (query, key, value, *rows)
-    out_type = tuple(
-        jax.ShapeDtypeStruct((plan.seq_kv, heads, x.shape[-1]), x.dtype) for x in (key, value)
+    programs = plan.seq_kv // PROGRAM_ROWS
+    out_type = (
+        *(jax.ShapeDtypeStruct((plan.seq_kv, heads, x.shape[-1]), x.dtype) for x in (key, value)),
+        *(jax.ShapeDtypeStruct((heads, programs, CONSUMERS, n), jnp.float32) for n in entries),
     )
     swept = Swept(slots, sources, _backward_stages(width))
     return warp_specialized(plan, "q", side, inputs, shared, out_type, own, swept, consumer, listed)

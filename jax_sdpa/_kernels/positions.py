@@ -19,7 +19,15 @@ from jax import lax
 
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import bind
-from jax_sdpa._kernels.values import Lazy, Unread, fill_value, in_bounds, is_zero, value
+from jax_sdpa._kernels.values import (
+    Lazy,
+    Unread,
+    fill_value,
+    in_bounds,
+    is_zero,
+    placed,
+    value,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,12 +227,10 @@ def read_run(operand: Unread, run: Run, params, vectors: Vectors | None = None):
             iota = vectors.iota(count)
             points = run.at(iota)
 
-            def entry(n, x):  # (its point clamped into the part, as the other reads are)
-                point = run.at(n.astype(run.base.dtype))
-                return jnp.where(iota == n, operand.at_points([point]), x)
+            def load(n):  # (its point clamped into the part, as the other reads are)
+                return operand.at_points([run.at(n.astype(run.base.dtype))])
 
-            zeros = jnp.zeros_like(iota, operand.ref.dtype)
-            value = lax.fori_loop(INDEX(0), INDEX(count), entry, zeros)
+            value = placed(iota, (INDEX(0), INDEX(count)), load, operand.ref.dtype)
         if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
             fill = fill_value(params["fill_value"], value.dtype)
             value = jnp.where(in_bounds([points], operand.shape), value, fill)

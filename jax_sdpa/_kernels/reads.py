@@ -23,9 +23,7 @@ summed in ``float32``; only how its reads are spelled is. The interpreter runs t
 program too, so the tests check the values of the program a GPU or TPU is given.
 """
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.extend
@@ -39,29 +37,17 @@ from jax_sdpa._jaxpr import Rules, interpret, table
 from jax_sdpa._kernels.positions import POSITIONS, Run, Uniform, Window
 from jax_sdpa._kernels.scatters import SCATTERS
 from jax_sdpa._kernels.values import (
+    Expanded,
     Joined,
     Lazy,
     Unread,
     fill_value,
     in_bounds,
     index_arrays,
+    placed,
     value,
 )
 from jax_sdpa._masks import all_of
-
-
-@dataclasses.dataclass(frozen=True)
-class _Expanded(Lazy):
-    """``value`` with ``ones`` trailing axes of size 1 still to add.
-
-    A point gather's result, or a tile of points made a gather's indices (:func:`looped_gathers`).
-    """
-
-    value: Any
-    ones: int
-
-    def read(self):
-        return self.value.reshape(self.value.shape + (1,) * self.ones)
 
 
 def evaluate(fn, refs: list, *args, rules=None):
@@ -107,7 +93,7 @@ def _squeeze(eqn, operands):
     first, dimensions = operands[0], eqn.params["dimensions"]
     if isinstance(first, Unread):
         return first.dropped(dimensions)
-    if isinstance(first, _Expanded):
+    if isinstance(first, Expanded):
         return _squeezed(first, dimensions)
     return None
 
@@ -176,7 +162,7 @@ def _drops_leading_ones(x: Unread, params) -> bool:
     )
 
 
-def _squeezed(x: _Expanded, dimensions):
+def _squeezed(x: Expanded, dimensions):
     trailing = set(range(x.value.ndim, x.value.ndim + x.ones))
     if set(dimensions) == trailing:
         return x.value
@@ -222,15 +208,16 @@ def _gather(operand: Unread, indices, params, laid_out=None):
         value = value.then(filled) if isinstance(value, Window) else filled(value)
     if isinstance(value, Window):  # (kept unread: a backend may read it where it meets a tile)
         return value.reshaped(value.shape + (1,) * ones)
-    return _Expanded(value, ones)
+    return Expanded(value, ones)
 
 
 def _along_one_axis(operand: Unread, indices, *, any_points: bool = False):
-    """A gather at positions along one axis and one index along the others, as a 1-D gather.
+    """A gather at points along one axis and one index along the others, as a 1-D gather.
 
-    ``(operand, indices, inside)``: the operand's row at those indices (clamped), the positions,
-    and whether the indices lie inside (None if nothing was taken). Any other gather is as given.
-    ``any_points``: along one axis at any points, not only positions.
+    The points are positions (a :class:`Run`), or with ``any_points`` any that are not one
+    index. ``(operand, indices, inside)``: the operand's row at the other indices (clamped),
+    the points, and whether the other indices lie inside (None if nothing was taken). Any other
+    gather is as given.
     """
     parts = indices.parts if isinstance(indices, Joined) else []
     runs = [
@@ -262,7 +249,7 @@ def _gathered(operand: Unread, indices, params, laid_out=None):
             window = Window(operand, run, params)
             return window if laid_out is not None else window.read()
         indices = indices.read()  # a run longer than the array
-    tile = isinstance(indices, _Expanded) and indices.ones == 1 and jnp.ndim(indices.value) == 2
+    tile = isinstance(indices, Expanded) and indices.ones == 1 and jnp.ndim(indices.value) == 2
     if laid_out is not None and rank == 1 and tile:
         points = [indices.value]  # (a tile's points, as the program made them)
         value = _looped(operand, points[0], laid_out)
@@ -298,12 +285,8 @@ def _looped(operand: Unread, points, laid_out):
     ``laid_out`` places the tiles in registers.
     """
     points = laid_out(jnp.clip(points, 0, operand.shape[0] - 1).astype(INDEX))
-
-    def entry(e, x):
-        return laid_out(jnp.where(points == e, operand.at_points([e]), x))
-
-    zeros = laid_out(jnp.zeros(points.shape, operand.ref.dtype))
-    return lax.fori_loop(points.min(axis=1).min(), points.max(axis=1).max() + 1, entry, zeros)
+    bounds = points.min(axis=1).min(), points.max(axis=1).max() + 1
+    return placed(points, bounds, lambda e: operand.at_points([e]), operand.ref.dtype, laid_out)
 
 
 def looped_gathers(laid_out) -> dict:
@@ -311,17 +294,21 @@ def looped_gathers(laid_out) -> dict:
 
     A 1-D part read at a tile of points one entry at a time (:func:`_looped`); the tile's
     points, given as the gather's ``(..., 1)`` indices, kept as they are (an integer tile with
-    an axis of 1 added after its own: :class:`_Expanded`).
+    an axis of 1 added after its own: :class:`Expanded`).
     """
 
     def indices(eqn, operands):
         first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
-        if isinstance(first, Lazy) or not jnp.issubdtype(jnp.result_type(first), jnp.integer):
+        if isinstance(first, Lazy):
             return None
         rank = jnp.ndim(first)
+        if rank == 0 and shape and all(n == 1 for n in shape):  # (a scatter's one update)
+            return Expanded(first, len(shape))
+        if not jnp.issubdtype(jnp.result_type(first), jnp.integer):
+            return None
         kept = tuple(eqn.params["broadcast_dimensions"]) == tuple(range(rank))
         return (
-            _Expanded(first, 1) if rank >= 2 and kept and shape == jnp.shape(first) + (1,) else None
+            Expanded(first, 1) if rank >= 2 and kept and shape == jnp.shape(first) + (1,) else None
         )
 
     return {

@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import atomic_kind, bind
 from jax_sdpa._kernels.triton import atomic_add
-from jax_sdpa._kernels.values import Lazy, in_bounds, index_arrays, is_zero, value
+from jax_sdpa._kernels.values import Expanded, Lazy, in_bounds, index_arrays, is_zero, value
 from jax_sdpa._masks import all_of
 
 # The most entries a scatter is read as one-hot products for: they hold this many per entry of
@@ -143,7 +143,7 @@ def scatter_add(eqn, operands: list):
     """A point ``scatter-add`` (a point gather's transpose), kept as a :class:`Scatter`."""
     operand, indices, updates = operands
     numbers = eqn.params["dimension_numbers"]
-    given = updates = value(updates)
+    given = updates = _one(updates) if eqn.invars[2].aval.size == 1 else value(updates)
     rank = len(eqn.invars[0].aval.shape)
     point = (
         tuple(numbers.scatter_dims_to_operand_dims) == tuple(range(rank))
@@ -164,15 +164,22 @@ def scatter_add(eqn, operands: list):
 
 
 def _one_hot_sum(points: list, updates, shape: tuple):
-    """``zeros(shape).at[points].add(updates)`` as one-hot products: ``Σ_e u_e [p_e = m]``."""
-    rank, entries = len(shape), points[0].ndim
+    """``zeros(shape).at[points].add(updates)`` as one-hot products: ``Σ_e u_e [p_e = m]``.
+
+    (A single point's is a select over the array, no sum: no array of one entry on the way.)
+    """
+    entries = points[0].ndim
+
+    def spread(x):  # each entry's x, over the array's shape
+        return lax.broadcast_in_dim(x, x.shape + tuple(shape), tuple(range(entries)))
+
     hits = all_of(
-        point[(...,) + (None,) * rank]
+        spread(point)
         == lax.broadcasted_iota(point.dtype, (1,) * entries + tuple(shape), entries + axis)
         for axis, point in enumerate(points)
     )
-    values = updates[(...,) + (None,) * rank]
-    return jnp.where(hits, values, 0).sum(axis=tuple(range(entries)))
+    terms = jnp.where(hits, spread(updates), 0)
+    return terms.sum(axis=tuple(range(entries))) if entries else terms
 
 
 # Rules (:mod:`jax_sdpa._jaxpr`) for the equations that keep a :class:`Scatter` one: sums,
@@ -189,11 +196,29 @@ def _plus(eqn, operands):
 
 
 def _placed(eqn, operands):
-    """``dynamic_update_slice`` of a scatter into zeros."""
+    """``dynamic_update_slice`` of a scatter, or of one entry, into zeros.
+
+    (One entry is a scatter at one point: ``slopes[h]``'s transpose.)
+    """
     zeros, update, *starts = operands
-    if isinstance(zeros, Zeros) and isinstance(update, Scatter):
+    if not isinstance(zeros, Zeros):
+        return None
+    if isinstance(update, Scatter):
         return update.placed(zeros.shape, starts)
-    return None
+    if math.prod(eqn.invars[1].aval.shape) != 1:
+        return None
+    one = _one(update)
+    points = [
+        jnp.clip(value(s), 0, n - 1).astype(INDEX) for s, n in zip(starts, zeros.shape, strict=True)
+    ]
+    return Scatter(zeros.shape, zeros.dtype, None, ((points, one),))
+
+
+def _one(update):
+    """An array of one entry as a scalar (where a backend holds it as one: :class:`Expanded`)."""
+    if isinstance(update, Expanded) and not jnp.ndim(update.value):
+        return update.value
+    return value(update).reshape(())
 
 
 def _widened(eqn, operands):

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_sdpa._masks import all_of
@@ -22,6 +23,21 @@ class Lazy:
 
     def read(self):
         raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Expanded(Lazy):
+    """``value`` with ``ones`` trailing axes of size 1 still to add.
+
+    A point gather's result, a tile of points made a gather's indices, a scatter's one update
+    (:func:`~jax_sdpa._kernels.reads.looped_gathers`: Mosaic GPU has no array of one entry).
+    """
+
+    value: Any
+    ones: int
+
+    def read(self):
+        return self.value.reshape(self.value.shape + (1,) * self.ones)
 
 
 def value(x):
@@ -135,3 +151,16 @@ def index_arrays(indices, rank: int) -> list:
         return [part.reshape(part.shape[:-1]) for part in parts]
     indices = value(indices)
     return [indices[..., n] for n in range(rank)]
+
+
+def placed(selectors, bounds: tuple, load, dtype, laid_out=lambda x: x):
+    """``load(e)`` placed wherever ``selectors`` is ``e``, for each ``e`` in ``bounds``; else 0.
+
+    A loop of scalar loads, each placed by a select: a read at a vector or tile of points on a
+    backend that has no load at one (Mosaic GPU). ``laid_out`` places each step's tile.
+    """
+
+    def entry(e, x):
+        return laid_out(jnp.where(selectors == e, load(e), x))
+
+    return lax.fori_loop(*bounds, entry, laid_out(jnp.zeros(selectors.shape, dtype)))

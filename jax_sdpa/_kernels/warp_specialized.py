@@ -34,9 +34,11 @@ from jax_sdpa._kernels.backend import Backend
 from jax_sdpa._kernels.positions import Vectors, tile_positions
 from jax_sdpa._kernels.programs import Plan, Shared
 from jax_sdpa._kernels.reads import looped_gathers
+from jax_sdpa._kernels.values import Lazy
 from jax_sdpa._tiles import Blocks, runs
 
 CONSUMERS = 2  # warpgroups that compute, each its own rows; a third copies
+ROWS = 64  # a consumer's positions: one ``wgmma``'s rows
 STAGES = 2  # shared-memory slots of the producer's ring
 
 # A run's kind: its tiles run with the mask rule, or without (the rule allows them wholly), or
@@ -55,15 +57,46 @@ def _along(axis: int) -> Vectors:
     """Vectors along a tile's ``axis`` (0: its rows, 1: its columns) in ``wgmma``'s layout."""
     layout = plgpu.Layout.WGMMA.reduce(1 - axis)
     return Vectors(
-        load=lambda part: plgpu.load(part.ref.at[part.index], layout=layout),
+        load=lambda part: plgpu.load(part.ref.at[part.index], layout=layout, optimized=False),
         iota=lambda count: plgpu.broadcasted_iota(INDEX, (count,), 0, layout=layout),
     )
 
 
+def _one_point(eqn, operands):
+    """A scatter-add (a read's gradient) at more than one point: an error (None at one).
+
+    The kernels sum the gradient of an array read at one index (``slopes[h]``) in registers;
+    the keys' gradients of a call that reads one at more are the Triton programs'.
+    """
+    if eqn.invars[2].aval.size <= 1:
+        return None
+    raise NotImplementedError(
+        "`Pallas(backend='mosaic_gpu')` sums the gradient of an array a mod reads at one index "
+        f"(`slopes[h]`), and this call reads a {eqn.invars[0].aval} array at more points: "
+        "use `Pallas(backend='triton')`."
+    )
+
+
+def _by_rows(eqn, operands):
+    """A tile's sum (max, min) to a scalar: its rows' first (a whole tile's fails to lower)."""
+    x = operands[0]
+    if isinstance(x, Lazy) or jnp.ndim(x) != 2 or tuple(eqn.params["axes"]) != (0, 1):
+        return None
+    reduce = {"reduce_sum": jnp.sum, "reduce_max": jnp.max, "reduce_min": jnp.min}
+    return reduce[eqn.primitive.name](reduce[eqn.primitive.name](x, axis=1))
+
+
 # Its programs' own rules: a tile's positions, and values read at them, in the products'
-# (``wgmma``'s) register layouts; gathers at a tile of points looped, at other points refused.
+# (``wgmma``'s) register layouts; gathers at a tile of points looped, at other points refused;
+# gradients at one point; a tile reduced to a scalar by rows.
 MOSAIC_GPU = Backend(
-    lambda tunables: None, rules=table(tile_positions(_tile, _along), looped_gathers(_tile))
+    lambda tunables: None,
+    rules=table(
+        tile_positions(_tile, _along),
+        looped_gathers(_tile),
+        {"scatter-add": (_one_point,)},
+        dict.fromkeys(("reduce_sum", "reduce_max", "reduce_min"), (_by_rows,)),
+    ),
 )
 
 
@@ -171,13 +204,20 @@ class Ring:
 
 
 def laid_out(tree):
-    """A consumer's carry in ``wgmma``'s register layouts.
+    """A consumer's carry in register layouts: ``wgmma``'s, or strided over its threads.
 
-    Tiles as the products', vectors as their rows. (Layout inference, left to find them across
-    the loops, runs out of attempts.)
+    Tiles as the products', vectors of a tile's rows as their rows; longer vectors (an array's
+    gradient, a multiple of the warpgroup's 128 threads) an entry to a thread in turn. (Layout
+    inference, left to find them across the loops, runs out of attempts.)
     """
     rows, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA
-    return jax.tree.map(lambda x: plgpu.layout_cast(x, tile if x.ndim == 2 else rows), tree)
+
+    def layout(x):
+        if x.ndim == 2:
+            return tile
+        return rows if x.shape == (ROWS,) else plgpu.Layout.WG_STRIDED(x.shape, vec_size=1)
+
+    return jax.tree.map(lambda x: plgpu.layout_cast(x, layout(x)), tree)
 
 
 def _static(x):
