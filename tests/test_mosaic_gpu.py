@@ -2,8 +2,9 @@
 
 - Its forward and backward kernels on the GPU simulator (``plgpu.InterpretGPUParams``: shared
   memory, the three warpgroups, TMA copies and barriers simulated) against the float64
-  reference, in bfloat16: causal and not, GQA, windows, sinks, a ``score_mod``, sigmoid, a
-  log-sum-exp, key and query lengths, lengths no tile divides, heads that are not a power of
+  reference, in bfloat16 (and float16): causal and not, GQA, windows, sinks, a ``score_mod``,
+  sigmoid, a log-sum-exp, the largest scores, values wider than keys, rows with no key (0, with
+  0 gradients), key and query lengths, lengths no tile divides, heads that are not a power of
   two, a block mask (only its listed blocks visited); arrays read along positions and at tiles
   of points; the gradient of a ``score_mod``'s array read at one index (the keys' kernel's; of
   arrays read at more points, the Triton programs').
@@ -121,6 +122,55 @@ def test_the_backward_kernels_on_the_gpu_simulator_are_the_reference(case):
     ours = {OURS.get(name, name): x for name, x in theirs.items() if name not in LENGTHS}
     ours |= {LENGTHS[name]: jnp.asarray(x) for name, x in theirs.items() if name in LENGTHS}
     _assert_simulated_gradients(q, k, v, ours, theirs)
+
+
+def _no_key_before_40(b, h, i, j):
+    """Rows 0 … 39 may attend no key; the others, causally."""
+    return (i >= 40) & (j <= i)
+
+
+@SIMULATED_SLOW
+def test_float16_wider_values_max_scores_and_rows_with_no_key_on_the_gpu_simulator():
+    # float16; values 128 wide against 64-wide queries and keys; each row's largest score;
+    # rows with no key: 0 out, 0 gradients, no NaN.
+    q, k, v = qkv(np.random.default_rng(12), 1, 128, 128, 2, 1, 64, 128, dtype=jnp.float16)
+    d_out = jnp.asarray(np.random.default_rng(13).normal(size=(1, 128, 2, 128)), jnp.float16)
+
+    def loss(q, k, v):
+        out, top = js.dot_product_attention(
+            q,
+            k,
+            v,
+            mask_mod=_no_key_before_40,
+            return_max_scores=True,
+            implementation=_simulated(),
+        )
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), (out, top)
+
+    (_, (out, top)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    want = ref.attention(q, k, v, d_out=d_out, mask_mod=_no_key_before_40)
+    assert out.dtype == jnp.float16 and out.shape == (1, 128, 2, 128)
+    assert ref.rel_err(out, want["out"]) < 2e-2
+    assert not np.any(np.asarray(out[:, :40])) and np.all(np.isneginf(top[:, :40]))
+    assert ref.rel_err(top[:, 40:], want["max_scores"][:, 40:]) < 1e-2
+    for got, name in zip(grads, ("dq", "dk", "dv"), strict=True):
+        assert np.all(np.isfinite(np.asarray(got, np.float32))), name
+        assert ref.rel_err(got, want[name]) < 2e-2, name
+    assert not np.any(np.asarray(grads[0][:, :40]))
+
+
+def test_float16_and_wider_values_lower_for_cuda():
+    from tests.lowering import mosaic_gpu_kernels
+
+    q = jnp.zeros((1, 256, 2, 64), jnp.float16)
+    v = jnp.zeros((1, 256, 2, 128), jnp.float16)
+    pallas = js.Pallas(backend="mosaic_gpu")
+
+    def loss(q, k, v):
+        out = js.dot_product_attention(q, k, v, is_causal=True, implementation=pallas)
+        return out.astype(jnp.float32).sum()
+
+    assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, q, v)) == 3
 
 
 def _assert_simulated_gradients(q, k, v, ours, theirs):
