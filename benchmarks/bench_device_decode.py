@@ -1,0 +1,233 @@
+"""Decoding on a GPU (issue 44): correctness, then device time against the memory's bandwidth.
+
+    python benchmarks/bench_device_decode.py               # on a GPU: at most --deadline s
+    python benchmarks/bench_device_decode.py --rehearse    # anywhere: small shapes, CPU times
+
+First the correctness of each decode call in bfloat16 against ``implementation="xla"`` on the
+same inputs in float32, at S = 2048: the default, an int8 and a float8 cache, paged caches of
+pages 16 and 64 (pages shuffled, the unused ones NaN), and a ragged batch (decodes and a prefill
+chunk in one call) against its sequences attended apart. Then the device time (CUPTI, median
+of ``--reps``; never a host sync per call) of B8 S32768 N32 K8 d128 bfloat16, one query per
+sequence, as ms and TB/s of the keys and values a call reads: the yardstick (one pass reading
+the cache, the machine's bandwidth in this run), ``implementation=None`` (the decode path),
+int8 and float8 caches, paged caches, ``jax.nn`` with cuDNN and with XLA, PyTorch's SDPA if it
+is installed (CUDA events around calls back to back, one sync per round); B1 S131072 and B64
+S4096 with their yardsticks; the ragged batch (8 decodes and a 2,048-token chunk) against the two
+calls apart. Last, each kernel of the decode call and its device time: what XLA runs around the
+products. Every case runs in its own ``try``; the deadline stops the run between cases.
+
+On a lent machine without this package, as ``bench_device.py``::
+
+    PYTHONPATH=.:benchmarks/.deps python benchmarks/bench_device_decode.py
+"""
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from bench_device import _call_seconds, _failure, kernel_times  # this folder is on sys.path
+
+import jax_sdpa as js
+
+N, K, D = 32, 8, 128  # query heads, key/value heads, head width
+HBM_TB_S = 4.8  # an H200's HBM3e, nominal
+
+
+def _cache(batch: int, seq: int, dtype=jnp.bfloat16):
+    """Keys and values ``(B, S, K, D)``, unit normal, and one query per sequence."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    k, v = (jax.random.normal(r, (batch, seq, K, D), jnp.float32).astype(dtype) for r in keys[:2])
+    q = jax.random.normal(keys[2], (batch, 1, N, D), jnp.float32).astype(dtype)
+    return q, k, v, jnp.full((batch,), seq, jnp.int32)
+
+
+def _paged(k, v, page: int):
+    """The cache as shuffled pages in a pool one page larger (its spare page NaN) and a table."""
+    batch, seq = k.shape[:2]
+    per_sequence = seq // page
+    order = np.random.default_rng(0).permutation(batch * per_sequence)
+    table = jnp.asarray(order.reshape(batch, per_sequence), jnp.int32)
+
+    def pool(x):
+        spare = jnp.full((batch * per_sequence + 1, page, K, x.shape[-1]), jnp.nan, x.dtype)
+        return spare.at[table.reshape(-1)].set(x.reshape(-1, page, K, x.shape[-1]))
+
+    return pool(k), pool(v), table
+
+
+def decode_calls(batch: int, seq: int, dtype=jnp.bfloat16) -> dict:
+    """``name -> (fn, args, bytes read)``: the decode calls at one shape."""
+    q, k, v, lengths = _cache(batch, seq, dtype)
+    cache_bytes = (k.size + v.size) * k.dtype.itemsize
+    ours = functools.partial(js.dot_product_attention, key_value_seq_lengths=lengths)
+    calls = {
+        "yardstick (read K, V)": (lambda k, v: (k.max(axis=1), v.max(axis=1)), (k, v)),
+        "jax_sdpa default": (ours, (q, k, v)),
+    }
+    for fmt in ("int8", "float8_e4m3fn"):
+        quantized = (js.quantize(k, fmt), js.quantize(v, fmt))
+        calls[f"jax_sdpa {fmt}"] = (ours, (q, *quantized))
+    for page in (16, 64):
+        calls[f"jax_sdpa paged {page}"] = (js.paged_attention, (q, *_paged(k, v, page), lengths))
+    for implementation in ("cudnn", "xla"):
+        nn = functools.partial(
+            jax.nn.dot_product_attention,
+            key_value_seq_lengths=lengths,
+            implementation=implementation,
+        )
+        calls[f"jax.nn {implementation}"] = (nn, (q, k, v))
+    sizes = {name: cache_bytes for name in calls}
+    for fmt in ("int8", "float8_e4m3fn"):  # (a byte a number, and the scales)
+        scales = sum(x.scale.size * x.scale.dtype.itemsize for x in calls[f"jax_sdpa {fmt}"][1][1:])
+        sizes[f"jax_sdpa {fmt}"] = k.size + v.size + scales
+    return {name: (fn, args, sizes[name]) for name, (fn, args) in calls.items()}
+
+
+def ragged_calls(seq: int, chunk: int, dtype=jnp.bfloat16) -> dict:
+    """8 decodes and one ``chunk``-token prefill chunk: in one ragged call, and as two calls."""
+    page = 64
+    q, k, v, lengths = _cache(9, seq, dtype)
+    key_pages, value_pages, table = _paged(k, v, page)
+    prefill = jax.random.normal(jax.random.key(3), (1, chunk, N, D), jnp.float32).astype(dtype)
+    packed = jnp.concatenate([q[:8, 0], prefill[0]])
+    starts = jnp.asarray([*range(9), 8 + chunk], jnp.int32)
+
+    def ragged(packed, key_pages, value_pages, table):
+        return js.ragged_paged_attention(
+            packed, key_pages, value_pages, table, lengths, starts, max_queries=chunk
+        )
+
+    def apart(packed, key_pages, value_pages, table):
+        decodes = js.paged_attention(
+            packed[:8, None], key_pages, value_pages, table[:8], lengths[:8]
+        )
+        chunked = js.paged_attention(
+            packed[None, 8:], key_pages, value_pages, table[8:], lengths[8:]
+        )
+        return jnp.concatenate([decodes[:, 0], chunked[0]])
+
+    args = (packed, key_pages, value_pages, table)
+    return {"ragged, one call": (ragged, args), "ragged, two calls": (apart, args)}
+
+
+def check(seq: int, tolerance: float) -> None:
+    """Each bfloat16 decode call against the same call in float32 on XLA's path."""
+    print(f"correctness, S={seq} bfloat16, against xla in float32 (max rel. error):")
+    calls = decode_calls(2, seq)
+    _, (q, k, v), _ = calls["jax_sdpa default"]
+    wide = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = jax.nn.dot_product_attention(*wide, implementation="xla")
+    for name, (fn, args, _) in calls.items():
+        if not name.startswith("jax_sdpa"):
+            continue
+        try:
+            out = np.asarray(jax.jit(fn)(*args), np.float32)
+            error = float(np.max(np.abs(out - want)) / np.max(np.abs(want)))
+            bound = 4 * tolerance if ("int8" in name or "float8" in name) else tolerance
+            verdict = "ok" if np.all(np.isfinite(out)) and error < bound else "FAILED"
+            print(f"  {name:28s} {verdict}  {error:.1e} (bound {bound:.0e})", flush=True)
+        except Exception as error:  # one case's failure must not lose the others
+            print(f"  {name}: FAILED {_failure(error, 300)}")
+    try:
+        ragged = ragged_calls(seq, 128)
+        one, two = (np.asarray(jax.jit(fn)(*args), np.float32) for fn, args in ragged.values())
+        error = float(np.max(np.abs(one - two)) / np.max(np.abs(two)))
+        print(
+            f"  {'ragged against apart':28s} {'ok' if error < tolerance else 'FAILED'}  {error:.1e}"
+        )
+    except Exception as error:
+        print(f"  ragged: FAILED {_failure(error, 300)}")
+
+
+def _torch_seconds(batch: int, seq: int, reps: int) -> float:
+    """PyTorch's SDPA (``enable_gqa``) on the same shape: CUDA events, calls back to back."""
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(batch, N, 1, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, K, seq, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    with torch.no_grad():
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        rounds = []
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            end.record()
+            torch.cuda.synchronize()
+            rounds.append(start.elapsed_time(end) / reps / 1e3)
+    return float(np.median(rounds))
+
+
+def time_shape(batch: int, seq: int, names, reps: int, stop: float) -> dict:
+    """The device time of each named decode call at ``(batch, seq)``, printed; ``name -> s``."""
+    print(f"\nB{batch} S{seq} N{N} K{K} d{D} bfloat16, one query a sequence:")
+    print(f"{'call':28s} {'ms':>8s} {'TB/s':>7s} {'% yardstick':>12s} {'% of 4.8':>9s}")
+    seconds, yardstick = {}, None
+    for name, (fn, args, size) in decode_calls(batch, seq).items():
+        if names is not None and name not in names:
+            continue
+        if time.time() > stop:
+            print("deadline reached: the remaining cases were not run")
+            break
+        try:
+            seconds[name] = _call_seconds(jax.jit(fn), args, reps)
+        except Exception as error:  # one case's failure must not lose the others
+            print(f"  {name}: {_failure(error, 300)}")
+            continue
+        rate = size / seconds[name] / 1e12
+        yardstick = yardstick or rate
+        print(
+            f"{name:28s} {seconds[name] * 1e3:8.3f} {rate:7.2f} {100 * rate / yardstick:11.0f}% "
+            f"{100 * rate / HBM_TB_S:8.0f}%",
+            flush=True,
+        )
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--deadline", type=float, default=230.0, help="seconds, then stop")
+    parser.add_argument("--rehearse", action="store_true", help="small shapes, any machine")
+    args = parser.parse_args()
+    stop = time.time() + args.deadline
+    print(f"jax {jax.__version__}, devices {jax.devices()}")
+    rehearse = args.rehearse
+    check(256 if rehearse else 2048, 2e-2)
+    big = (2, 1024) if rehearse else (8, 32768)
+    seconds = time_shape(*big, None, args.reps, stop)
+    if not rehearse and time.time() < stop:
+        try:
+            torch = _torch_seconds(*big, args.reps)
+            size = 2 * big[0] * big[1] * K * D * 2
+            print(f"{'torch SDPA (enable_gqa)':28s} {torch * 1e3:8.3f} {size / torch / 1e12:7.2f}")
+        except Exception as error:
+            print(f"  torch SDPA: {_failure(error, 200)}")
+    for shape in ((1, 2048), (8, 256)) if rehearse else ((1, 131072), (64, 4096)):
+        time_shape(*shape, ("yardstick (read K, V)", "jax_sdpa default"), args.reps, stop)
+    if time.time() < stop:
+        print("\nragged: 8 decodes and a prefill chunk, one call against two:")
+        for name, (fn, call_args) in ragged_calls(
+            *((256, 64) if rehearse else (8192, 2048))
+        ).items():
+            try:
+                print(
+                    f"  {name:20s} {_call_seconds(jax.jit(fn), call_args, args.reps) * 1e3:8.3f} ms"
+                )
+            except Exception as error:
+                print(f"  {name}: {_failure(error, 300)}")
+    if jax.default_backend() == "gpu" and time.time() < stop:
+        fn, call_args, _ = decode_calls(*big)["jax_sdpa default"]
+        kernels = kernel_times(jax.jit(fn), call_args)
+        listed = ", ".join(f"{name[:40]} {ms:.3f}" for name, ms in kernels[:6])
+        print(f"\nthe decode call's kernels, device ms: {listed}")
+    print(f"\nsummary: default {seconds.get('jax_sdpa default', float('nan')) * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
