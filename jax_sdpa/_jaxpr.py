@@ -13,7 +13,8 @@ or atomic adds (:mod:`jax_sdpa._kernels.reads`). Both are :func:`interpret` with
    gives the equation's outputs, as the primitive's ``bind`` would. Precedence within a
    primitive is the order of its tuple (:func:`table` merges rule sets in the order given).
 3. Unanswered, a call (``jit``, a custom derivative's function, ``checkpoint``) is interpreted
-   in place with the same rules, and a ``cond``, ``scan`` or ``while`` is traced again around the
+   in place with the same rules (its outputs left as they are: a value not read yet stays so),
+   and a ``cond``, ``scan`` or ``while`` is traced again around the
    interpretation of its bodies, so that the rules reach every equation; with ``rules.inline``
    off they are bound as they are.
 4. Any other equation is bound by ``rules.bind`` (as ``jax.core.eval_jaxpr`` binds it, by
@@ -62,12 +63,17 @@ def table(*rule_sets: Mapping[str, tuple[Rule, ...]]) -> dict[str, tuple[Rule, .
     return merged
 
 
-def interpret(jaxpr: Jaxpr, consts, args, rules: Rules) -> list:
-    """The outputs of ``jaxpr`` on ``args``, its constants ``consts``, under ``rules``."""
+def interpret(jaxpr: Jaxpr, consts, args, rules: Rules, *, kept: bool = False) -> list:
+    """The outputs of ``jaxpr`` on ``args``, its constants ``consts``, under ``rules``.
+
+    Made arrays by ``rules.array``, or (``kept``: a call interpreted in place) as the rules
+    left them.
+    """
     env = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     evaluate(jaxpr.eqns, env, rules)
-    return [rules.array(read(env, var)) for var in jaxpr.outvars]
+    outs = [read(env, var) for var in jaxpr.outvars]
+    return outs if kept else [rules.array(x) for x in outs]
 
 
 def read(env: dict, var):
@@ -91,7 +97,7 @@ def _equation(eqn, operands: list, rules: Rules) -> list:
         if outs is not None:
             return outs if eqn.primitive.multiple_results else [outs]
     if rules.inline and name in CALLS:
-        return interpret(*_program(eqn.params[CALLS[name]]), operands, rules)
+        return interpret(*_program(eqn.params[CALLS[name]]), operands, rules, kept=True)
     if rules.inline and name in _CONTROL_FLOW:
         return _CONTROL_FLOW[name](eqn.params, operands, rules)
     outs = rules.bind(eqn, [rules.array(x) for x in operands])

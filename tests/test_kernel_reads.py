@@ -57,6 +57,10 @@ CASES = {
         lambda x, i: jax.grad(lambda x: jnp.sum(jnp.cos(x[i]) * i.astype(x.dtype)))(x),
         (X, IDX),
     ),
+    "gradient of a fill take of a one-entry row": (  # (a scatter-add of one update, not a point)
+        lambda t: jax.grad(lambda t: jnp.take(t, jnp.int32(1), axis=0, mode="fill")[0] * 3.0)(t),
+        (jnp.array([[0.1], [0.2]]),),
+    ),
     "gradient of a fill gather": (
         lambda x, i: jax.grad(lambda x: jnp.sum(x.at[i].get(mode="fill", fill_value=0.0) ** 2))(x),
         (X, IDX),

@@ -245,6 +245,11 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         jnp.array([[1.0, 0.5], [0.8, -0.2], [1.2, 0.1], [0.9, 0.3]], jnp.float32),
         lambda w, score, b, h, i, j: score * w[h, 0] + w[h, 1],
     ),
+    "a temperature": (jnp.array(0.7, jnp.float32), lambda t, score, b, h, i, j: score * t),
+    "three entries, taken with a fill": (  # (not a power of two; a gather's transpose)
+        jnp.array([0.9, 1.1, 0.6], jnp.float32),
+        lambda t, score, b, h, i, j: score * jnp.take(t, h % 3, mode="fill"),
+    ),
 }
 
 
@@ -274,6 +279,25 @@ def test_a_captured_arrays_gradient_with_the_mosaic_gpu_kernels(case):
         want = grads(*wide, "xla")
     for g, w, name in zip(got, want, ("dq", "dk", "dv", "d_array"), strict=True):
         assert ref.rel_err(g, w) < 2e-2, name
+
+
+@pytest.mark.parametrize("case", list(CAPTURED))
+def test_a_captured_arrays_gradient_lowers_for_cuda_in_the_keys_kernel(case):
+    from tests.lowering import mosaic_gpu_kernels
+
+    array, mod = CAPTURED[case]
+    q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    pallas = js.Pallas(backend="mosaic_gpu")
+
+    def loss(q, k, v, array):
+        out = js.dot_product_attention(
+            q, k, v, score_mod=lambda *at: mod(array, *at), implementation=pallas
+        )
+        return out.astype(jnp.float32).sum()
+
+    kernels = mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, k, array)
+    assert len(kernels) == 3  # (no Triton program for the keys)
 
 
 # Arrays read along positions (segment ids, documents, a bias per key, tables at q_idx − kv_idx), over 200

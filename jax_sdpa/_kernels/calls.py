@@ -37,6 +37,7 @@ from jax_sdpa._kernels.programs import (
 )
 from jax_sdpa._kernels.scatters import ONE_HOT_MAX
 from jax_sdpa._kernels.triton import TRITON
+from jax_sdpa._kernels.warp_specialized import GradientAtPoints
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import BackwardRows, Tiles, differentiable, pad_keys
 from jax_sdpa._tunables import MIN_SIDE, Pallas
@@ -139,7 +140,7 @@ def forward(
     )
     rows = shaped_like((seq_q, heads, 1), accumulation_dtype(query.dtype), query)
 
-    listed = None if lists is None else arrays  # (the Mosaic GPU kernels list their own)
+    masked = None if lists is None else arrays  # (the Mosaic GPU kernels list their own)
 
     def on_mosaic_gpu(inputs: ForwardIn) -> ForwardOut:
         out, lse, top = mosaic_gpu.forward(
@@ -149,7 +150,7 @@ def forward(
             inputs.value,
             inputs.shared,
             out_dtype or value.dtype,
-            listed,
+            masked,
         )
         return ForwardOut(out, _as_rows(lse), _as_rows(top))
 
@@ -200,9 +201,9 @@ def backward(
         plan.inputs(arrays, offsets, lists),
     )
     consts = [c for c in differentiable(arrays.score_consts) if c is not None]
-    listed = None if lists is None else arrays  # (the Mosaic GPU kernels list their own)
-    dq = _query_gradients(plan, inputs, listed)
-    dk, dv, d_consts = _key_gradients(plan, inputs, consts, listed)
+    masked = None if lists is None else arrays  # (the Mosaic GPU kernels list their own)
+    dq = _query_gradients(plan, inputs, masked)
+    dk, dv, d_consts = _key_gradients(plan, inputs, consts, masked)
 
     def per_kv_head(d):  # (S, N, d) → (S, K, d), summed over the heads that share one
         return d.reshape(d.shape[0], heads // plan.group, plan.group, d.shape[-1]).sum(2)
@@ -212,7 +213,7 @@ def backward(
     return dq, per_kv_head(dk), per_kv_head(dv), d_consts
 
 
-def _on_mosaic_gpu_backward(kernel, plan: Plan, listed):
+def _on_mosaic_gpu_backward(kernel, plan: Plan, masked):
     """The Mosaic GPU backward ``kernel`` as a function of the :class:`BackwardIn` inputs.
 
     :func:`~jax_sdpa._kernels.mosaic_gpu.query_gradients` or ``key_gradients``: the rows'
@@ -223,13 +224,13 @@ def _on_mosaic_gpu_backward(kernel, plan: Plan, listed):
         rows = inputs.rows
         rows = BackwardRows(rows.d_out, rows.delta[:, :, 0].T, rows.shift[:, :, 0].T)
         query, key, value = inputs.query, inputs.key, inputs.value
-        grads = kernel(plan, query, key, value, rows, inputs.shared, listed)
+        grads = kernel(plan, query, key, value, rows, inputs.shared, masked)
         return jax.tree.map(lambda x: x.astype(accumulation_dtype(x.dtype)), grads)
 
     return call
 
 
-def _query_gradients(plan: Plan, inputs: BackwardIn, listed):
+def _query_gradients(plan: Plan, inputs: BackwardIn, masked):
     """The queries' gradients, ``(T, N, H)``: a program per head and query block."""
     (seq_q, heads, width), value_width = inputs.query.shape, inputs.value.shape[-1]
     tiles = plan.tiles
@@ -251,15 +252,15 @@ def _query_gradients(plan: Plan, inputs: BackwardIn, listed):
         out_specs=_Rows(tiles.block_q, width),
         out_shape=d_query,
         name="jax_sdpa_backward_queries",
-        mosaic_gpu=_on_mosaic_gpu_backward(mosaic_gpu.query_gradients, plan, listed),
+        mosaic_gpu=_on_mosaic_gpu_backward(mosaic_gpu.query_gradients, plan, masked),
     )(inputs)
 
 
-def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list, listed):
+def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list, masked):
     """Each query head's key and value gradients ``(S, N, ·)``; per program, ``consts``'.
 
     ``consts`` are the ``score_mod``'s arrays with gradients; a program per query head and key
-    block. ``listed``: the call's arrays where the Mosaic GPU kernels list a block mask's blocks.
+    block. ``masked``: the call's arrays where the Mosaic GPU kernels list a block mask's blocks.
     """
     query, key, value = inputs.query, inputs.key, inputs.value
     (seq_q, heads, width), value_width = query.shape, value.shape[-1]
@@ -292,7 +293,7 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list, listed):
     first_sum = len(jax.tree.leaves(inputs)) - len(summed)  # (the sums come last)
     shapes = tuple(c.shape for c in consts)
     keys_kernel = functools.partial(mosaic_gpu.key_gradients, consts=shapes)
-    keys_kernel = _on_mosaic_gpu_backward(keys_kernel, plan, listed)
+    keys_kernel = _on_mosaic_gpu_backward(keys_kernel, plan, masked)
 
     def on_mosaic_gpu(inputs: BackwardIn) -> KeysOut:
         d_key, d_value, *parts = keys_kernel(inputs)
@@ -345,7 +346,7 @@ def _sums_in_registers(plan: Plan, consts: list, inputs: BackwardIn, keys_kernel
         return False
     try:
         jax.eval_shape(keys_kernel, inputs)
-    except NotImplementedError:
+    except GradientAtPoints:
         return False
     return True
 

@@ -26,6 +26,7 @@ from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._kernels.programs import Plan, Shared
 from jax_sdpa._kernels.warp_specialized import (
     CONSUMERS,
+    ROWS,
     STAGES,
     Program,
     Swept,
@@ -39,7 +40,7 @@ from jax_sdpa._kernels.warp_specialized import (
 from jax_sdpa._tiles import BackwardRows
 
 MIN_WIDTH = 64  # a head's width: 128 bytes of 16-bit numbers, the rows its TMA swizzles
-BACKWARD_SIDE = 64  # the backward kernels' tiles, ``(64, 64)``: their registers hold more
+BACKWARD_SIDE = ROWS  # the backward kernels' tiles, ``(64, 64)``: their registers hold more
 # A program's positions: what the kernels' sequences are padded to whole numbers of.
 PROGRAM_ROWS = CONSUMERS * BACKWARD_SIDE
 
@@ -50,7 +51,7 @@ def sides(width: int) -> tuple[int, int]:
     A consumer's rows are one ``wgmma``'s 64; 128 keys a step, but 64 for ``width`` 256,
     whose ring of 128 would not fit shared memory.
     """
-    return 64, 128 if width <= 128 else 64
+    return ROWS, 128 if width <= 128 else 64
 
 
 def _backward_stages(width: int) -> int:
@@ -58,14 +59,14 @@ def _backward_stages(width: int) -> int:
     return STAGES if width <= 128 else 1
 
 
-def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, listed) -> tuple:
+def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked) -> tuple:
     """``(out, lse, top)`` of ``(T, N, H)`` queries against ``(S, K, H)`` keys and values.
 
     The arrays as :func:`jax_sdpa._kernels.calls.padded` gives them; ``out`` ``(T, N, V)`` in
     ``out_dtype``, the rows' ``lse`` and largest scores ``(T, N)``. A program per head and
     ``CONSUMERS · block_q`` rows: each consumer sweeps its ``block_q`` rows over the keys its
     rows may see, the producer copying the union: the rule's ranges, or the blocks a block
-    mask lists where ``listed`` (the call's arrays) has one (:func:`warp_specialized`).
+    mask lists where ``masked`` (the call's arrays) has one (:class:`Swept`).
     """
     tiles = plan.tiles
     block_q, block_kv = tiles.block_q, tiles.block_kv
@@ -115,9 +116,9 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, listed) ->
 
     out_type = (jax.ShapeDtypeStruct((seq_q, heads, value_width), out_dtype), stats, stats)
     inputs = (query, key, value)
-    swept = Swept(slots, sources, STAGES)
+    swept = Swept(slots, sources, STAGES, masked)
     out, lse, top = warp_specialized(
-        plan, "kv", block_q, inputs, shared, out_type, own, swept, consumer, listed
+        plan, "kv", block_q, inputs, shared, out_type, own, swept, consumer
     )
     return out, lse.T, top.T
 
@@ -134,11 +135,11 @@ def _terms(d_out, delta, shift) -> BackwardRows:
     return BackwardRows(d_out, *laid_out((delta[...], shift[...])))
 
 
-def query_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: Shared, listed):
+def query_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: Shared, masked):
     """The queries' gradient ``(T, N, H)`` of :func:`forward`'s call, in their dtype.
 
     ``rows``: the queries' terms, ``d_out`` ``(T, N, V)`` in the values' dtype, ``delta`` and
-    ``shift`` ``(N, T)``; ``listed`` as :func:`forward` takes it. A program per head and
+    ``shift`` ``(N, T)``; ``masked`` as :func:`forward` takes it. A program per head and
     ``CONSUMERS · BACKWARD_SIDE`` rows, each consumer sweeping the keys its rows saw.
     """
     plan, side = _backward_plan(plan), BACKWARD_SIDE
@@ -182,21 +183,19 @@ def query_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: S
 
     inputs = (query, key, value, *rows)
     out_type = (jax.ShapeDtypeStruct(query.shape, query.dtype),)
-    swept = Swept(slots, sources, _backward_stages(width))
-    (d_query,) = warp_specialized(
-        plan, "kv", side, inputs, shared, out_type, own, swept, consumer, listed
-    )
+    swept = Swept(slots, sources, _backward_stages(width), masked)
+    (d_query,) = warp_specialized(plan, "kv", side, inputs, shared, out_type, own, swept, consumer)
     return d_query
 
 
 def key_gradients(
-    plan: Plan, query, key, value, rows: BackwardRows, shared: Shared, listed, consts=()
+    plan: Plan, query, key, value, rows: BackwardRows, shared: Shared, masked, consts=()
 ) -> tuple:
     """Each query head's key and value gradients ``(S, N, ·)`` of :func:`forward`'s call.
 
     In the keys' and values' dtypes (written through their shared memory, which holds no float32
     block of 256-wide heads): under GQA each query head's part is rounded before a group's are
-    summed, where the Triton programs sum float32 parts. ``rows`` and ``listed`` as
+    summed, where the Triton programs sum float32 parts. ``rows`` and ``masked`` as
     :func:`query_gradients` takes them. A program per head and ``CONSUMERS · BACKWARD_SIDE``
     keys, each consumer holding its keys and values and sweeping the queries that saw them.
     ``consts``: the shapes of the ``score_mod``'s arrays with gradients, each read at one index
@@ -234,7 +233,7 @@ def key_gradients(
 
         zeros = tuple(jnp.zeros((side, w), jnp.float32) for w in (width, value_width))
         d_k, d_v, d_consts = program.sweep(
-            (*zeros, tuple(jnp.zeros(n, jnp.float32) for n in entries)), tile
+            (*zeros, tuple(jnp.zeros(size, jnp.float32) for size in entries)), tile
         )
         store([(d_k, k, dk_ref.at[rows, n]), (d_v, v, dv_ref.at[rows, n])])
         for ref, d in zip(const_refs, d_consts, strict=True):
@@ -261,7 +260,10 @@ def key_gradients(
     programs = plan.seq_kv // PROGRAM_ROWS
     out_type = (
         *(jax.ShapeDtypeStruct((plan.seq_kv, heads, x.shape[-1]), x.dtype) for x in (key, value)),
-        *(jax.ShapeDtypeStruct((heads, programs, CONSUMERS, n), jnp.float32) for n in entries),
+        *(
+            jax.ShapeDtypeStruct((heads, programs, CONSUMERS, size), jnp.float32)
+            for size in entries
+        ),
     )
-    swept = Swept(slots, sources, _backward_stages(width))
-    return warp_specialized(plan, "q", side, inputs, shared, out_type, own, swept, consumer, listed)
+    swept = Swept(slots, sources, _backward_stages(width), masked)
+    return warp_specialized(plan, "q", side, inputs, shared, out_type, own, swept, consumer)

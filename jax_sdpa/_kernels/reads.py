@@ -44,6 +44,7 @@ from jax_sdpa._kernels.values import (
     fill_value,
     in_bounds,
     index_arrays,
+    is_zero,
     placed,
     value,
 )
@@ -102,6 +103,8 @@ def _reshape(eqn, operands):
     first, params = operands[0], eqn.params
     if isinstance(first, Unread) and _drops_leading_ones(first, params):
         return first.dropped(range(len(first.shape) - len(params["new_sizes"])))
+    if isinstance(first, Expanded) and params.get("dimensions") is None:  # (its axes of 1 off)
+        return first.value if tuple(params["new_sizes"]) == jnp.shape(first.value) else None
     return None
 
 
@@ -244,7 +247,7 @@ def _gathered(operand: Unread, indices, params, laid_out=None):
     if isinstance(indices, Run):
         run = indices.reshaped(indices.shape[:-1])  # (the indices' last axis, of 1, dropped)
         # (on a backend that loads no vector of points, a run longer than the array too)
-        short = laid_out is not None or run is not None and run.size <= operand.shape[0]
+        short = laid_out is not None or (run is not None and run.size <= operand.shape[0])
         if rank == 1 and run is not None and run.size > 0 and short:
             window = Window(operand, run, params)
             return window if laid_out is not None else window.read()
@@ -299,22 +302,31 @@ def looped_gathers(laid_out) -> dict:
 
     def indices(eqn, operands):
         first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
-        if isinstance(first, Lazy):
+        if isinstance(first, Lazy) or not jnp.issubdtype(jnp.result_type(first), jnp.integer):
             return None
         rank = jnp.ndim(first)
-        if rank == 0 and shape and all(n == 1 for n in shape):  # (a scatter's one update)
-            return Expanded(first, len(shape))
-        if not jnp.issubdtype(jnp.result_type(first), jnp.integer):
-            return None
         kept = tuple(eqn.params["broadcast_dimensions"]) == tuple(range(rank))
         return (
             Expanded(first, 1) if rank >= 2 and kept and shape == jnp.shape(first) + (1,) else None
         )
 
     return {
-        "broadcast_in_dim": (indices,),
+        "broadcast_in_dim": (_one_entry, indices),
+        "reshape": (_one_entry,),
         "gather": (functools.partial(_point_gather_rule, laid_out=laid_out),),
     }
+
+
+def _one_entry(eqn, operands):
+    """A scalar made an array of one entry (a gradient's one update), kept a scalar until read.
+
+    (Mosaic GPU holds no array of one entry: :class:`Expanded`.) Zeros are left to be
+    :class:`~jax_sdpa._kernels.scatters.Zeros`.
+    """
+    first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
+    if isinstance(first, Lazy) or jnp.ndim(first) or is_zero(first) or not shape:
+        return None
+    return Expanded(first, len(shape)) if all(n == 1 for n in shape) else None
 
 
 def _updated(operand, update, *starts):

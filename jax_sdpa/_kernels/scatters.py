@@ -142,20 +142,20 @@ class NotKept(Lazy):
 def scatter_add(eqn, operands: list):
     """A point ``scatter-add`` (a point gather's transpose), kept as a :class:`Scatter`."""
     operand, indices, updates = operands
-    numbers = eqn.params["dimension_numbers"]
-    given = updates = _one(updates) if eqn.invars[2].aval.size == 1 else value(updates)
+    numbers, size = eqn.params["dimension_numbers"], eqn.invars[2].aval.size
     rank = len(eqn.invars[0].aval.shape)
     point = (
         tuple(numbers.scatter_dims_to_operand_dims) == tuple(range(rank))
         and tuple(numbers.inserted_window_dims) in ((), tuple(range(rank)))  # as the gathers
         and not numbers.operand_batching_dims
-        and updates.size * rank == eqn.invars[1].aval.size
+        and size * rank == eqn.invars[1].aval.size
     )
     if not point:
-        return bind(eqn, [value(operand), value(indices), given])
+        return bind(eqn, [value(operand), value(indices), value(updates)])
     shape = eqn.invars[0].aval.shape
     points = index_arrays(indices, rank)
-    updates = updates.reshape(points[0].shape)
+    # (one update a scalar: never an array of one entry on the way)
+    updates = _one(updates) if size == 1 else value(updates).reshape(points[0].shape)
     if eqn.params["mode"] != lax.GatherScatterMode.CLIP:  # XLA drops what is out of bounds
         updates = jnp.where(in_bounds(points, shape), updates, 0)
     points = [jnp.clip(p, 0, n - 1) for p, n in zip(points, shape, strict=True)]
@@ -218,7 +218,8 @@ def _one(update):
     """An array of one entry as a scalar (where a backend holds it as one: :class:`Expanded`)."""
     if isinstance(update, Expanded) and not jnp.ndim(update.value):
         return update.value
-    return value(update).reshape(())
+    update = value(update)
+    return update.reshape(()) if jnp.ndim(update) else update
 
 
 def _widened(eqn, operands):

@@ -36,8 +36,10 @@ class Expanded(Lazy):
     value: Any
     ones: int
 
-    def read(self):
-        return self.value.reshape(self.value.shape + (1,) * self.ones)
+    def read(self):  # (``jnp``'s: a NumPy scalar's would be a constant the kernel captures)
+        if not self.ones:
+            return self.value
+        return jnp.reshape(self.value, jnp.shape(self.value) + (1,) * self.ones)
 
 
 def value(x):
@@ -146,11 +148,18 @@ def index_arrays(indices, rank: int) -> list:
     slice.
     """
     parts = indices.parts if isinstance(indices, Joined) else [indices]
+    if len(parts) == rank and all(_one_index(part) for part in parts):  # (kept so: Expanded)
+        return [part.value for part in parts]
     parts = [value(part) for part in parts]
     if len(parts) == rank and all(part.shape[-1] == 1 for part in parts):
         return [part.reshape(part.shape[:-1]) for part in parts]
     indices = value(indices)
     return [indices[..., n] for n in range(rank)]
+
+
+def _one_index(part) -> bool:
+    """Whether a part of a gather's indices is a scalar index with its axis of 1 still to add."""
+    return isinstance(part, Expanded) and part.ones == 1 and not jnp.ndim(part.value)
 
 
 def placed(selectors, bounds: tuple, load, dtype, laid_out=lambda x: x):

@@ -45,7 +45,7 @@ STAGES = 2  # shared-memory slots of the producer's ring
 # not at all (the blocks of the producer's range that a consumer's positions never meet: it
 # waits for each and frees it).
 RULE, FULL, SKIP = "rule", "full", "skip"
-KINDS = (SKIP, RULE, FULL)  # a listed tile's kind, by its class (EMPTY, PARTIAL, FULL) as index
+KINDS = (SKIP, RULE, FULL)  # a listed tile's kind, held by its index
 
 
 def _tile(x):
@@ -62,6 +62,10 @@ def _along(axis: int) -> Vectors:
     )
 
 
+class GradientAtPoints(NotImplementedError):
+    """The gradient of an array read at more than one point, which the kernels do not sum."""
+
+
 def _one_point(eqn, operands):
     """A scatter-add (a read's gradient) at more than one point: an error (None at one).
 
@@ -70,7 +74,7 @@ def _one_point(eqn, operands):
     """
     if eqn.invars[2].aval.size <= 1:
         return None
-    raise NotImplementedError(
+    raise GradientAtPoints(
         "`Pallas(backend='mosaic_gpu')` sums the gradient of an array a mod reads at one index "
         f"(`slopes[h]`), and this call reads a {eqn.invars[0].aval} array at more points: "
         "use `Pallas(backend='triton')`."
@@ -82,8 +86,8 @@ def _by_rows(eqn, operands):
     x = operands[0]
     if isinstance(x, Lazy) or jnp.ndim(x) != 2 or tuple(eqn.params["axes"]) != (0, 1):
         return None
-    reduce = {"reduce_sum": jnp.sum, "reduce_max": jnp.max, "reduce_min": jnp.min}
-    return reduce[eqn.primitive.name](reduce[eqn.primitive.name](x, axis=1))
+    reduce = getattr(lax, eqn.primitive.name)  # (lax's: the equation's dtype kept)
+    return reduce(reduce(x, (1,)), (0,))
 
 
 # Its programs' own rules: a tile's positions, and values read at them, in the products'
@@ -233,12 +237,15 @@ class Swept:
     """What a kernel's producer copies into its ring of ``stages`` slots.
 
     ``blocks``: each swept array's block (a ``jax.ShapeDtypeStruct``); ``sources(inputs, n)``:
-    for each, the ref of block ``m`` (``m -> ref``) in a program of query head ``n``.
+    for each, the ref of block ``m`` (``m -> ref``) in a program of query head ``n``. The blocks
+    are those the rule's ranges hold or, where ``masked`` (the call's arrays, whose rule is a
+    block mask's classes), those the mask lists (:class:`Lists`).
     """
 
     blocks: list
     sources: Callable
     stages: int
+    masked: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,12 +379,13 @@ class Lists:
             swept = positions(block * size, size)
             q_idx, kv_idx = (own, swept) if axis == "kv" else (swept, own)
             empty, full = rule.tile_class(q_idx, kv_idx, batch, head[None])
-            return jnp.where(empty, 0, jnp.where(full, 2, 1)).astype(INDEX)
+            kind = jnp.where(full, KINDS.index(FULL), KINDS.index(RULE))
+            return jnp.where(empty, KINDS.index(SKIP), kind).astype(INDEX)
 
-        for n in range(3, -1, -1):  # (head, program, block, consumer): vmapped from the last
-            kind = jax.vmap(kind, in_axes=tuple(None if k != n else 0 for k in range(4)))
-        kinds = kind(heads, *(jnp.arange(n, dtype=INDEX) for n in (*shape, CONSUMERS)))
-        count, blocks = listed((kinds != 0).any(-1))
+        for mapped in range(3, -1, -1):  # (head, program, block, consumer): from the last
+            kind = jax.vmap(kind, in_axes=tuple(0 if k == mapped else None for k in range(4)))
+        kinds = kind(heads, *(jnp.arange(count, dtype=INDEX) for count in (*shape, CONSUMERS)))
+        count, blocks = listed((kinds != KINDS.index(SKIP)).any(-1))
         return cls(count, blocks, jnp.take_along_axis(kinds, blocks[..., None], axis=2))
 
     def steps(self, n, program, consumer) -> Steps:
@@ -389,7 +397,7 @@ class Lists:
 
 
 def warp_specialized(
-    plan: Plan, axis: str, held: int, inputs, shared, out_type, own, swept, consumer, listed
+    plan: Plan, axis: str, held: int, inputs, shared, out_type, own, swept, consumer
 ):
     """A warp-specialized kernel: program ``(n, m)`` a producer and :data:`CONSUMERS` consumers.
 
@@ -398,8 +406,7 @@ def warp_specialized(
     producer copies the blocks any of them may meet into its ring (:class:`Swept`). ``own``: the
     consumers' scratch (shared-memory types). ``consumer(inputs, outputs, own, program)`` runs
     in each consumer (refs; :class:`Program`). ``inputs``: arrays, the queries first,
-    ``(T, N, ·)``. The blocks are the rule's ranges', or where ``listed`` (the call's arrays,
-    whose rule is a block mask's classes) a block mask's :class:`Lists`.
+    ``(T, N, ·)``.
     """
     plan = dataclasses.replace(plan, backend=MOSAIC_GPU)  # (its reads' rules)
     interpret = plan.tunables.interpret or None
@@ -408,7 +415,8 @@ def warp_specialized(
     count = (plan.seq_q if axis == "kv" else plan.seq_kv) // rows
     size = swept.blocks[0].shape[0]
     swept_count = (plan.seq_kv if axis == "kv" else plan.seq_q) // size
-    lists = None if listed is None else Lists.of(listed, axis, held, size, (count, swept_count))
+    masked = swept.masked
+    lists = None if masked is None else Lists.of(masked, axis, held, size, (count, swept_count))
     leaves, tree = jax.tree.flatten((shared, lists))
     arity = len(inputs) + len(leaves)
 
