@@ -328,7 +328,9 @@ def create_block_mask(
     return BlockMask(rule, classes, block_q, block_kv, q_len, kv_len)
 
 
-def blocked(tiles: Tiles, arrays: CallArrays, seq_q: int, seq_kv: int) -> CallArrays:
+def blocked(
+    tiles: Tiles, arrays: CallArrays, seq_q: int, seq_kv: int, *, any_blocks: bool = False
+) -> CallArrays:
     """``arrays`` with an opaque rule classified at ``tiles``, for both passes to read.
 
     The rule becomes a :class:`BlockMask` of these tiles, the class of each of its tiles kept;
@@ -336,21 +338,23 @@ def blocked(tiles: Tiles, arrays: CallArrays, seq_q: int, seq_kv: int) -> CallAr
     of the rule per entry; the backward pass then reads the classes instead of evaluating it
     again. The padded keys count (the rule masks them), the padded queries do not (they are
     dropped). Where the rule is a :class:`BlockMask` made with these tiles for these lengths,
-    it holds these classes already: they are read.
+    it holds these classes already: they are read; with ``any_blocks`` (kernels that read each
+    tile's class at any blocks: :meth:`BlockMask.tile_class`), one made with any blocks is.
     """
     rule, (batch, heads) = arrays.rule, arrays.indices()
     if rule is None or not rule.opaque:
         return arrays
     heads = jnp.atleast_1d(heads)
     (mask,) = rule.rules if isinstance(rule, AndMask) and len(rule.rules) == 1 else (rule,)
-    sizes = (tiles.block_q, tiles.block_kv, seq_q, seq_kv)
-    if (
-        isinstance(mask, BlockMask)
-        and (mask.block_q, mask.block_kv, mask.q_len, mask.kv_len) == sizes
-    ):
+    blocks = (tiles.block_q, tiles.block_kv)
+    if isinstance(mask, BlockMask) and any_blocks:
+        blocks = (mask.block_q, mask.block_kv)
+    made = isinstance(mask, BlockMask) and (mask.q_len, mask.kv_len) == (seq_q, seq_kv)
+    if made and (mask.block_q, mask.block_kv) == blocks:
         classes = mask._classes(batch, heads)
     else:
-        classes = classify_blocks(rule, seq_q, seq_kv, tiles.block_q, tiles.block_kv, batch, heads)
+        blocks = (tiles.block_q, tiles.block_kv)
+        classes = classify_blocks(rule, seq_q, seq_kv, *blocks, batch, heads)
     # One sequence's classes, which its batch index need not pick: a batch axis of 1.
-    mask = BlockMask(rule, classes[None], tiles.block_q, tiles.block_kv, seq_q, seq_kv)
+    mask = BlockMask(rule, classes[None], *blocks, seq_q, seq_kv)
     return dataclasses.replace(arrays, rule=mask)

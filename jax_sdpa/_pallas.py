@@ -12,11 +12,9 @@ import functools
 
 import jax
 
-from jax_sdpa._block_mask import BlockMask, blocked
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
-from jax_sdpa._kernels.calls import backward, fitted, for_inputs, forward, padded
-from jax_sdpa._kernels.programs import BlockLists
+from jax_sdpa._kernels.calls import backward, fitted, for_inputs, forward, listed, padded
 from jax_sdpa._tiles import Tiles, differentiable
 from jax_sdpa._tiles_backward import backward_rows, sinks_grad
 from jax_sdpa._tunables import Pallas
@@ -54,14 +52,13 @@ def pallas_sequence(
 
     ``(T, N, H)`` queries and ``(S, K, ·)`` keys and values, padded to whole tiles
     (:func:`jax_sdpa._kernels.calls.padded`). An opaque rule's tiles are classified once, and listed
-    (:class:`~jax_sdpa._kernels.programs.BlockLists`): the kernels visit only the blocks it does not
+    (:func:`jax_sdpa._kernels.calls.listed`): the kernels visit only the blocks it does not
     exclude.
     """
     (seq_q, _, _), value_width = query.shape, value.shape[-1]
     tunables = for_inputs(tunables, query, key, value)
     tiles = fitted(formula, tunables, query, key)
     query, key, value, arrays = padded(tiles, tunables, query, key, value, arrays)
-    arrays = blocked(tiles, arrays, seq_q, key.shape[0])
-    lists = BlockLists.of(arrays.rule) if isinstance(arrays.rule, BlockMask) else None
+    arrays, lists = listed(tiles, tunables, arrays, seq_q, key.shape[0])
     out, lse, top = _fused(tiles, tunables, query, key, value, arrays, lists)
     return Result(out[:seq_q, :, :value_width], lse[:seq_q], None, top[:seq_q])

@@ -206,6 +206,26 @@ def test_a_block_mask_on_the_gpu_simulator_is_the_reference():
         assert ref.rel_err(got, want[name]) < 2e-2, name
 
 
+@SIMULATED_SLOW
+def test_a_block_mask_made_at_other_tiles_is_read_not_classified_again(monkeypatch):
+    from jax_sdpa import _block_mask
+
+    def band(b, h, i, j):
+        return (i >= j) & (i - j < 100)
+
+    # FlexAttention's blocks (128 × 128), not the kernels' tiles (64 × 128, 64 × 64)
+    block_mask = js.create_block_mask(band, None, None, 256, 256, block_q=128, block_kv=128)
+    classified = []
+    real = _block_mask.classify_blocks
+    monkeypatch.setattr(
+        _block_mask, "classify_blocks", lambda *args: classified.append(1) or real(*args)
+    )
+    q, k, v = qkv(np.random.default_rng(14), 1, 256, 256, 2, 1, 64, dtype=jnp.bfloat16)
+    ours = dict(mask_mod=block_mask)
+    _assert_simulated_gradients(q, k, v, ours, dict(mask_mod=band))
+    assert not classified
+
+
 def _alibi(*at):
     """ALiBi with captured slopes: their gradient is the keys' kernel's."""
     return CAPTURED["ALiBi's slopes"][1](CAPTURED["ALiBi's slopes"][0], *at)

@@ -16,6 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jax_sdpa._block_mask import BlockMask, blocked
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import GPU_SIMULATOR, shaped_like
@@ -140,7 +141,7 @@ def forward(
     )
     rows = shaped_like((seq_q, heads, 1), accumulation_dtype(query.dtype), query)
 
-    masked = None if lists is None else arrays  # (the Mosaic GPU kernels list their own)
+    masked = _masked(arrays, offsets)
 
     def on_mosaic_gpu(inputs: ForwardIn) -> ForwardOut:
         out, lse, top = mosaic_gpu.forward(
@@ -201,7 +202,7 @@ def backward(
         plan.inputs(arrays, offsets, lists),
     )
     consts = [c for c in differentiable(arrays.score_consts) if c is not None]
-    masked = None if lists is None else arrays  # (the Mosaic GPU kernels list their own)
+    masked = _masked(arrays, offsets)
     dq = _query_gradients(plan, inputs, masked)
     dk, dv, d_consts = _key_gradients(plan, inputs, consts, masked)
 
@@ -429,6 +430,32 @@ def _one_hot(array) -> bool:
     plan serves every platform, so all sum so); any other is added into memory at its points.
     """
     return array.size <= ONE_HOT_MAX and all(n & (n - 1) == 0 for n in array.shape)
+
+
+def listed(tiles: Tiles, tunables: Pallas, arrays: CallArrays, seq_q: int, seq_kv: int) -> tuple:
+    """``(arrays, lists)``: an opaque rule classified once, and the Triton programs' block lists.
+
+    The rule becomes a block mask (:func:`~jax_sdpa._block_mask.blocked`); its lists
+    (:class:`BlockLists`) are the Triton programs' where its classes are at ``tiles``. The
+    Mosaic GPU kernels list the blocks at their own tiles from classes at any blocks: there a
+    :class:`~jax_sdpa.BlockMask` made for these lengths is read as it is, not classified again.
+    """
+    arrays = blocked(tiles, arrays, seq_q, seq_kv, any_blocks=_on_mosaic_gpu(tunables))
+    rule = arrays.rule
+    at_tiles = isinstance(rule, BlockMask) and (rule.block_q, rule.block_kv) == (
+        tiles.block_q,
+        tiles.block_kv,
+    )
+    return arrays, BlockLists.of(rule) if at_tiles else None
+
+
+def _masked(arrays: CallArrays, offsets):
+    """The call's arrays where the Mosaic GPU kernels list a block mask's blocks, or None.
+
+    Where its rule is a :class:`~jax_sdpa.BlockMask` and both axes start at position 0.
+    """
+    at_start = all(isinstance(x, int) and x == 0 for x in offsets)
+    return arrays if isinstance(arrays.rule, BlockMask) and at_start else None
 
 
 def fitted(formula: Formula, tunables: Pallas, query, key) -> Tiles:
