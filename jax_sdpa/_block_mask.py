@@ -331,15 +331,17 @@ def create_block_mask(
 def blocked(
     tiles: Tiles, arrays: CallArrays, seq_q: int, seq_kv: int, *, any_blocks: bool = False
 ) -> CallArrays:
-    """``arrays`` with an opaque rule classified at ``tiles``, for both passes to read.
+    """``arrays`` with an opaque rule as a block mask's classes, for both passes to read.
 
     The rule becomes a :class:`BlockMask` of these tiles, the class of each of its tiles kept;
     a rule with exact ranges (or none) is left as it is. Classifying once costs one evaluation
     of the rule per entry; the backward pass then reads the classes instead of evaluating it
     again. The padded keys count (the rule masks them), the padded queries do not (they are
     dropped). Where the rule is a :class:`BlockMask` made with these tiles for these lengths,
-    it holds these classes already: they are read; with ``any_blocks`` (kernels that read each
-    tile's class at any blocks: :meth:`BlockMask.tile_class`), one made with any blocks is.
+    it holds these classes already: they are read, and with ``any_blocks`` (kernels that read
+    each tile's class at any blocks: :meth:`BlockMask.tile_class`) so are those of one made
+    with any blocks, which it keeps. (Where keys were padded, the rule is the mask and their
+    length rule: it is classified.)
     """
     rule, (batch, heads) = arrays.rule, arrays.indices()
     if rule is None or not rule.opaque:
@@ -347,13 +349,10 @@ def blocked(
     heads = jnp.atleast_1d(heads)
     (mask,) = rule.rules if isinstance(rule, AndMask) and len(rule.rules) == 1 else (rule,)
     blocks = (tiles.block_q, tiles.block_kv)
-    if isinstance(mask, BlockMask) and any_blocks:
-        blocks = (mask.block_q, mask.block_kv)
     made = isinstance(mask, BlockMask) and (mask.q_len, mask.kv_len) == (seq_q, seq_kv)
-    if made and (mask.block_q, mask.block_kv) == blocks:
-        classes = mask._classes(batch, heads)
+    if made and (any_blocks or (mask.block_q, mask.block_kv) == blocks):
+        blocks, classes = (mask.block_q, mask.block_kv), mask._classes(batch, heads)
     else:
-        blocks = (tiles.block_q, tiles.block_kv)
         classes = classify_blocks(rule, seq_q, seq_kv, *blocks, batch, heads)
     # One sequence's classes, which its batch index need not pick: a batch axis of 1.
     mask = BlockMask(rule, classes[None], *blocks, seq_q, seq_kv)

@@ -14,7 +14,14 @@ import jax
 
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
-from jax_sdpa._kernels.calls import backward, fitted, for_inputs, forward, listed, padded
+from jax_sdpa._kernels.calls import (
+    backward,
+    block_lists,
+    fitted,
+    for_inputs,
+    forward,
+    padded,
+)
 from jax_sdpa._tiles import Tiles, differentiable
 from jax_sdpa._tiles_backward import backward_rows, sinks_grad
 from jax_sdpa._tunables import Pallas
@@ -51,14 +58,14 @@ def pallas_sequence(
     """The fused kernels on one sequence, all heads: ``(out, lse, None)`` in jax.nn's layout.
 
     ``(T, N, H)`` queries and ``(S, K, ·)`` keys and values, padded to whole tiles
-    (:func:`jax_sdpa._kernels.calls.padded`). An opaque rule's tiles are classified once, and listed
-    (:func:`jax_sdpa._kernels.calls.listed`): the kernels visit only the blocks it does not
-    exclude.
+    (:func:`jax_sdpa._kernels.calls.padded`). An opaque rule is a block mask's classes, made once
+    (or read, :func:`jax_sdpa._kernels.calls.block_lists`), and listed: the kernels visit only
+    the blocks it does not exclude.
     """
     (seq_q, _, _), value_width = query.shape, value.shape[-1]
     tunables = for_inputs(tunables, query, key, value)
     tiles = fitted(formula, tunables, query, key)
     query, key, value, arrays = padded(tiles, tunables, query, key, value, arrays)
-    arrays, lists = listed(tiles, tunables, arrays, seq_q, key.shape[0])
+    arrays, lists = block_lists(tiles, tunables, arrays, seq_q, key.shape[0])
     out, lse, top = _fused(tiles, tunables, query, key, value, arrays, lists)
     return Result(out[:seq_q, :, :value_width], lse[:seq_q], None, top[:seq_q])

@@ -61,6 +61,10 @@ CASES = {
         lambda t: jax.grad(lambda t: jnp.take(t, jnp.int32(1), axis=0, mode="fill")[0] * 3.0)(t),
         (jnp.array([[0.1], [0.2]]),),
     ),
+    "gradient of a clip gather at one point": (  # (one update, at a vector of one point)
+        lambda x, i: jax.grad(lambda x: jnp.sum(x.at[i].get(mode="clip") * 3.0))(x),
+        (X, jnp.array([11], jnp.int32)),
+    ),
     "gradient of a fill gather": (
         lambda x, i: jax.grad(lambda x: jnp.sum(x.at[i].get(mode="fill", fill_value=0.0) ** 2))(x),
         (X, IDX),

@@ -432,7 +432,9 @@ def _one_hot(array) -> bool:
     return array.size <= ONE_HOT_MAX and all(n & (n - 1) == 0 for n in array.shape)
 
 
-def listed(tiles: Tiles, tunables: Pallas, arrays: CallArrays, seq_q: int, seq_kv: int) -> tuple:
+def block_lists(
+    tiles: Tiles, tunables: Pallas, arrays: CallArrays, seq_q: int, seq_kv: int
+) -> tuple:
     """``(arrays, lists)``: an opaque rule classified once, and the Triton programs' block lists.
 
     The rule becomes a block mask (:func:`~jax_sdpa._block_mask.blocked`); its lists

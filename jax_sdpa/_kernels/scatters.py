@@ -154,8 +154,9 @@ def scatter_add(eqn, operands: list):
         return bind(eqn, [value(operand), value(indices), value(updates)])
     shape = eqn.invars[0].aval.shape
     points = index_arrays(indices, rank)
-    # (one update a scalar: never an array of one entry on the way)
-    updates = _one(updates) if size == 1 else value(updates).reshape(points[0].shape)
+    # (one update at one point a scalar: never an array of one entry on the way)
+    one = size == 1 and not jnp.ndim(points[0])
+    updates = _one(updates) if one else value(updates).reshape(points[0].shape)
     if eqn.params["mode"] != lax.GatherScatterMode.CLIP:  # XLA drops what is out of bounds
         updates = jnp.where(in_bounds(points, shape), updates, 0)
     points = [jnp.clip(p, 0, n - 1) for p, n in zip(points, shape, strict=True)]

@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_sdpa._formula import CallArrays
 from jax_sdpa._indices import INDEX, listed, positions
 from jax_sdpa._jaxpr import table
 from jax_sdpa._kernels.backend import Backend
@@ -245,7 +246,7 @@ class Swept:
     blocks: list
     sources: Callable
     stages: int
-    masked: object = None
+    masked: CallArrays | None = None
 
 
 @dataclasses.dataclass(frozen=True)
