@@ -26,6 +26,11 @@ def positions(start: Index, count: int) -> Integer[Array, " count"]:
     return jnp.asarray(start, INDEX) + jnp.arange(count, dtype=INDEX)
 
 
+def at_start(offsets) -> bool:
+    """Whether global ``offsets`` are all position 0, as Python ints (known when tracing)."""
+    return all(isinstance(x, int) and x == 0 for x in offsets)
+
+
 def listed(visited: Array) -> tuple[Array, Array]:
     """The visited blocks along the last axis, listed: FlexAttention's counts and indices.
 

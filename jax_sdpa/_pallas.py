@@ -14,14 +14,8 @@ import jax
 
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
-from jax_sdpa._kernels.calls import (
-    backward,
-    block_lists,
-    fitted,
-    for_inputs,
-    forward,
-    padded,
-)
+from jax_sdpa._kernels.calls import backward, forward
+from jax_sdpa._kernels.fitting import block_lists, fitted, for_inputs, padded
 from jax_sdpa._tiles import Tiles, differentiable
 from jax_sdpa._tiles_backward import backward_rows, sinks_grad
 from jax_sdpa._tunables import Pallas
@@ -58,8 +52,8 @@ def pallas_sequence(
     """The fused kernels on one sequence, all heads: ``(out, lse, None)`` in jax.nn's layout.
 
     ``(T, N, H)`` queries and ``(S, K, ·)`` keys and values, padded to whole tiles
-    (:func:`jax_sdpa._kernels.calls.padded`). An opaque rule is a block mask's classes, made once
-    (or read, :func:`jax_sdpa._kernels.calls.block_lists`), and listed: the kernels visit only
+    (:func:`jax_sdpa._kernels.fitting.padded`). An opaque rule is a block mask's classes, made once
+    (or read, :func:`jax_sdpa._kernels.fitting.block_lists`), and listed: the kernels visit only
     the blocks it does not exclude.
     """
     (seq_q, _, _), value_width = query.shape, value.shape[-1]

@@ -27,6 +27,7 @@ from jax import lax
 from jax_sdpa._formula import CallArrays, Formula, block_of
 from jax_sdpa._heads import Result
 from jax_sdpa._kernels import calls as kernels
+from jax_sdpa._kernels import fitting
 from jax_sdpa._online_softmax import init, max_scores, merge
 from jax_sdpa._ring_spec import RingSpec
 from jax_sdpa._tiles import Tiles, flat, forward_sweep, loop
@@ -52,16 +53,16 @@ def _heads(x, heads: int):
 def _on_kernel(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, kv_offset) -> tuple:
     """``(kernel, tiles, (q, k, v), padded)``: a run's rows ``(r, heads·d)`` for the kernel.
 
-    ``kernel`` is the one for these inputs (:func:`jax_sdpa._kernels.calls.for_inputs`);
-    ``(q, k, v)`` are ``(r, heads, d)``; ``padded`` is :func:`jax_sdpa._kernels.calls.padded`'s
+    ``kernel`` is the one for these inputs (:func:`jax_sdpa._kernels.fitting.for_inputs`);
+    ``(q, k, v)`` are ``(r, heads, d)``; ``padded`` is :func:`jax_sdpa._kernels.fitting.padded`'s
     ``(q, k, v, arrays)``, without the sinks (the ring's state met them from the start).
     """
     heads, kv_heads = math.prod(tiles.groups), tiles.groups[0]
     q, k, v = _heads(queries, heads), _heads(key, kv_heads), _heads(value, kv_heads)
-    kernel = kernels.for_inputs(kernel, q, k, v)
-    fitted = kernels.fitted(tiles.formula, kernel, q, k)
+    kernel = fitting.for_inputs(kernel, q, k, v)
+    fitted = fitting.fitted(tiles.formula, kernel, q, k)
     arrays = dataclasses.replace(arrays, sinks=None)
-    return kernel, fitted, (q, k, v), kernels.padded(fitted, kernel, q, k, v, arrays, kv_offset)
+    return kernel, fitted, (q, k, v), fitting.padded(fitted, kernel, q, k, v, arrays, kv_offset)
 
 
 def _kernel_forward(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, state, offsets):
@@ -84,7 +85,7 @@ def _kernel_backward(
     """:func:`~jax_sdpa._tiles_backward.backward_sweep`, the tiles computed by the fused kernel."""
     on_kernel = _on_kernel(kernel, tiles, queries, key, value, arrays, offsets[1])
     kernel, fitted, runs, padded = on_kernel
-    rows = kernels.padded_rows(rows, padded[0].shape[0], runs[0].shape[1], padded[2].shape[-1])
+    rows = fitting.padded_rows(rows, padded[0].shape[0], runs[0].shape[1], padded[2].shape[-1])
     *d_runs, d_consts = kernels.backward(fitted, kernel, *padded, rows, offsets)
     *totals, d_bias, consts = grads
     totals = [  # each run's gradient, its padding dropped, added to its accumulator

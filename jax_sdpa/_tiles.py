@@ -32,7 +32,7 @@ from jax import lax
 
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import over_heads
-from jax_sdpa._indices import INDEX, Index, indices, listed, positions
+from jax_sdpa._indices import INDEX, Index, at_start, indices, listed, positions
 from jax_sdpa._masks import LengthMask, MaskRule
 from jax_sdpa._online_softmax import State
 from jax_sdpa._steps import cast_product, raw_scores, weighted_sum
@@ -330,7 +330,7 @@ def listed_blocks(tiles: Tiles, arrays: CallArrays, axis: str, block, offsets, c
     position 0 (the chunked and decode paths; a ring's shards start elsewhere and keep the
     ranges' loops).
     """
-    if arrays.rule is None or any(not isinstance(x, int) or x != 0 for x in offsets):
+    if arrays.rule is None or not at_start(offsets):
         return None
     sizes = (tiles.block_q, tiles.block_kv) if axis == "kv" else (tiles.block_kv, tiles.block_q)
     batch, heads = arrays.indices()

@@ -209,7 +209,7 @@ def test_a_block_mask_on_the_gpu_simulator_is_the_reference():
 @SIMULATED_SLOW
 def test_a_block_mask_made_at_other_tiles_is_read_not_classified_again(monkeypatch):
     from jax_sdpa import _block_mask
-    from jax_sdpa._kernels.warp_specialized import Lists
+    from jax_sdpa._kernels.schedule import Lists
 
     def band(b, h, i, j):
         return (i >= j) & (i - j < 100)

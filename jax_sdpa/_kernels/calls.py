@@ -3,8 +3,8 @@ r"""The engine's kernels as functions of arrays: layouts, block specs, padding.
 :func:`forward` and :func:`backward` call the kernels of :mod:`jax_sdpa._kernels` on
 ``(T, N, ·)`` queries and ``(S, K, ·)`` keys and values (one program per head and block, each
 reading its head's rows in place: no transposes around the call, but on a backend whose blocks
-must be whole rows of a head), for queries and keys at any global position; :func:`fitted` and
-:func:`padded` fit the tiles to the sequences and the sequences to the tiles.
+must be whole rows of a head), for queries and keys at any global position, as
+:mod:`jax_sdpa._kernels.fitting` fits them.
 """
 
 import dataclasses
@@ -16,12 +16,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_sdpa._block_mask import BlockMask, blocked
-from jax_sdpa._formula import CallArrays, Formula
-from jax_sdpa._indices import INDEX
+from jax_sdpa._block_mask import BlockMask
+from jax_sdpa._formula import CallArrays
+from jax_sdpa._indices import at_start
 from jax_sdpa._jax_compat import GPU_SIMULATOR, shaped_like
 from jax_sdpa._kernels import mosaic_gpu
 from jax_sdpa._kernels.backend import Backend
+from jax_sdpa._kernels.fitting import on_mosaic_gpu
 from jax_sdpa._kernels.interpreter import INTERPRETER, tpu_simulator
 from jax_sdpa._kernels.mosaic_tpu import MOSAIC_TPU
 from jax_sdpa._kernels.programs import (
@@ -40,8 +41,8 @@ from jax_sdpa._kernels.scatters import ONE_HOT_MAX
 from jax_sdpa._kernels.triton import TRITON
 from jax_sdpa._kernels.warp_specialized import GradientAtPoints
 from jax_sdpa._steps import accumulation_dtype
-from jax_sdpa._tiles import BackwardRows, Tiles, differentiable, pad_keys
-from jax_sdpa._tunables import MIN_SIDE, Pallas
+from jax_sdpa._tiles import BackwardRows, Tiles, differentiable
+from jax_sdpa._tunables import Pallas
 
 
 def _whole(x):
@@ -339,7 +340,7 @@ def _sums_in_registers(plan: Plan, consts: list, inputs: BackwardIn, keys_kernel
     tracing ``keys_kernel`` refuses the others, whose gradients (and the keys') are then the
     Triton programs'.
     """
-    if not _on_mosaic_gpu(plan.tunables):
+    if not on_mosaic_gpu(plan.tunables):
         return False
     if not consts:
         return True
@@ -405,7 +406,7 @@ def _compiled(
     if interpret:
         return on(INTERPRETER)
     calls = {platform: on(backend) for platform, backend in PLATFORMS.items()}
-    if mosaic_gpu is not None and _on_mosaic_gpu(plan.tunables):
+    if mosaic_gpu is not None and on_mosaic_gpu(plan.tunables):
         calls["cuda"] = mosaic_gpu
     return lambda inputs: lax.platform_dependent(inputs, **calls, default=on(INTERPRETER))
 
@@ -432,124 +433,9 @@ def _one_hot(array) -> bool:
     return array.size <= ONE_HOT_MAX and all(n & (n - 1) == 0 for n in array.shape)
 
 
-def block_lists(
-    tiles: Tiles, tunables: Pallas, arrays: CallArrays, seq_q: int, seq_kv: int
-) -> tuple:
-    """``(arrays, lists)``: an opaque rule classified once, and the Triton programs' block lists.
-
-    The rule becomes a block mask (:func:`~jax_sdpa._block_mask.blocked`); its lists
-    (:class:`BlockLists`) are the Triton programs' where its classes are at ``tiles``. The
-    Mosaic GPU kernels list the blocks at their own tiles from classes at any blocks: there a
-    :class:`~jax_sdpa.BlockMask` made for these lengths is read as it is, not classified again.
-    """
-    arrays = blocked(tiles, arrays, seq_q, seq_kv, any_blocks=_on_mosaic_gpu(tunables))
-    rule = arrays.rule
-    at_tiles = isinstance(rule, BlockMask) and (rule.block_q, rule.block_kv) == (
-        tiles.block_q,
-        tiles.block_kv,
-    )
-    return arrays, BlockLists.of(rule) if at_tiles else None
-
-
 def _masked(arrays: CallArrays, offsets):
     """The call's arrays where the Mosaic GPU kernels list a block mask's blocks, or None.
 
     Where its rule is a :class:`~jax_sdpa.BlockMask` and both axes start at position 0.
     """
-    at_start = all(isinstance(x, int) and x == 0 for x in offsets)
-    return arrays if isinstance(arrays.rule, BlockMask) and at_start else None
-
-
-def fitted(formula: Formula, tunables: Pallas, query, key) -> Tiles:
-    """The tiles for ``(T, N, H)`` queries and ``(S, K, H)`` keys.
-
-    ``tunables``' sides, or for a short sequence the power of two ≥ 16 at or above its length;
-    the Mosaic GPU kernel's own (:func:`jax_sdpa._kernels.mosaic_gpu.sides`) where it runs.
-    """
-    (seq_q, heads, width), (seq_kv, kv_heads, _) = query.shape, key.shape
-    if _on_mosaic_gpu(tunables):
-        block_q, block_kv = mosaic_gpu.sides(width)
-        block_kv = _power_of_two(min(block_kv, seq_kv), mosaic_gpu.MIN_WIDTH)
-    else:
-        block_q, block_kv = _side(seq_q, tunables.block_q), _side(seq_kv, tunables.block_kv)
-    return Tiles(formula, block_q, block_kv, (kv_heads, heads // kv_heads), fused=True)
-
-
-def for_inputs(tunables: Pallas, query, key, value) -> Pallas:
-    """The tunables for these inputs: the Mosaic GPU kernel's products take one 16-bit dtype.
-
-    Others (float32) run the Triton kernel on a GPU, the interpreter in the simulator's place.
-    """
-    dtypes = {jnp.dtype(x.dtype) for x in (query, key, value)}
-    sixteen_bits = len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
-    if not _on_mosaic_gpu(tunables) or sixteen_bits:
-        return tunables
-    return dataclasses.replace(tunables, backend="triton", interpret=bool(tunables.interpret))
-
-
-def _on_mosaic_gpu(tunables: Pallas) -> bool:
-    """Whether the Mosaic GPU kernel runs (on its simulator, or on ``cuda``)."""
-    return tunables.backend == "mosaic_gpu" or isinstance(tunables.interpret, GPU_SIMULATOR)
-
-
-def padded(tiles: Tiles, tunables: Pallas, query, key, value, arrays: CallArrays, kv_offset=0):
-    """``(query, key, value, arrays)`` padded to whole tiles, heads to a power of two ≥ 16.
-
-    The padded keys are masked by a length rule (at global positions from ``kv_offset``); the
-    padded queries are the caller's to drop; the heads' zeros change no product. For the Mosaic
-    GPU kernel, whole programs of queries and of keys (its backward kernels') and heads of a
-    power of two ≥ 64.
-    """
-    multiples, least = (tiles.block_q, tiles.block_kv), MIN_SIDE
-    if _on_mosaic_gpu(tunables):
-        program = mosaic_gpu.PROGRAM_ROWS
-        multiples, least = (program, max(program, tiles.block_kv)), mosaic_gpu.MIN_WIDTH
-    rows_q, rows_kv = (
-        -(-x.shape[0] // m) * m for x, m in zip((query, key), multiples, strict=True)
-    )
-    _, _, arrays = pad_keys(key, value, arrays, multiples[1], kv_offset)
-    if arrays.head is None:
-        heads = jnp.arange(query.shape[1], dtype=INDEX)
-        arrays = dataclasses.replace(arrays, head=heads)
-    width = _power_of_two(query.shape[-1], least)
-    return (
-        _pad(query, rows_q, width),
-        _pad(key, rows_kv, width),
-        _pad(value, rows_kv, _power_of_two(value.shape[-1], least)),
-        arrays,
-    )
-
-
-def padded_rows(rows: BackwardRows, count: int, heads: int, width: int) -> BackwardRows:
-    """The queries' backward terms for :func:`padded`'s ``count`` rows and ``width`` values.
-
-    The padded rows get no cotangent and a shift no score reaches (their weights are 0, not
-    ``e^{s − 0}``, which a large score would take to ∞ and ∞ · 0 to NaN).
-    """
-    extra = count - rows.delta.shape[0]
-    d_out = rows.d_out.reshape(rows.d_out.shape[0], heads, -1)
-    d_out = _pad(d_out, count, width).reshape(count, -1)
-    if not extra:
-        return BackwardRows(d_out, rows.delta, rows.shift)
-    delta = jnp.pad(rows.delta, ((0, extra), (0, 0)))
-    far = jnp.finfo(rows.shift.dtype).max
-    return BackwardRows(
-        d_out, delta, jnp.pad(rows.shift, ((0, extra), (0, 0)), constant_values=far)
-    )
-
-
-def _pad(x, rows: int, width: int):
-    """``(r, heads, d)`` zero-padded to ``(rows, heads, width)`` (as it is, if it is that)."""
-    if x.shape[0] == rows and x.shape[2] == width:
-        return x
-    return jnp.pad(x, ((0, rows - x.shape[0]), (0, 0), (0, width - x.shape[2])))
-
-
-def _side(length: int, block: int) -> int:
-    """The tile side for ``length`` positions: ``block``, or the power of two ≥ a short one."""
-    return min(block, _power_of_two(length))
-
-
-def _power_of_two(size: int, least: int = MIN_SIDE) -> int:
-    """The least power of two ≥ ``size`` and ≥ ``least`` (16: Triton's tiles and heads)."""
-    return max(least, 1 << (size - 1).bit_length())
+    return arrays if isinstance(arrays.rule, BlockMask) and at_start(offsets) else None

@@ -62,7 +62,7 @@ def _backward_stages(width: int) -> int:
 def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked) -> tuple:
     """``(out, lse, top)`` of ``(T, N, H)`` queries against ``(S, K, H)`` keys and values.
 
-    The arrays as :func:`jax_sdpa._kernels.calls.padded` gives them; ``out`` ``(T, N, V)`` in
+    The arrays as :func:`jax_sdpa._kernels.fitting.padded` gives them; ``out`` ``(T, N, V)`` in
     ``out_dtype``, the rows' ``lse`` and largest scores ``(T, N)``. A program per head and
     ``CONSUMERS · block_q`` rows: each consumer sweeps its ``block_q`` rows over the keys its
     rows may see, the producer copying the union: the rule's ranges, or the blocks a block
