@@ -400,6 +400,54 @@ class OrMask(_Combination):
         return _union_within(rule.q_full_range(kv_lo, kv_hi) for rule in self.rules)
 
 
+@rule_class
+class PackedRows(MaskRule):
+    """``rule`` on rows that each hold ``group`` query heads: row ``r`` is position ``r // group``.
+
+    A key/value head's query heads packed into one tile's rows (GQA decoding,
+    :mod:`jax_sdpa._pallas`), position by position: a rule the same for every head, asked of
+    rows, answers for their positions; its ranges of rows hold every row of their positions.
+    """
+
+    rule: MaskRule
+    group: int = static_field()
+
+    def __call__(self, q_idx, kv_idx):
+        return self.at(q_idx, kv_idx, 0, 0)
+
+    def at(self, q_idx, kv_idx, batch, head):
+        # (over the whole block first: a kernel holds positions that way, its rows' vectors not)
+        rows = jnp.broadcast_to(q_idx, jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)))
+        return self.rule.at(rows // self.group, kv_idx, batch, head)
+
+    @property
+    def opaque(self) -> bool:
+        return self.rule.opaque
+
+    def _positions(self, lo, hi) -> tuple[Index, Index]:
+        """The positions of rows ``[lo, hi)``."""
+        return lo // self.group, -(-hi // self.group)
+
+    def _rows(self, lo, hi) -> tuple[Index, Index]:
+        """The rows of positions ``[lo, hi)``, within int32 (:data:`_NO_LIMIT` stays one)."""
+        most = _NO_LIMIT // self.group
+        return tuple(
+            jnp.where(x >= most, _NO_LIMIT, jnp.maximum(x, -most) * self.group) for x in (lo, hi)
+        )
+
+    def kv_range(self, q_lo, q_hi):
+        return self.rule.kv_range(*self._positions(q_lo, q_hi))
+
+    def kv_full_range(self, q_lo, q_hi):
+        return self.rule.kv_full_range(*self._positions(q_lo, q_hi))
+
+    def q_range(self, kv_lo, kv_hi):
+        return self._rows(*self.rule.q_range(kv_lo, kv_hi))
+
+    def q_full_range(self, kv_lo, kv_hi):
+        return self._rows(*self.rule.q_full_range(kv_lo, kv_hi))
+
+
 def _intersect(ranges) -> tuple[Index, Index]:
     """The intersection of half-open ranges (empty when ``lo >= hi``)."""
     lo, hi = 0, _NO_LIMIT

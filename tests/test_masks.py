@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_sdpa as js
+from jax_sdpa._masks import PackedRows
 from tests.profile import examples
 
 
@@ -71,8 +72,9 @@ def test_rules_are_pytrees_that_vmap_over_batch():
     q_len=st.integers(0, 12),
     kv_len=st.integers(0, 12),
     block=st.integers(1, 5),
+    group=st.integers(2, 4),
 )
-def test_property_block_ranges_are_sound(t, s, offset, left, right, q_len, kv_len, block):
+def test_property_block_ranges_are_sound(t, s, offset, left, right, q_len, kv_len, block, group):
     # kv_range / q_range may over-approximate (blocks are then masked) but never cut an allowed key.
     rules = [
         js.CausalMask(offset),
@@ -88,7 +90,14 @@ def test_property_block_ranges_are_sound(t, s, offset, left, right, q_len, kv_le
         js.CausalMask(1, jnp.array(offset - 1))
         & js.LocalWindowMask(left, right, 0, jnp.array(offset)),
     ]
-    for rule in rules:
+    # Rows that each hold `group` query heads (packed GQA): row r is position r // group.
+    packed = [PackedRows(rule, group) for rule in rules]
+    for rule, rows in zip(rules, packed, strict=True):
+        np.testing.assert_array_equal(
+            js.materialize_mask(rows, t, s),
+            np.asarray(js.materialize_mask(rule, -(-t // group), s))[np.arange(t) // group],
+        )
+    for rule in rules + packed:
         allowed = np.asarray(js.materialize_mask(rule, t, s))
         for lo in range(0, t, block):
             hi = min(lo + block, t)

@@ -471,3 +471,72 @@ def test_the_kernels_lower_for_cuda_and_their_modules_verify(shape, keywords):
     assert len(kernels) == 3  # the forward kernel, the queries' and the keys' gradients
     for kernel in kernels:
         assert "wgmma" in kernel and "cp.async.bulk.tensor" in kernel  # products; TMA copies
+
+
+# Decoding: a few queries of grouped heads packed into rows (G per key/value head), the keys
+# split into chunks of 256 (small, to split 700 keys) attended in one kernel and merged.
+DECODING = {
+    "one query, key lengths": (
+        1,
+        dict(key_value_seq_lengths=jnp.array([700, 300])),
+        dict(kv_lengths=np.array([700, 300])),
+    ),
+    "three queries, causal at the end": (
+        3,
+        dict(mask_mod=js.CausalMask(697)),
+        dict(mask_mod=lambda b, h, i, j: j <= i + 697),
+    ),
+}
+
+
+def _split_small(monkeypatch):
+    from jax_sdpa import _pallas
+
+    monkeypatch.setattr(_pallas, "SPLIT_KEYS", 256)
+
+
+@pytest.mark.parametrize("case", list(DECODING))
+def test_decoding_packed_and_split_on_the_gpu_simulator_is_the_reference(case, monkeypatch):
+    _split_small(monkeypatch)
+    t, ours, theirs = DECODING[case]
+    q, k, v = qkv(np.random.default_rng(14), 2, t, 700, 8, 2, 64, dtype=jnp.bfloat16)
+    out, lse = js.dot_product_attention(
+        q, k, v, implementation=_simulated(), return_residual=True, **ours
+    )
+    want = ref.attention(q, k, v, **theirs)
+    assert ref.rel_err(out, want["out"]) < 2e-2
+    assert ref.rel_err(lse, want["lse"]) < 1e-2
+
+
+@pytest.mark.parametrize("case", list(DECODING))
+@SIMULATED_SLOW
+def test_decoding_gradients_on_the_gpu_simulator(case, monkeypatch):
+    _split_small(monkeypatch)
+    t, ours, theirs = DECODING[case]
+    q, k, v = qkv(np.random.default_rng(15), 2, t, 700, 8, 2, 64, dtype=jnp.bfloat16)
+    _assert_simulated_gradients(q, k, v, ours, theirs)
+
+
+def test_a_decoding_call_lowers_for_cuda_as_one_kernel_of_packed_heads():
+    # B8 S32768, 32 query heads on 8 key/value heads: one forward kernel whose queries are the
+    # 8 groups' packed rows (128 a program) for each of 8 chunks of 4096 keys, read in place.
+    from tests.lowering import mosaic_gpu_kernels
+
+    q = jnp.zeros((8, 1, 32, 128), jnp.bfloat16)
+    k = jnp.zeros((8, 32768, 8, 128), jnp.bfloat16)
+    lengths = jnp.full((8,), 30000)
+    pallas = js.Pallas(backend="mosaic_gpu")
+
+    def call(q, k, v):
+        return js.dot_product_attention(
+            q, k, v, key_value_seq_lengths=lengths, implementation=pallas
+        )
+
+    (kernel,) = mosaic_gpu_kernels(call, q, k, k)
+    assert "memref<8x128x8x128xbf16>" in kernel  # (a sequence's packed rows, of 8 groups)
+    assert "memref<8x8x4096x8x128xbf16>" in kernel  # (its keys: 8 chunks of 4096, in place)
+
+    def loss(q, k, v):
+        return call(q, k, v).astype(jnp.float32).sum()
+
+    assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)) == 3

@@ -1,0 +1,134 @@
+"""Decoding on the fused kernels: grouped query heads packed into rows, the keys split.
+
+A few queries (``T·G`` rows at most ``PACKED_ROWS``) of grouped heads are packed: each
+key/value head's ``G`` query heads fill one tile's rows, row ``t·G + g`` at position ``t``
+(``PackedRows`` answers the call's rule there), so that each key is read once for its group.
+A few queries' keys are split into chunks attended on their own in one kernel and merged
+("flash-decoding"). Checked in the Pallas interpreter against the float64 reference, output,
+log-sum-exp and gradients, with chunks made small to split short sequences; on the Mosaic GPU
+kernel in ``tests/test_mosaic_gpu.py``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sdpa as js
+from jax_sdpa import _pallas
+from tests import reference as ref
+from tests.util import enable_x64, qkv
+
+INTERPRET = js.Pallas(block_q=16, block_kv=16, interpret=True)
+S = 300  # keys: five chunks of 64 (the last padded)
+LENGTHS = np.array([300, 77])
+
+
+def _ends_causal(t):
+    """Causal with the queries at the end of the keys (FlashAttention's decoding convention)."""
+    return lambda b, h, i, j: j <= i + S - t
+
+
+# (T, N, K, ours, theirs, packed, split)
+CASES = {
+    "one query, lengths": (
+        1,
+        8,
+        2,
+        dict(key_value_seq_lengths=jnp.asarray(LENGTHS)),
+        dict(kv_lengths=LENGTHS),
+        True,
+        True,
+    ),
+    "three queries, causal at the end": (
+        3,
+        8,
+        2,
+        dict(mask_mod=js.CausalMask(S - 3)),
+        dict(mask_mod=_ends_causal(3)),
+        True,
+        True,
+    ),
+    "a window, heads not grouped": (
+        2,
+        4,
+        4,
+        dict(mask_mod=js.LocalWindowMask(40, 0, S - 2)),
+        dict(mask_mod=lambda b, h, i, j: (j <= i + S - 2) & (j >= i + S - 2 - 40)),
+        False,
+        True,
+    ),
+    "sigmoid (a bias per head): not packed": (
+        2,
+        8,
+        2,
+        dict(normalizer="sigmoid"),
+        dict(normalizer="sigmoid"),
+        False,
+        True,
+    ),
+    "a score_mod: not packed": (
+        1,
+        8,
+        2,
+        dict(score_mod=lambda s, b, h, i, j: s - 0.1 * h.astype(s.dtype)),
+        dict(score_mod=lambda s, b, h, i, j: s - 0.1 * h),
+        False,
+        True,
+    ),
+    "sinks (per head, per row): neither": (
+        1,
+        8,
+        2,
+        dict(sinks=jnp.linspace(-1.0, 1.0, 8)),
+        dict(sinks=np.linspace(-1.0, 1.0, 8)),
+        False,
+        False,
+    ),
+    "more rows than a tile: neither": (
+        70,
+        8,
+        2,
+        dict(is_causal=True),
+        dict(is_causal=True),
+        False,
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decoding_calls_packed_and_split_are_the_reference(case, monkeypatch):
+    t, heads, kv_heads, ours, theirs, packs, splits = CASES[case]
+    monkeypatch.setattr(_pallas, "SPLIT_KEYS", 64)
+    monkeypatch.setattr(_pallas, "CHUNK_MULTIPLE", 64)
+    calls = []
+    sequence = _pallas._sequence
+
+    def spy(formula, tunables, query, key, *rest):
+        calls.append((query.shape, key.shape))
+        return sequence(formula, tunables, query, key, *rest)
+
+    monkeypatch.setattr(_pallas, "_sequence", spy)
+    q, k, v = qkv(np.random.default_rng(3), 2, t, S, heads, kv_heads, 32)
+
+    def loss(q, k, v, implementation):
+        out, lse = js.dot_product_attention(
+            q, k, v, implementation=implementation, return_residual=True, **ours
+        )
+        return jnp.sum(out**2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0)), (out, lse)
+
+    grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, INTERPRET)
+    (query_shape, key_shape), group = calls[0], heads // kv_heads
+    assert query_shape == ((t * group, kv_heads, 32) if packs else (t, heads, 32))
+    assert key_shape == ((64 if splits else S), kv_heads, 32)
+
+    want = ref.attention(q, k, v, **theirs)
+    finite = np.isfinite(want["lse"])
+    assert ref.rel_err(out, want["out"]) < 1e-5
+    assert ref.rel_err(np.where(finite, lse, 0), np.where(finite, want["lse"], 0)) < 1e-5
+    with enable_x64():
+        wide = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
+        want_grads, _ = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(*wide, "xla")
+    for got, wanted, name in zip(grads, want_grads, ("dq", "dk", "dv"), strict=True):
+        assert ref.rel_err(got, wanted) < 1e-5, name
