@@ -10,7 +10,8 @@ chunk in one call) against its sequences attended apart. Then the device time (C
 of ``--reps``; never a host sync per call) of B8 S32768 N32 K8 d128 bfloat16, one query per
 sequence, as ms and TB/s of the keys and values a call reads: the yardstick (one pass reading
 the cache, the machine's bandwidth in this run), ``implementation=None`` (the decode path),
-int8 and float8 caches, paged caches, ``jax.nn`` with cuDNN and with XLA, PyTorch's SDPA if it
+the fused kernels (Mosaic GPU and Triton: query heads packed by groups, keys split), int8 and
+float8 caches, paged caches, ``jax.nn`` with cuDNN and with XLA, PyTorch's SDPA if it
 is installed (CUDA events around calls back to back, one sync per round); B1 S131072 and B64
 S4096 with their yardsticks; the ragged batch (8 decodes and a 2,048-token chunk) against the two
 calls apart. Last, each kernel of the decode call and its device time: what XLA runs around the
@@ -34,6 +35,8 @@ import jax_sdpa as js
 
 N, K, D = 32, 8, 128  # query heads, key/value heads, head width
 HBM_TB_S = 4.8  # an H200's HBM3e, nominal
+# The fused kernels' rows, ``name -> implementation`` (``main``'s: the interpreter's rehearsing).
+KERNELS = {}
 
 
 def _cache(batch: int, seq: int, dtype=jnp.bfloat16):
@@ -72,6 +75,8 @@ def decode_calls(batch: int, seq: int, dtype=jnp.bfloat16) -> dict:
         calls[f"jax_sdpa {fmt}"] = (ours, (q, *quantized))
     for page in (16, 64):
         calls[f"jax_sdpa paged {page}"] = (js.paged_attention, (q, *_paged(k, v, page), lengths))
+    for name, pallas in KERNELS.items():  # (packed query heads, split keys: one kernel)
+        calls[f"jax_sdpa {name}"] = (functools.partial(ours, implementation=pallas), (q, k, v))
     for implementation in ("cudnn", "xla"):
         nn = functools.partial(
             jax.nn.dot_product_attention,
@@ -198,6 +203,8 @@ def main() -> None:
     stop = time.time() + args.deadline
     print(f"jax {jax.__version__}, devices {jax.devices()}")
     rehearse = args.rehearse
+    for backend in ("mosaic_gpu", "triton"):
+        KERNELS[backend] = js.Pallas(interpret=True) if rehearse else js.Pallas(backend=backend)
     check(256 if rehearse else 2048, 2e-2)
     big = (2, 1024) if rehearse else (8, 32768)
     seconds = time_shape(*big, None, args.reps, stop)
@@ -209,7 +216,8 @@ def main() -> None:
         except Exception as error:
             print(f"  torch SDPA: {_failure(error, 200)}")
     for shape in ((1, 2048), (8, 256)) if rehearse else ((1, 131072), (64, 4096)):
-        time_shape(*shape, ("yardstick (read K, V)", "jax_sdpa default"), args.reps, stop)
+        names = ("yardstick (read K, V)", "jax_sdpa default", "jax_sdpa mosaic_gpu", "jax.nn cudnn")
+        time_shape(*shape, names, args.reps, stop)
     if time.time() < stop:
         print("\nragged: 8 decodes and a prefill chunk, one call against two:")
         for name, (fn, call_args) in ragged_calls(
@@ -221,12 +229,22 @@ def main() -> None:
                 )
             except Exception as error:
                 print(f"  {name}: {_failure(error, 300)}")
-    if jax.default_backend() == "gpu" and time.time() < stop:
-        fn, call_args, _ = decode_calls(*big)["jax_sdpa default"]
-        kernels = kernel_times(jax.jit(fn), call_args)
-        listed = ", ".join(f"{name[:40]} {ms:.3f}" for name, ms in kernels[:6])
-        print(f"\nthe decode call's kernels, device ms: {listed}")
-    print(f"\nsummary: default {seconds.get('jax_sdpa default', float('nan')) * 1e3:.3f} ms")
+    for name in ("jax_sdpa default", "jax_sdpa mosaic_gpu"):
+        if jax.default_backend() != "gpu" or time.time() > stop:
+            break
+        try:
+            fn, call_args, _ = decode_calls(*big)[name]
+            kernels = kernel_times(jax.jit(fn), call_args)
+            listed = ", ".join(f"{kernel[:40]} {ms:.3f}" for kernel, ms in kernels[:6])
+            print(f"\n{name}'s kernels, device ms: {listed}")
+        except Exception as error:
+            print(f"  {name}'s kernels: {_failure(error, 300)}")
+    summary = ", ".join(
+        f"{name} {seconds[name] * 1e3:.3f} ms"
+        for name in ("jax_sdpa default", "jax_sdpa mosaic_gpu", "jax.nn cudnn")
+        if name in seconds
+    )
+    print(f"\nsummary, B{big[0]} S{big[1]}: {summary}")
 
 
 if __name__ == "__main__":
