@@ -10,8 +10,8 @@ chunk in one call) against its sequences attended apart. Then the device time (C
 of ``--reps``; never a host sync per call) of B8 S32768 N32 K8 d128 bfloat16, one query per
 sequence, as ms and TB/s of the keys and values a call reads: the yardstick (one pass reading
 the cache, the machine's bandwidth in this run), ``implementation=None`` (the decode path),
-the fused kernels (Mosaic GPU and Triton: query heads packed by groups, keys split), int8 and
-float8 caches, paged caches, ``jax.nn`` with cuDNN and with XLA, PyTorch's SDPA if it
+the fused kernels (Mosaic GPU and Triton: query heads packed by groups, keys split; paged
+caches read page by page in the Mosaic GPU kernel, gathered for Triton), int8 and float8 caches, paged caches, ``jax.nn`` with cuDNN and with XLA, PyTorch's SDPA if it
 is installed (CUDA events around calls back to back, one sync per round); B1 S131072 and B64
 S4096 with their yardsticks; the ragged batch (8 decodes and a 2,048-token chunk) against the two
 calls apart. Last, each kernel of the decode call and its device time: what XLA runs around the
@@ -75,6 +75,9 @@ def decode_calls(batch: int, seq: int, dtype=jnp.bfloat16) -> dict:
         calls[f"jax_sdpa {fmt}"] = (ours, (q, *quantized))
     for page in (16, 64):
         calls[f"jax_sdpa paged {page}"] = (js.paged_attention, (q, *_paged(k, v, page), lengths))
+        for name, pallas in KERNELS.items():  # (the pages read in the kernel, or gathered)
+            paged = functools.partial(js.paged_attention, implementation=js.Paged(kernel=pallas))
+            calls[f"jax_sdpa paged {page} {name}"] = (paged, (q, *_paged(k, v, page), lengths))
     for name, pallas in KERNELS.items():  # (packed query heads, split keys: one kernel)
         calls[f"jax_sdpa {name}"] = (functools.partial(ours, implementation=pallas), (q, k, v))
     for implementation in ("cudnn", "xla"):

@@ -40,7 +40,8 @@ from jax_sdpa._decode import (
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._jax_compat import PALLAS_UNDER_SHARD_MAP, differentiated_twice, under_jvp_of
 from jax_sdpa._latent import LatentValues
-from jax_sdpa._pallas import pallas_sequence
+from jax_sdpa._pallas import pallas_paged_sequence, pallas_sequence
+from jax_sdpa._quantized import Quantized
 from jax_sdpa._ring import ring_sequence
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tunables import Chunked, Decode, Paged, Pallas, Ring, Selected
@@ -173,10 +174,16 @@ def _selected_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 
 def _run_paged(inputs: Inputs, config: Config) -> Result:
-    sequence = functools.partial(paged_sequence, config.formula, config.tunables)
+    kernel = config.tunables.kernel
+    plain = not isinstance(inputs.key, Quantized) and not isinstance(inputs.value, LatentValues)
+    if kernel is not None and plain:  # (all sequences in one kernel)
+        sequence = functools.partial(pallas_paged_sequence, config.formula, kernel)
+    else:
+        sequence = functools.partial(paged_sequence, config.formula, config.tunables)
     args = (inputs.query, inputs.key, inputs.value, inputs.page_table, inputs.arrays)
-    # One sequence after the other: each gathers its own pages, never the whole batch's.
-    return over_batch(sequence, inputs.query.shape[:-3], *args, sequential=True)
+    # Else one sequence after the other: each gathers its own pages, never the whole batch's.
+    sequential = sequence.func is paged_sequence
+    return over_batch(sequence, inputs.query.shape[:-3], *args, sequential=sequential)
 
 
 def _paged_unsupported(inputs: Inputs, config: Config) -> str | None:

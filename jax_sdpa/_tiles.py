@@ -441,6 +441,14 @@ def pad_to(x: jax.Array | None, axis: int, multiple: int, value=0) -> jax.Array 
     return jnp.pad(x, widths, constant_values=value)
 
 
+def masked_past(arrays: CallArrays, length) -> CallArrays:
+    """``arrays`` whose rule also masks the keys at positions ``length`` and on (padding)."""
+    padding = LengthMask(None, jnp.asarray(length, INDEX))
+    return dataclasses.replace(
+        arrays, rule=padding if arrays.rule is None else arrays.rule & padding
+    )
+
+
 def pad_keys(key, value, arrays: CallArrays, block: int, offset=0) -> tuple:
     """``(key, value, arrays)`` with the keys padded to whole blocks, the padding masked.
 
@@ -453,10 +461,8 @@ def pad_keys(key, value, arrays: CallArrays, block: int, offset=0) -> tuple:
     seq_kv = key.shape[0]
     if seq_kv % block == 0:
         return key, value, arrays
-    padding = LengthMask(None, jnp.asarray(offset + seq_kv, INDEX))
     arrays = dataclasses.replace(
-        arrays,
-        rule=padding if arrays.rule is None else arrays.rule & padding,
+        masked_past(arrays, offset + seq_kv),
         bias=pad_to(arrays.bias, -1, block),
         mask=pad_to(arrays.mask, -1, block, False),
     )

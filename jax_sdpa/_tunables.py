@@ -71,12 +71,19 @@ class Paged:
 
     Attributes:
         block_kv: Keys per chunk, rounded down to whole pages (at least one page).
+        kernel: If given, the fused kernel attends, one program per sequence, key/value head
+            and chunk of keys. The Mosaic GPU kernel copies each block of keys from its pages
+            (for pages and heads it takes: a power of two of at least 16 positions, heads 64,
+            128 or 256 wide; a plain cache); any other gathers each sequence's pages first.
     """
 
     block_kv: int = DEFAULT_BLOCK_KV
+    kernel: "Pallas | None" = None
 
     def __post_init__(self):
-        check_sizes(self)
+        check_sizes(self, ("block_kv",))
+        if not isinstance(self.kernel, (Pallas, type(None))):
+            raise TypeError(f"`Paged.kernel` must be None or a Pallas(...); got {self.kernel!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

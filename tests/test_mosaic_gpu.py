@@ -540,3 +540,88 @@ def test_a_decoding_call_lowers_for_cuda_as_one_kernel_of_packed_heads():
         return call(q, k, v).astype(jnp.float32).sum()
 
     assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)) == 3
+
+
+def _paged_cache(rng, page: int):
+    """Two sequences of 768 keys in shuffled pages of a pool one page larger (that one NaN)."""
+    per_sequence = 768 // page
+    count = 2 * per_sequence + 1
+    pools = [
+        jnp.asarray(rng.normal(size=(count, page, 2, 64)), jnp.bfloat16).at[-1].set(jnp.nan)
+        for _ in "kv"
+    ]
+    table = rng.permutation(2 * per_sequence).reshape(2, per_sequence)
+    return (*pools, jnp.asarray(table, jnp.int32))
+
+
+@pytest.mark.parametrize(
+    "page", [16, pytest.param(256, marks=SIMULATED_SLOW)]
+)  # (pages of a block, blocks of a page)
+def test_a_paged_cache_read_by_the_kernel_on_the_gpu_simulator_is_the_paged_path(page, monkeypatch):
+    _split_small(monkeypatch)
+    rng = np.random.default_rng(16)
+    key_pages, value_pages, table = _paged_cache(rng, page)
+    q = jnp.asarray(rng.normal(size=(2, 1, 8, 64)), jnp.bfloat16)
+    lengths = jnp.array([700, 300])
+    out, lse = js.paged_attention(
+        q,
+        key_pages,
+        value_pages,
+        table,
+        lengths,
+        return_residual=True,
+        implementation=js.Paged(kernel=_simulated()),
+    )
+    wide = [x.astype(jnp.float32) for x in (q, key_pages, value_pages)]
+    want = js.paged_attention(*wide, table, lengths, return_residual=True)
+    assert bool(jnp.isfinite(out).all())  # (the NaN page is in no table)
+    assert ref.rel_err(out, want[0]) < 2e-2 and ref.rel_err(lse, want[1]) < 1e-2
+
+
+@SIMULATED_SLOW
+def test_a_paged_caches_gradients_on_the_gpu_simulator(monkeypatch):
+    _split_small(monkeypatch)
+    rng = np.random.default_rng(17)
+    key_pages, value_pages, table = (jnp.nan_to_num(x) for x in _paged_cache(rng, 16))
+    q = jnp.asarray(rng.normal(size=(2, 1, 8, 64)), jnp.bfloat16)
+    lengths = jnp.array([700, 300])
+
+    def loss(q, key_pages, value_pages, implementation):
+        out = js.paged_attention(
+            q, key_pages, value_pages, table, lengths, implementation=implementation
+        )
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(
+        q, key_pages, value_pages, js.Paged(kernel=_simulated())
+    )
+    wide = [x.astype(jnp.float32) for x in (q, key_pages, value_pages)]
+    want = jax.grad(loss, argnums=(0, 1, 2))(*wide, None)
+    for got, wanted, name in zip(grads, want, ("dq", "d_key_pages", "d_value_pages"), strict=True):
+        assert ref.rel_err(got, wanted) < 2e-2, name
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_a_paged_decoding_call_lowers_for_cuda_reading_the_pool_in_place(page):
+    # B8 S32768 N32 K8: the forward kernel takes the whole pool and each chunk's pages; its
+    # blocks are copied page by page. The backward kernels read the gathered pages.
+    from tests.lowering import mosaic_gpu_kernels
+
+    per_sequence = 32768 // page
+    pool = jnp.zeros((8 * per_sequence, page, 8, 128), jnp.bfloat16)
+    table = jnp.zeros((8, per_sequence), jnp.int32)
+    q = jnp.zeros((8, 1, 32, 128), jnp.bfloat16)
+    lengths = jnp.full((8,), 30000)
+    paged = js.Paged(kernel=js.Pallas(backend="mosaic_gpu"))
+
+    def call(q, key_pages, value_pages):
+        return js.paged_attention(q, key_pages, value_pages, table, lengths, implementation=paged)
+
+    (kernel,) = mosaic_gpu_kernels(call, q, pool, pool)
+    assert f"memref<{8 * per_sequence}x{page}x8x128xbf16>" in kernel  # (the pool, once)
+    assert f"memref<8x8x{4096 // page}xi32>" in kernel  # (each chunk's pages)
+
+    def loss(q, key_pages, value_pages):
+        return call(q, key_pages, value_pages).astype(jnp.float32).sum()
+
+    assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, pool, pool)) == 3

@@ -105,9 +105,9 @@ def test_decoding_calls_packed_and_split_are_the_reference(case, monkeypatch):
     calls = []
     sequence = _pallas._sequence
 
-    def spy(formula, tunables, query, key, *rest):
-        calls.append((query.shape, key.shape))
-        return sequence(formula, tunables, query, key, *rest)
+    def spy(formula, tunables, query, keys, *rest):
+        calls.append((query.shape, keys[0].shape))
+        return sequence(formula, tunables, query, keys, *rest)
 
     monkeypatch.setattr(_pallas, "_sequence", spy)
     q, k, v = qkv(np.random.default_rng(3), 2, t, S, heads, kv_heads, 32)
@@ -132,3 +132,85 @@ def test_decoding_calls_packed_and_split_are_the_reference(case, monkeypatch):
         want_grads, _ = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(*wide, "xla")
     for got, wanted, name in zip(grads, want_grads, ("dq", "dk", "dv"), strict=True):
         assert ref.rel_err(got, wanted) < 1e-5, name
+
+
+def _pool(rng, batch: int, seq: int, page: int, heads: int, width: int, dtype=jnp.float32):
+    """Keys and values in shuffled pages of a pool one page larger (its spare page NaN)."""
+    per_sequence = seq // page
+    count = batch * per_sequence + 1
+    pools = [
+        jnp.asarray(rng.normal(size=(count, page, heads, width)), dtype).at[-1].set(jnp.nan)
+        for _ in "kv"
+    ]
+    table = rng.permutation(batch * per_sequence).reshape(batch, per_sequence)
+    return (*pools, jnp.asarray(table, jnp.int32))
+
+
+@pytest.mark.parametrize("page", [16, 128])
+def test_a_paged_cache_through_the_kernel_is_the_paged_path(page, monkeypatch):
+    monkeypatch.setattr(_pallas, "SPLIT_KEYS", 128)
+    rng = np.random.default_rng(4)
+    key_pages, value_pages, table = _pool(rng, 2, 384, page, 2, 32)
+    q = jnp.asarray(rng.normal(size=(2, 2, 8, 32)), jnp.float32)
+    lengths = jnp.array([384, 150])
+
+    def loss(q, key_pages, value_pages, implementation):
+        out, lse = js.paged_attention(
+            q,
+            key_pages,
+            value_pages,
+            table,
+            lengths,
+            return_residual=True,
+            implementation=implementation,
+        )
+        return jnp.sum(out**2), (out, lse)
+
+    pools = [jnp.nan_to_num(x) for x in (key_pages, value_pages)]  # (finite, for gradients)
+    kernel = js.Paged(kernel=INTERPRET)
+    (out, lse), want = (
+        js.paged_attention(
+            q,
+            key_pages,
+            value_pages,
+            table,
+            lengths,
+            return_residual=True,
+            implementation=implementation,
+        )
+        for implementation in (kernel, None)
+    )
+    assert ref.rel_err(out, want[0]) < 1e-5 and ref.rel_err(lse, want[1]) < 1e-5
+    grads, _ = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, *pools, kernel)
+    want_grads, _ = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, *pools, None)
+    names = ("dq", "d_key_pages", "d_value_pages")
+    for got, wanted, name in zip(grads, want_grads, names, strict=True):
+        assert ref.rel_err(got, wanted) < 1e-5, name
+
+
+def test_a_page_number_outside_the_pool_reads_a_page_of_the_sequence():
+    # Past the length the table may hold anything: the kernel reads the sequence's first page
+    # in its place, never another's (a wrapped -1 would read the spare page, NaN).
+    rng = np.random.default_rng(5)
+    key_pages, value_pages, table = _pool(rng, 1, 128, 16, 1, 32)
+    # A block of 64 keys, 64 … 127, holds valid keys (64 … 69) and the pages past them.
+    table = table.at[0, 5:].set(jnp.array([-1, 99, 9]))  # (the pool: pages 0 … 8)
+    q = jnp.asarray(rng.normal(size=(1, 1, 2, 32)), jnp.float32)
+    lengths = jnp.array([70])
+    # (under jit: concrete page numbers outside the pool are refused)
+    ours = jax.jit(js.paged_attention, static_argnames="implementation")(
+        q,
+        key_pages,
+        value_pages,
+        table,
+        lengths,
+        implementation=js.Paged(kernel=js.Pallas(block_kv=64, interpret=True)),
+    )
+    keys, values = (x[table[0, :5]].reshape(1, 80, 1, 32) for x in (key_pages, value_pages))
+    want = ref.attention(q, keys, values, kv_lengths=np.array([70]))["out"]
+    assert ref.rel_err(ours, want) < 1e-5
+
+
+def test_the_paged_kernel_is_a_pallas_kernel_or_none():
+    with pytest.raises(TypeError, match=r"`Paged.kernel` must be None or a Pallas\(...\)"):
+        js.Paged(kernel="pallas")

@@ -131,7 +131,7 @@ def forward(
     ``arrays``, the rows start from them. ``out`` is in ``out_dtype`` (the values' by default).
     ``lists``: those of the call's block mask (its tiles the kernel's), to visit only its blocks.
     """
-    plan = _plan(tiles, tunables, query, key, arrays, lists)
+    plan = _plan(tiles, tunables, query, key.shape[0], arrays, lists)
     (seq_q, heads, width), value_width = query.shape, value.shape[-1]
     inputs = ForwardIn(query, key, value, plan.inputs(arrays, offsets, lists))
     specs = ForwardIn(
@@ -173,6 +173,47 @@ def forward(
     return outs.out, outs.lse[:, :, 0], outs.top[:, :, 0]
 
 
+def paged_forward(
+    tiles: Tiles,
+    tunables: Pallas,
+    query,
+    key_pages,
+    value_pages,
+    table,
+    arrays: CallArrays,
+    offsets=(0, 0),
+    out_dtype=None,
+):
+    """:func:`forward` of keys and values in pages: ``(out, lse, max_scores)``.
+
+    ``table`` ``(pages,)`` names the sequence's pages of the pools ``(P, page, K, ·)``, in
+    order (all inside the pool). The Mosaic GPU kernel copies each block of keys from its pages
+    (on its simulator, or on ``cuda``); elsewhere the pages are gathered first (a copy of the
+    sequence's keys) for :func:`forward`.
+    """
+
+    def gathered(inputs):
+        query, key_pages, value_pages, table = inputs
+        key, value = (x[table].reshape(-1, *x.shape[2:]) for x in (key_pages, value_pages))
+        return forward(tiles, tunables, query, key, value, arrays, offsets, out_dtype)
+
+    inputs = (query, key_pages, value_pages, table)
+    if not on_mosaic_gpu(tunables):
+        return gathered(inputs)
+    seq_kv = table.shape[0] * key_pages.shape[1]
+    plan = _plan(tiles, tunables, query, seq_kv, arrays, None)
+
+    def on_mosaic_gpu_(inputs):
+        query, key_pages, value_pages, table = inputs
+        shared = plan.inputs(arrays, offsets, None)
+        dtype = out_dtype or value_pages.dtype
+        return mosaic_gpu.forward(plan, query, key_pages, value_pages, shared, dtype, None, table)
+
+    if isinstance(tunables.interpret, GPU_SIMULATOR):
+        return on_mosaic_gpu_(inputs)
+    return lax.platform_dependent(inputs, cuda=on_mosaic_gpu_, default=gathered)
+
+
 def backward(
     tiles: Tiles,
     tunables: Pallas,
@@ -191,7 +232,7 @@ def backward(
     gradients (None for the others). All in the accumulation dtype; the sinks' gradient is the
     caller's.
     """
-    plan = _plan(tiles, tunables, query, key, arrays, lists)
+    plan = _plan(tiles, tunables, query, key.shape[0], arrays, lists)
     (seq_q, heads, _), value_width = query.shape, value.shape[-1]
     # (in the values' dtype, which the products cast it to: half the bytes of 16-bit values)
     d_out = rows.d_out.reshape(seq_q, heads, value_width).astype(value.dtype)
@@ -411,13 +452,13 @@ def _compiled(
     return lambda inputs: lax.platform_dependent(inputs, **calls, default=on(INTERPRETER))
 
 
-def _plan(tiles: Tiles, tunables: Pallas, query, key, arrays: CallArrays, lists) -> Plan:
+def _plan(tiles: Tiles, tunables: Pallas, query, seq_kv: int, arrays: CallArrays, lists) -> Plan:
     leaves, shared = jax.tree.flatten(shared_arrays(arrays, (0, 0), lists))
     return Plan(
         tiles,
         tunables,
         query.shape[0],
-        key.shape[0],
+        seq_kv,
         shared,
         tuple(jnp.shape(x) for x in leaves),
         tuple(not _one_hot(c) for c in differentiable(arrays.score_consts) if c is not None),

@@ -84,20 +84,27 @@ def padded(tiles: Tiles, tunables: Pallas, query, key, value, arrays: CallArrays
     if on_mosaic_gpu(tunables):
         program = mosaic_gpu.PROGRAM_ROWS
         multiples, least = (program, max(program, tiles.block_kv)), mosaic_gpu.MIN_WIDTH
-    rows_q, rows_kv = (
-        -(-x.shape[0] // m) * m for x, m in zip((query, key), multiples, strict=True)
-    )
+    rows_kv = -(-key.shape[0] // multiples[1]) * multiples[1]
     _, _, arrays = pad_keys(key, value, arrays, multiples[1], kv_offset)
-    if arrays.head is None:
-        heads = jnp.arange(query.shape[1], dtype=INDEX)
-        arrays = dataclasses.replace(arrays, head=heads)
-    width = _power_of_two(query.shape[-1], least)
+    query, arrays = padded_queries(query, arrays, multiples[0], least)
+    width = query.shape[-1]
     return (
-        _pad(query, rows_q, width),
+        query,
         _pad(key, rows_kv, width),
         _pad(value, rows_kv, _power_of_two(value.shape[-1], least)),
         arrays,
     )
+
+
+def padded_queries(query, arrays: CallArrays, multiple: int, least: int) -> tuple:
+    """``(query, arrays)``: whole ``multiple``s of rows, heads ``least`` wide or a power of two.
+
+    (:func:`padded`'s queries; ``arrays`` with each head's index.)
+    """
+    if arrays.head is None:
+        arrays = dataclasses.replace(arrays, head=jnp.arange(query.shape[1], dtype=INDEX))
+    rows = -(-query.shape[0] // multiple) * multiple
+    return _pad(query, rows, _power_of_two(query.shape[-1], least)), arrays
 
 
 def padded_rows(rows: BackwardRows, count: int, heads: int, width: int) -> BackwardRows:

@@ -59,21 +59,23 @@ def _backward_stages(width: int) -> int:
     return STAGES if width <= 128 else 1
 
 
-def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked) -> tuple:
+def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, table=None) -> tuple:
     """``(out, lse, top)`` of ``(T, N, H)`` queries against ``(S, K, H)`` keys and values.
 
     The arrays as :func:`jax_sdpa._kernels.fitting.padded` gives them; ``out`` ``(T, N, V)`` in
     ``out_dtype``, the rows' ``lse`` and largest scores ``(T, N)``. A program per head and
     ``CONSUMERS · block_q`` rows: each consumer sweeps its ``block_q`` rows over the keys its
     rows may see, the producer copying the union: the rule's ranges, or the blocks a block
-    mask lists where ``masked`` (the call's arrays) has one (:class:`Swept`).
+    mask lists where ``masked`` (the call's arrays) has one (:class:`Swept`). With a ``table``
+    ``(pages,)``, the keys and values are pools of pages ``(P, page, K, ·)``, the sequence's
+    its pages in the table's order: each block copied from its pages (:func:`_paged`).
     """
     tiles = plan.tiles
     block_q, block_kv = tiles.block_q, tiles.block_kv
     (seq_q, heads, width), value_width = query.shape, value.shape[-1]
 
     def consumer(ins, outs, own, program: Program):
-        q_ref, _, _ = ins
+        q_ref = ins[0]
         out_ref, lse_ref, top_ref = outs
         q_smem, o_smem, stats, loaded, staged = own
         n, c, start = program.n, program.c, program.start
@@ -112,15 +114,40 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked) ->
     slots = [jax.ShapeDtypeStruct((block_kv, x.shape[-1]), x.dtype) for x in (key, value)]
 
     def sources(ins, n):
-        return [head_blocks(ref, block_kv, n // plan.group) for ref in ins[1:]]
+        head = n // plan.group
+        if table is None:
+            return [head_blocks(ref, block_kv, head) for ref in ins[1:]]
+        return [_paged(ref, ins[3], block_kv, head) for ref in ins[1:3]]
 
     out_type = (jax.ShapeDtypeStruct((seq_q, heads, value_width), out_dtype), stats, stats)
-    inputs = (query, key, value)
-    swept = Swept(slots, sources, STAGES, masked)
+    inputs = (query, key, value) if table is None else (query, key, value, table)
+    pieces = 1 if table is None else max(1, block_kv // key.shape[1])
+    swept = Swept(slots, sources, STAGES, masked, pieces)
     out, lse, top = warp_specialized(
         plan, "kv", block_q, inputs, shared, out_type, own, swept, consumer
     )
     return out, lse.T, top.T
+
+
+def _paged(pool, table, size: int, head):
+    """Block ``m`` of ``size`` keys of head ``head`` from a pool of pages: ``m -> ref(s)``.
+
+    ``pool`` ``(P, page, K, ·)`` and ``table`` ``(pages,)`` refs. A block within one page (the
+    page at least the block) is one ref; a block of several pages, the tuple of them. A page
+    number outside the pool reads its nearest page: a sequence's keys past its length, masked.
+    """
+    count, page = pool.shape[:2]
+
+    def page_of(n):
+        return jnp.clip(table[n], 0, count - 1)
+
+    def block(m):
+        first = m * size
+        if page >= size:
+            return pool.at[page_of(first // page), pl.ds(first % page, size), head]
+        return tuple(pool.at[page_of(first // page + n), :, head] for n in range(size // page))
+
+    return block
 
 
 def _backward_plan(plan: Plan) -> Plan:

@@ -145,9 +145,18 @@ class Ring:
         return self.slots[0].shape[0]
 
     def fill(self, sources, step, slot) -> None:
-        """The producer: the block ``step`` of each source into ``slot``."""
+        """The producer: the block ``step`` of each source into ``slot``.
+
+        A source's block is a ref, or a tuple of refs (pages) that fill the slot's rows in
+        turn, each copy arriving at the slot's barrier (:attr:`Swept.pieces`).
+        """
         for source, ring, full in zip(sources, self.slots, self.full, strict=True):
-            plgpu.copy_gmem_to_smem(source(step), ring.at[slot], full.at[slot])
+            block = source(step)
+            pieces = block if isinstance(block, tuple) else (block,)
+            rows = ring.shape[1] // len(pieces)
+            for n, piece in enumerate(pieces):
+                at = ring.at[slot] if len(pieces) == 1 else ring.at[slot, pl.ds(n * rows, rows)]
+                plgpu.copy_gmem_to_smem(piece, at, full.at[slot])
 
     def produce(self, sources, lo, hi, block) -> None:
         """The producer's loop: steps ``lo … hi − 1``, each's ``block(step)`` into a freed slot.
@@ -223,15 +232,17 @@ class Swept:
     """What a kernel's producer copies into its ring of ``stages`` slots.
 
     ``blocks``: each swept array's block (a ``jax.ShapeDtypeStruct``); ``sources(inputs, n)``:
-    for each, the ref of block ``m`` (``m -> ref``) in a program of query head ``n``. The blocks
-    are those the rule's ranges hold or, where ``masked`` (the call's arrays, whose rule is a
-    block mask's classes), those the mask lists (:class:`Lists`).
+    for each, the ref of block ``m`` (``m -> ref``, or a tuple of ``pieces`` refs, each a part
+    of its rows) in a program of query head ``n``. The blocks are those the rule's ranges hold
+    or, where ``masked`` (the call's arrays, whose rule is a block mask's classes), those the
+    mask lists (:class:`Lists`).
     """
 
     blocks: list
     sources: Callable
     stages: int
     masked: CallArrays | None = None
+    pieces: int = 1  # copies a block takes (pages of a paged cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,7 +352,10 @@ def warp_specialized(
     scratch = (
         own,
         tuple(plgpu.SMEM((swept.stages, *block.shape), block.dtype) for block in swept.blocks),
-        tuple(plgpu.Barrier(num_barriers=swept.stages) for _ in swept.blocks),
+        tuple(
+            plgpu.Barrier(num_arrivals=swept.pieces, num_barriers=swept.stages)
+            for _ in swept.blocks
+        ),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=swept.stages),
     )
     return plgpu.kernel(
