@@ -26,7 +26,7 @@ import jax_sdpa as js
 from jax_sdpa import mods
 from jax_sdpa._jax_compat import MOSAIC_GPU_KERNEL
 from tests import reference as ref
-from tests.util import enable_x64, qkv
+from tests.util import enable_x64, paged_pool, qkv
 
 pytestmark = pytest.mark.skipif(not MOSAIC_GPU_KERNEL, reason="Mosaic GPU kernel: JAX ≥ 0.11")
 # The backward kernels on the simulator, and the forward's rarer cases: outside the inner loop
@@ -542,25 +542,13 @@ def test_a_decoding_call_lowers_for_cuda_as_one_kernel_of_packed_heads():
     assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)) == 3
 
 
-def _paged_cache(rng, page: int):
-    """Two sequences of 768 keys in shuffled pages of a pool one page larger (that one NaN)."""
-    per_sequence = 768 // page
-    count = 2 * per_sequence + 1
-    pools = [
-        jnp.asarray(rng.normal(size=(count, page, 2, 64)), jnp.bfloat16).at[-1].set(jnp.nan)
-        for _ in "kv"
-    ]
-    table = rng.permutation(2 * per_sequence).reshape(2, per_sequence)
-    return (*pools, jnp.asarray(table, jnp.int32))
-
-
 @pytest.mark.parametrize(
     "page", [16, pytest.param(256, marks=SIMULATED_SLOW)]
 )  # (pages of a block, blocks of a page)
 def test_a_paged_cache_read_by_the_kernel_on_the_gpu_simulator_is_the_paged_path(page, monkeypatch):
     _split_small(monkeypatch)
     rng = np.random.default_rng(16)
-    key_pages, value_pages, table = _paged_cache(rng, page)
+    key_pages, value_pages, table = paged_pool(rng, 2, 768, page, 2, 64, jnp.bfloat16)
     q = jnp.asarray(rng.normal(size=(2, 1, 8, 64)), jnp.bfloat16)
     lengths = jnp.array([700, 300])
     out, lse = js.paged_attention(
@@ -582,7 +570,8 @@ def test_a_paged_cache_read_by_the_kernel_on_the_gpu_simulator_is_the_paged_path
 def test_a_paged_caches_gradients_on_the_gpu_simulator(monkeypatch):
     _split_small(monkeypatch)
     rng = np.random.default_rng(17)
-    key_pages, value_pages, table = (jnp.nan_to_num(x) for x in _paged_cache(rng, 16))
+    pool = paged_pool(rng, 2, 768, 16, 2, 64, jnp.bfloat16)
+    key_pages, value_pages, table = (jnp.nan_to_num(x) for x in pool)
     q = jnp.asarray(rng.normal(size=(2, 1, 8, 64)), jnp.bfloat16)
     lengths = jnp.array([700, 300])
 

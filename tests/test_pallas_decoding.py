@@ -17,7 +17,7 @@ import pytest
 import jax_sdpa as js
 from jax_sdpa import _pallas
 from tests import reference as ref
-from tests.util import enable_x64, qkv
+from tests.util import enable_x64, paged_pool, qkv
 
 INTERPRET = js.Pallas(block_q=16, block_kv=16, interpret=True)
 S = 300  # keys: five chunks of 64 (the last padded)
@@ -134,28 +134,16 @@ def test_decoding_calls_packed_and_split_are_the_reference(case, monkeypatch):
         assert ref.rel_err(got, wanted) < 1e-5, name
 
 
-def _pool(rng, batch: int, seq: int, page: int, heads: int, width: int, dtype=jnp.float32):
-    """Keys and values in shuffled pages of a pool one page larger (its spare page NaN)."""
-    per_sequence = seq // page
-    count = batch * per_sequence + 1
-    pools = [
-        jnp.asarray(rng.normal(size=(count, page, heads, width)), dtype).at[-1].set(jnp.nan)
-        for _ in "kv"
-    ]
-    table = rng.permutation(batch * per_sequence).reshape(batch, per_sequence)
-    return (*pools, jnp.asarray(table, jnp.int32))
-
-
 @pytest.mark.parametrize("page", [16, 128])
 def test_a_paged_cache_through_the_kernel_is_the_paged_path(page, monkeypatch):
     monkeypatch.setattr(_pallas, "SPLIT_KEYS", 128)
     rng = np.random.default_rng(4)
-    key_pages, value_pages, table = _pool(rng, 2, 384, page, 2, 32)
+    key_pages, value_pages, table = paged_pool(rng, 2, 384, page, 2, 32)
     q = jnp.asarray(rng.normal(size=(2, 2, 8, 32)), jnp.float32)
     lengths = jnp.array([384, 150])
 
-    def loss(q, key_pages, value_pages, implementation):
-        out, lse = js.paged_attention(
+    def call(q, key_pages, value_pages, implementation):
+        return js.paged_attention(
             q,
             key_pages,
             value_pages,
@@ -164,25 +152,15 @@ def test_a_paged_cache_through_the_kernel_is_the_paged_path(page, monkeypatch):
             return_residual=True,
             implementation=implementation,
         )
-        return jnp.sum(out**2), (out, lse)
 
-    pools = [jnp.nan_to_num(x) for x in (key_pages, value_pages)]  # (finite, for gradients)
+    def loss(*args):
+        return jnp.sum(call(*args)[0] ** 2)
+
     kernel = js.Paged(kernel=INTERPRET)
-    (out, lse), want = (
-        js.paged_attention(
-            q,
-            key_pages,
-            value_pages,
-            table,
-            lengths,
-            return_residual=True,
-            implementation=implementation,
-        )
-        for implementation in (kernel, None)
-    )
+    (out, lse), want = (call(q, key_pages, value_pages, x) for x in (kernel, None))
     assert ref.rel_err(out, want[0]) < 1e-5 and ref.rel_err(lse, want[1]) < 1e-5
-    grads, _ = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, *pools, kernel)
-    want_grads, _ = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, *pools, None)
+    pools = [jnp.nan_to_num(x) for x in (key_pages, value_pages)]  # (finite, for gradients)
+    grads, want_grads = (jax.grad(loss, (0, 1, 2))(q, *pools, x) for x in (kernel, None))
     names = ("dq", "d_key_pages", "d_value_pages")
     for got, wanted, name in zip(grads, want_grads, names, strict=True):
         assert ref.rel_err(got, wanted) < 1e-5, name
@@ -192,7 +170,7 @@ def test_a_page_number_outside_the_pool_reads_a_page_of_the_sequence():
     # Past the length the table may hold anything: the kernel reads the sequence's first page
     # in its place, never another's (a wrapped -1 would read the spare page, NaN).
     rng = np.random.default_rng(5)
-    key_pages, value_pages, table = _pool(rng, 1, 128, 16, 1, 32)
+    key_pages, value_pages, table = paged_pool(rng, 1, 128, 16, 1, 32)
     # A block of 64 keys, 64 … 127, holds valid keys (64 … 69) and the pages past them.
     table = table.at[0, 5:].set(jnp.array([-1, 99, 9]))  # (the pool: pages 0 … 8)
     q = jnp.asarray(rng.normal(size=(1, 1, 2, 32)), jnp.float32)

@@ -23,6 +23,21 @@ def qkv(rng, b, t, s, n, k, h, hv=None, dtype=jnp.float32):
     return tuple(jnp.asarray(x, dtype) for x in (q, key, v))
 
 
+def paged_pool(rng, batch, seq, page, heads, width, dtype=jnp.float32):
+    """``(key_pages, value_pages, table)``: ``batch`` sequences of ``seq`` keys in pages.
+
+    Shuffled pages of a pool one page larger, that spare page NaN (in no table).
+    """
+    per_sequence = seq // page
+    count = batch * per_sequence + 1
+    pools = [
+        jnp.asarray(rng.normal(size=(count, page, heads, width)), dtype).at[-1].set(jnp.nan)
+        for _ in "kv"
+    ]
+    table = rng.permutation(batch * per_sequence).reshape(batch, per_sequence)
+    return (*pools, jnp.asarray(table, jnp.int32))
+
+
 def broadcast_shape(full, pattern):
     """The trailing ``len(pattern)`` axes of ``full``, each kept (True) or set to 1 (False)."""
     tail = full[len(full) - len(pattern) :]
