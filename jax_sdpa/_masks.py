@@ -278,6 +278,34 @@ class LengthMask(MaskRule):
 
 
 @rule_class
+class QueriesFrom(MaskRule):
+    """Only the queries from position ``first`` on see keys; those before it see none.
+
+    (The rows a ragged batch pads each sequence's own with, before them:
+    :func:`~jax_sdpa.ragged_paged_attention`.) ``first`` is per sequence.
+    """
+
+    first: Integer[Array, "*batch"] = _per_sequence(index=True)
+
+    def __call__(self, q_idx, kv_idx):
+        q_idx, first = _promoted(q_idx, self.first)
+        shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
+        return jnp.broadcast_to(q_idx >= first, shape)
+
+    def kv_range(self, q_lo, q_hi):
+        return 0, jnp.where(q_hi > self.first, _NO_LIMIT, 0)
+
+    def q_range(self, kv_lo, kv_hi):
+        return self.first, _NO_LIMIT
+
+    def kv_full_range(self, q_lo, q_hi):
+        return 0, jnp.where(q_lo >= self.first, _NO_LIMIT, 0)
+
+    def q_full_range(self, kv_lo, kv_hi):
+        return self.first, _NO_LIMIT
+
+
+@rule_class
 class SegmentMask(MaskRule):
     """Packed sequences: a query sees only keys of the same segment id.
 

@@ -27,9 +27,10 @@ from jax_sdpa._implementations import check_implementation, run
 from jax_sdpa._indices import INDEX, indices
 from jax_sdpa._keywords import Normalizer, PagedKeywords
 from jax_sdpa._latent import LatentValues
-from jax_sdpa._masks import MaskRule
+from jax_sdpa._masks import MaskRule, QueriesFrom
 from jax_sdpa._quantized import Quantized, quantize_like
 from jax_sdpa._tunables import Paged
+from jax_sdpa._user_functions import function_mask
 
 if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no dependency
     from typing_extensions import Unpack
@@ -220,6 +221,10 @@ def ragged_paged_attention(
             return None
         return lambda *args: mod(*args[:-2], args[-2] - first[args[-4]], args[-1])
 
+    # The padding rows see no key: a kernel skips their blocks, as the XLA paths do.
+    rule = QueriesFrom(first)
+    if mask_mod is not None:
+        rule = rule & function_mask(own_queries(mask_mod))
     results = paged_attention(
         padded,
         key_pages,
@@ -227,7 +232,7 @@ def ragged_paged_attention(
         page_table,
         lengths,
         score_mod=own_queries(score_mod),
-        mask_mod=own_queries(mask_mod),
+        mask_mod=rule,
         **keywords,
     )
     at = jnp.where(real, rows, query.shape[0]).reshape(-1)  # (padding rows: dropped)

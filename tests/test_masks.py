@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_sdpa as js
-from jax_sdpa._masks import PackedRows
+from jax_sdpa._masks import PackedRows, QueriesFrom
 from tests.profile import examples
 
 
@@ -86,6 +86,7 @@ def test_property_block_ranges_are_sound(t, s, offset, left, right, q_len, kv_le
         js.LengthMask(jnp.array(q_len), None)
         | (js.CausalMask(offset) & js.LocalWindowMask(left, right)),
         js.OrMask(()),
+        QueriesFrom(jnp.array(q_len)) & js.CausalMask(offset),
         # Offsets per sequence (a leaf: one sequence's, once mapped over the batch).
         js.CausalMask(1, jnp.array(offset - 1))
         & js.LocalWindowMask(left, right, 0, jnp.array(offset)),
