@@ -517,6 +517,17 @@ def test_decoding_gradients_on_the_gpu_simulator(case, monkeypatch):
     _assert_simulated_gradients(q, k, v, ours, theirs)
 
 
+def _mosaic_gpu_operands(program, *args) -> list[str]:
+    """The operand types of each Mosaic GPU kernel's call in ``program`` exported for cuda."""
+    import re
+
+    from tests.lowering import exported
+
+    text = exported(program, *args, platform="cuda")
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu_v2" in line]
+    return [re.search(r": \(([^)]*)\) ->", line).group(1) for line in calls]
+
+
 def test_a_decoding_call_lowers_for_cuda_as_one_kernel_of_packed_heads():
     # B8 S32768, 32 query heads on 8 key/value heads: one forward kernel whose queries are the
     # 8 groups' packed rows (128 a program) for each of 8 chunks of 4096 keys, read in place.
@@ -532,9 +543,10 @@ def test_a_decoding_call_lowers_for_cuda_as_one_kernel_of_packed_heads():
             q, k, v, key_value_seq_lengths=lengths, implementation=pallas
         )
 
-    (kernel,) = mosaic_gpu_kernels(call, q, k, k)
-    assert "memref<8x128x8x128xbf16>" in kernel  # (a sequence's packed rows, of 8 groups)
-    assert "memref<8x8x4096x8x128xbf16>" in kernel  # (its keys: 8 chunks of 4096, in place)
+    assert len(mosaic_gpu_kernels(call, q, k, k)) == 1
+    (operands,) = _mosaic_gpu_operands(call, q, k, k)
+    assert "tensor<8x128x8x128xbf16>" in operands  # (a sequence's packed rows, of 8 groups)
+    assert "tensor<8x8x4096x8x128xbf16>" in operands  # (its keys: 8 chunks of 4096, in place)
 
     def loss(q, k, v):
         return call(q, k, v).astype(jnp.float32).sum()
@@ -606,9 +618,10 @@ def test_a_paged_decoding_call_lowers_for_cuda_reading_the_pool_in_place(page):
     def call(q, key_pages, value_pages):
         return js.paged_attention(q, key_pages, value_pages, table, lengths, implementation=paged)
 
-    (kernel,) = mosaic_gpu_kernels(call, q, pool, pool)
-    assert f"memref<{8 * per_sequence}x{page}x8x128xbf16>" in kernel  # (the pool, once)
-    assert f"memref<8x8x{4096 // page}xi32>" in kernel  # (each chunk's pages)
+    assert len(mosaic_gpu_kernels(call, q, pool, pool)) == 1
+    (operands,) = _mosaic_gpu_operands(call, q, pool, pool)
+    assert f"tensor<{8 * per_sequence}x{page}x8x128xbf16>" in operands  # (the pool, once)
+    assert f"tensor<8x8x{4096 // page}xi32>" in operands  # (each chunk's pages)
 
     def loss(q, key_pages, value_pages):
         return call(q, key_pages, value_pages).astype(jnp.float32).sum()
