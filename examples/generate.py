@@ -1,6 +1,6 @@
 """Generating text with a KV cache, contiguous and paged, checked against the full forward.
 
-    python examples/generate.py [--tokens 64] [--batch 4] [--cache int8] [--short]
+    python examples/generate.py [--tokens 64] [--batch 4] [--cache int8] [--kernel K] [--short]
 
 A tiny decoder-only transformer in plain JAX (random weights: the tokens are noise, the point is
 the cache) prefills a prompt, then generates greedily one token at a time. Each step writes its
@@ -14,7 +14,10 @@ each cache are printed. ``--short`` is the test suite's run.
 ``--cache int8`` (or ``float8_e4m3fn``) stores the caches quantized (``jax_sdpa.quantize``; the
 writers quantize each new token's keys and values). The full forward then rounds its keys and
 values the same way, so the logits still match, within one rounding step of the format
-(``tolerance``); how far they moved from the float32 model's is printed.
+(``tolerance``); how far they moved from the float32 model's is printed. ``--kernel
+mosaic_gpu`` (or ``triton``, or ``interpret``: the Pallas interpreter, on any machine) runs the
+cached steps' attention on the fused kernel (``implementation=Pallas(...)``, and
+``Paged(kernel=...)`` for the paged cache), checked against the same full forward.
 """
 
 import argparse
@@ -39,6 +42,19 @@ class Config(NamedTuple):
     head_dim: int = 32
     max_len: int = 1024
     cache: str = "float32"  # or a jax_sdpa.quantize format
+    kernel: str | None = None  # attention on the fused kernel: "mosaic_gpu", "triton", "interpret"
+
+
+def kernel(config: Config) -> "jax_sdpa.Pallas | None":
+    """The fused kernel ``config.kernel`` names (the Pallas interpreter for ``"interpret"``).
+
+    It reads a float cache; a quantized one is read by the XLA paths.
+    """
+    if config.kernel is None or config.cache != "float32":
+        return None
+    if config.kernel == "interpret":
+        return jax_sdpa.Pallas(interpret=True)
+    return jax_sdpa.Pallas(backend=config.kernel)
 
 
 def init(rng, config: Config) -> dict:
@@ -136,7 +152,11 @@ def contiguous_step(params, cache, tokens, lengths, config: Config):
                 return kv_idx <= q_idx + lengths[batch] - t
 
             return jax_sdpa.dot_product_attention(
-                q, *written, key_value_seq_lengths=lengths, mask_mod=at_the_end
+                q,
+                *written,
+                key_value_seq_lengths=lengths,
+                mask_mod=at_the_end,
+                implementation=kernel(config),
             )
 
         x = _block(layer, x, attend, config)
@@ -153,7 +173,9 @@ def paged_step(params, pages, table, tokens, lengths, config: Config):
         def attend(q, k, v, layer_pages=layer_pages):
             written = jax_sdpa.update_paged_cache(*layer_pages, k, v, table, lengths - t)
             new_pages.append(written)
-            return jax_sdpa.paged_attention(q, *written, table, lengths)
+            pallas = kernel(config)
+            paged = None if pallas is None else jax_sdpa.Paged(kernel=pallas)
+            return jax_sdpa.paged_attention(q, *written, table, lengths, implementation=paged)
 
         x = _block(layer, x, attend, config)
     return _logits(params, x), new_pages
@@ -203,8 +225,13 @@ def main(argv=None):
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--cache", default="float32", choices=["float32", "int8", "float8_e4m3fn"])
     parser.add_argument("--short", action="store_true", help="a few tokens, as the test suite")
+    parser.add_argument(
+        "--kernel",
+        choices=["mosaic_gpu", "triton", "interpret"],
+        help="the cached steps' attention on the fused kernel (a float cache)",
+    )
     args = parser.parse_args(argv)
-    config = Config(max_len=128 if args.short else 1024, cache=args.cache)
+    config = Config(max_len=128 if args.short else 1024, cache=args.cache, kernel=args.kernel)
     steps = 6 if args.short else args.tokens
     params = init(jax.random.key(0), config)
     prompt = jax.random.randint(jax.random.key(1), (args.batch, args.prompt), 0, config.vocab)

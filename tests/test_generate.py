@@ -41,3 +41,18 @@ def test_generation_with_an_int8_cache_matches_the_full_forward_on_the_same_roun
     assert run.returncode == 0, run.stderr[-3000:]
     moved = next(line for line in run.stdout.splitlines() if line.startswith("int8 cache"))
     assert float(moved.split("by ")[1].split()[0]) < 2.0**-7  # within the format's step
+
+
+def test_generation_on_the_fused_kernel_matches_the_full_forward():
+    # --kernel interpret: the cached steps' attention on the fused kernel in the Pallas
+    # interpreter (packed heads; the paged cache through Paged(kernel=...)), each step checked.
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--short", "--kernel", "interpret"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for cache in ("contiguous", "paged"):
+        line = next(line for line in run.stdout.splitlines() if line.startswith(cache))
+        assert "(each step checked against the full forward)" in line
