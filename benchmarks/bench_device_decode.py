@@ -11,8 +11,9 @@ of ``--reps``; never a host sync per call) of B8 S32768 N32 K8 d128 bfloat16, on
 sequence, as ms and TB/s of the keys and values a call reads: the yardstick (one pass reading
 the cache, the machine's bandwidth in this run), ``implementation=None`` (the decode path),
 the fused kernels (Mosaic GPU and Triton: query heads packed by groups, keys split; paged
-caches read page by page in the Mosaic GPU kernel, gathered for Triton), int8 and float8 caches, paged caches, ``jax.nn`` with cuDNN and with XLA, PyTorch's SDPA if it
-is installed (CUDA events around calls back to back, one sync per round); B1 S131072 and B64
+caches read page by page in the Mosaic GPU kernel, gathered for Triton), int8 and float8
+caches, paged caches, ``jax.nn`` with cuDNN and with XLA, PyTorch's SDPA if it is installed
+(CUDA events around calls back to back, one sync per round); B1 S131072 and B64
 S4096 with their yardsticks; the ragged batch (8 decodes and a 2,048-token chunk) against the two
 calls apart. Last, each kernel of the decode call and its device time: what XLA runs around the
 products. Every case runs in its own ``try``; the deadline stops the run between cases.

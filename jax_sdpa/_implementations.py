@@ -68,11 +68,11 @@ _DECODE_MIN_KEYS = 1024
 class Entry:
     """One way to compute attention: ``run`` a call, or say why it cannot (``unsupported``).
 
-    ``jvp``: whether it has a forward-mode derivative. Without one (a ``jax.custom_vjp``), it
-    still has forward over reverse (``jax.hessian``, ``jax.jvp`` of a ``jax.grad``): forward mode
-    of its own backward pass, if that pass is differentiable (``second_order(tunables)``; the
-    fused kernel's is not, nor cuDNN's, nor a ring's whose tunables give its steps to the
-    kernel).
+    ``jvp(tunables)``: whether it has a forward-mode derivative. Without one (a
+    ``jax.custom_vjp``), it still has forward over reverse (``jax.hessian``, ``jax.jvp`` of a
+    ``jax.grad``): forward mode of its own backward pass, if that pass is differentiable
+    (``second_order(tunables)``; the fused kernel's is not, nor cuDNN's, nor a ring's or a paged
+    call's whose tunables give it to the kernel).
     ``asked_as``: how a user asks for it, for messages (``implementation=...`` by default).
     ``tunables``: the class of its tunables (``Chunked``), whose instance the call's ``run``
     finds in ``config.tunables``; ``None`` where it has none.
@@ -83,7 +83,7 @@ class Entry:
 
     run: Callable[[Inputs, Config], Result]
     unsupported: Callable[[Inputs, Config], str | None] = lambda inputs, config: None
-    jvp: bool = False
+    jvp: Callable[[Any], bool] = lambda tunables: False
     second_order: Callable[[Any], bool] = lambda tunables: True
     asked_as: str | None = None
     tunables: type | None = None
@@ -233,14 +233,15 @@ def _ring_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 
 IMPLEMENTATIONS: dict[str, Entry] = {
-    "xla": Entry(_run_dense, jvp=True),
+    "xla": Entry(_run_dense, jvp=lambda tunables: True),
     "chunked": Entry(_tiled(chunked_sequence), _chunked_unsupported, tunables=Chunked),
     "decode": Entry(_run_decode, _decode_unsupported, tunables=Decode, serving_caches=True),
     "selected": Entry(_run_selected, _selected_unsupported, tunables=Selected, serving_caches=True),
     "paged": Entry(
         _run_paged,
         _paged_unsupported,
-        jvp=True,
+        jvp=lambda paged: paged.kernel is None,
+        second_order=lambda paged: paged.kernel is None,
         asked_as="`paged_attention`",
         tunables=Paged,
         serving_caches=True,
@@ -334,18 +335,24 @@ def choose(inputs: Inputs, config: Config, implementation) -> Config:
     asked = requested(implementation)
 
     def takes(name: str) -> bool:
-        entry = IMPLEMENTATIONS[name]
-        twice_ok = entry.second_order(tunables(name, implementation)) or not twice
-        return (entry.jvp or not under_jvp) and twice_ok
+        entry, own = IMPLEMENTATIONS[name], tunables(name, implementation)
+        return (entry.jvp(own) or not under_jvp) and (entry.second_order(own) or not twice)
 
     if asked is not None and not takes(asked):
-        how = IMPLEMENTATIONS[asked].asked_as or f"`implementation={asked!r}`"
-        if under_jvp and not IMPLEMENTATIONS[asked].jvp:
+        entry = IMPLEMENTATIONS[asked]
+        how = entry.asked_as or f"`implementation={asked!r}`"
+        without = {"ring": "a Ring without `kernel`", "paged": "a Paged without `kernel`"}
+        if under_jvp and not entry.jvp(tunables(asked, implementation)):
+            has = (
+                without[asked]
+                if asked == "paged"
+                else "dot_product_attention(implementation='xla')"
+            )
             raise TypeError(
                 f"{how} has no forward-mode derivative (jax.jvp, jax.jacfwd): its backward pass "
-                "is its own (jax.custom_vjp); dot_product_attention(implementation='xla') has one."
+                f"is its own (jax.custom_vjp); {has} has one."
             )
-        instead = "a Ring without `kernel`" if asked == "ring" else "implementation='chunked'"
+        instead = without.get(asked, "implementation='chunked'")
         raise TypeError(
             f"{how} has no second derivatives (jax.hessian, a jvp or grad of a jax.grad): its "
             f"backward pass is {'cuDNN' if asked == 'cudnn' else 'Pallas'} kernels, which JAX does "

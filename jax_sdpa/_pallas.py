@@ -15,16 +15,14 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdpa import _online_softmax as online_softmax
-from jax_sdpa._block_mask import BlockMask
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
 from jax_sdpa._indices import positions
-from jax_sdpa._kernels.calls import backward, forward, paged_forward
+from jax_sdpa._kernels.calls import Pages, backward, forward, paged_forward
 from jax_sdpa._kernels.fitting import (
     block_lists,
     fitted,
     for_inputs,
-    on_mosaic_gpu,
     padded,
     padded_queries,
 )
@@ -74,48 +72,34 @@ def _fused_bwd(tiles: Tiles, tunables: Pallas, residuals: tuple, cotangents: tup
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _Pages:
-    """A sequence's keys and values in pages: ``table`` ``(pages,)`` of ``(P, page, K, ·)``."""
+def _on_pages(tiles: Tiles, tunables: Pallas, query, pages: Pages, arrays: CallArrays, at):
+    """``(out, lse, top)`` of the kernels on ``pages``, differentiable.
 
-    key: jax.Array
-    value: jax.Array
-    table: jax.Array
-
-    @property
-    def length(self) -> int:
-        return self.table.shape[0] * self.key.shape[1]
-
-    def gathered(self) -> tuple:
-        """The sequence's keys and values, ``(S, K, ·)``: a copy of its pages."""
-        return tuple(x[self.table].reshape(-1, *x.shape[2:]) for x in (self.key, self.value))
+    Their gradients are the kernels' on the gathered pages, given to the gather (read by the
+    forward pass only when differentiated): its transpose adds them into each pool once,
+    however many sequences and chunks the call maps over.
+    """
+    key, value = pages.gathered()
+    return _fused_pages(tiles, tunables, query, key, value, pages, arrays, at)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused_pages(tiles: Tiles, tunables: Pallas, query, pages: _Pages, arrays: CallArrays, at):
-    return _fused_pages_fwd(tiles, tunables, query, pages, arrays, at)[0]
+def _fused_pages(tiles: Tiles, tunables: Pallas, query, key, value, pages: Pages, arrays, at):
+    del key, value  # (the pages are read in the kernel: these carry the gradients)
+    return paged_forward(tiles, tunables, query, pages, arrays, _offsets(at))
 
 
-def _fused_pages_fwd(tiles: Tiles, tunables: Pallas, query, pages: _Pages, arrays, at):
-    args = (query, pages.key, pages.value, pages.table, arrays, _offsets(at))
-    out, lse, top = paged_forward(tiles, tunables, *args)
+def _fused_pages_fwd(tiles: Tiles, tunables: Pallas, query, key, value, pages, arrays, at):
+    out, lse, top = paged_forward(tiles, tunables, query, pages, arrays, _offsets(at))
     return (out, lse, top), (query, pages, arrays, at, out, lse)
 
 
 def _fused_pages_bwd(tiles: Tiles, tunables: Pallas, residuals: tuple, cotangents: tuple):
-    """:func:`_fused_bwd` on the gathered pages, the keys' and values' gradients added to theirs."""
+    """:func:`_fused_bwd` on the gathered pages."""
     query, pages, arrays, at, out, lse = residuals
-    key, value = pages.gathered()
-    residuals = (query, key, value, arrays, None, at, out, lse)
+    residuals = (query, *pages.gathered(), arrays, None, at, out, lse)
     d_query, d_key, d_value, d_arrays, _, _ = _fused_bwd(tiles, tunables, residuals, cotangents)
-
-    def added(pool, d):
-        d = d.reshape(pages.table.shape[0], *pool.shape[1:])
-        return jnp.zeros_like(pool).at[pages.table].add(d)
-
-    d_pages = _Pages(added(pages.key, d_key), added(pages.value, d_value), None)
-    return d_query, d_pages, d_arrays, None
+    return d_query, d_key, d_value, None, d_arrays, None
 
 
 _fused_pages.defvjp(_fused_pages_fwd, _fused_pages_bwd)
@@ -139,38 +123,37 @@ def pallas_paged_sequence(
 ) -> Result:
     """:func:`pallas_sequence` of a sequence in pages: ``table`` ``(pages,)`` of the pools.
 
-    The Mosaic GPU kernel copies each block of keys from its pages, where it takes them
-    (:func:`_pages_fit`); any other call gathers the sequence's pages first (a copy). A page
+    Where the pages fit the kernels (:func:`_pages_fit`), the Mosaic GPU kernel copies each
+    block of keys from its pages, and the other backends gather each chunk's pages (a copy of
+    the chunk); any other call gathers the sequence's pages first (a copy of them all). A page
     number outside the pool reads the sequence's first page inside it, as if listed there (its
-    keys past the length are masked): never another sequence's page. The gradients are the
-    kernels', on the gathered pages.
+    keys past the length are masked): never another sequence's page, where any of its own is in
+    the pool (with none, page 0; its length is then 0, and no key is read). The gradients are
+    the kernels', on the gathered pages.
     """
-    inside = (table >= 0) & (table < key_pages.shape[0])
-    table = jnp.where(inside, table, table[jnp.argmax(inside)])  # (the first inside)
-    pages = _Pages(key_pages, value_pages, table)
+    count = key_pages.shape[0]
+    inside = (table >= 0) & (table < count)
+    first = jnp.clip(table[jnp.argmax(inside)], 0, count - 1)  # (the first inside)
+    table = jnp.where(inside, table, first)
+    pages = Pages(key_pages, value_pages, table)
     if not _pages_fit(tunables, query, pages):
         return pallas_sequence(formula, tunables, query, *pages.gathered(), arrays)
     return _decoding(formula, tunables, query, pages, arrays)
 
 
-def _pages_fit(tunables: Pallas, query, pages: _Pages) -> bool:
-    """Whether the Mosaic GPU kernel reads these pages.
+def _pages_fit(tunables: Pallas, query, pages: Pages) -> bool:
+    """Whether the kernels read these pages as they are (the Mosaic GPU kernel's blocks of them).
 
-    Pages of a power of two of at least 16 positions, heads 64, 128 or 256 wide, one 16-bit
-    dtype.
+    Pages of a power of two of at least 16 positions, heads 64, 128 or 256 wide.
     """
     key, value = pages.key, pages.value
     page = key.shape[1]
-    return (
-        on_mosaic_gpu(for_inputs(tunables, query, key, value))
-        and page >= 16
-        and page & (page - 1) == 0
-        and {query.shape[-1], key.shape[-1], value.shape[-1]} <= {64, 128, 256}
-    )
+    widths = {query.shape[-1], key.shape[-1], value.shape[-1]}
+    return page >= 16 and page & (page - 1) == 0 and widths <= {64, 128, 256}
 
 
 def _decoding(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) -> Result:
-    """:func:`pallas_sequence` of ``keys``: ``(key, value)`` or :class:`_Pages`."""
+    """:func:`pallas_sequence` of ``keys``: ``(key, value)`` or :class:`Pages`."""
     (seq_q, heads, _), kv_heads = query.shape, _keys(keys)[0].shape[-2]
     group = heads // kv_heads
     if not packed(formula, arrays, seq_q, group):
@@ -192,8 +175,8 @@ def _decoding(formula: Formula, tunables: Pallas, query, keys, arrays: CallArray
 
 
 def _keys(keys) -> tuple:
-    """``(key, value)`` of ``keys``, pools of pages for :class:`_Pages`."""
-    return (keys.key, keys.value) if isinstance(keys, _Pages) else keys
+    """``(key, value)`` of ``keys``, pools of pages for :class:`Pages`."""
+    return (keys.key, keys.value) if isinstance(keys, Pages) else keys
 
 
 def packed(formula: Formula, arrays: CallArrays, seq_q: int, group: int) -> bool:
@@ -201,7 +184,8 @@ def packed(formula: Formula, arrays: CallArrays, seq_q: int, group: int) -> bool
 
     Where ``T·G`` rows fit in :data:`PACKED_ROWS` and nothing differs from one query head to
     another but its queries: no ``score_mod``, sinks, bias, mask array, dropout, sigmoid bias,
-    or rule per head (nor a block mask, whose blocks are of positions).
+    or rule per head; nor an opaque rule, a block mask's included (it would read its arrays at
+    ``row // G``, not at a run of positions, which is all a TPU or the Mosaic GPU kernel loads).
     """
     rule = arrays.rule
     per_head = (formula.score_mod, arrays.sinks, arrays.bias, arrays.mask, arrays.dropout_rng)
@@ -209,7 +193,7 @@ def packed(formula: Formula, arrays: CallArrays, seq_q: int, group: int) -> bool
         1 < group
         and seq_q * group <= PACKED_ROWS
         and all(x is None for x in (*per_head, arrays.sigmoid_bias))
-        and not (rule is not None and (rule.per_head or isinstance(rule, BlockMask)))
+        and not (rule is not None and (rule.per_head or rule.opaque))
     )
 
 
@@ -220,17 +204,17 @@ def _split(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) 
     too, so that a few sequences still fill the GPU), and their results merged as
     :func:`~jax_sdpa.merge_attention` merges two. Each chunk's output is rounded to the
     values' dtype before the merge. A chunk of pages is whole pages. Not split: sinks (one
-    logit per row, not per chunk), a bias or mask array (of all the keys), an opaque rule or a
-    block mask (classified and listed from position 0).
+    logit per row, not per chunk), a bias or mask array (of all the keys), an opaque rule, a
+    block mask's included (classified and listed from position 0).
     """
-    paged, rule = isinstance(keys, _Pages), arrays.rule
+    paged, rule = isinstance(keys, Pages), arrays.rule
     seq_kv = keys.length if paged else keys[0].shape[0]
     multiple = max(CHUNK_MULTIPLE, keys.key.shape[1]) if paged else CHUNK_MULTIPLE
     size = -(-seq_kv // -(-seq_kv // SPLIT_KEYS))  # (chunks of about equal lengths, then whole)
     size = -(-size // multiple) * multiple
     count = -(-seq_kv // size)
     whole = any(x is not None for x in (arrays.sinks, arrays.bias, arrays.mask)) or (
-        rule is not None and (rule.opaque or isinstance(rule, BlockMask))
+        rule is not None and rule.opaque
     )
     if count == 1 or whole:
         return _sequence(formula, tunables, query, keys, arrays)
@@ -238,7 +222,7 @@ def _split(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) 
         per_chunk = size // keys.key.shape[1]
         table = jnp.pad(keys.table, (0, count * per_chunk - keys.table.shape[0]), mode="edge")
         chunks = dataclasses.replace(keys, table=table.reshape(count, per_chunk))
-        axes = _Pages(None, None, 0)
+        axes = Pages(None, None, 0)
         arrays = arrays if count * size == seq_kv else masked_past(arrays, seq_kv)
     else:
         key, value, arrays = pad_keys(*keys, arrays, count * size)
@@ -254,28 +238,51 @@ def _split(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) 
     return Result(out, lse, None, online_softmax.max_scores(state))
 
 
+def _rows_past(arrays: CallArrays, seq_q: int, rows: int) -> CallArrays:
+    """``arrays`` with the padding rows past ``seq_q`` masked, where there are any.
+
+    Not where the rule is opaque (a block mask's included): its classes, made once and read as
+    lists, would be lost for those of the rules combined.
+    """
+    rule = arrays.rule
+    if rows == seq_q or (rule is not None and rule.opaque):
+        return arrays
+    return masked_past(arrays, seq_q, queries=True)
+
+
 def _sequence(
     formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays, at=None
 ) -> Result:
     """:func:`pallas_sequence`'s call as it is, its keys from position ``at`` (0 if None).
 
-    Padded to whole tiles (:func:`jax_sdpa._kernels.fitting.padded`). An opaque rule is a
-    block mask's classes, made once (or read, :func:`jax_sdpa._kernels.fitting.block_lists`),
-    and listed: the kernels visit only the blocks it does not exclude. Pages are whole tiles.
+    Padded to whole tiles (:func:`jax_sdpa._kernels.fitting.padded`), the padding rows masked
+    (:func:`_rows_past`): a program, or a Mosaic GPU consumer, whose rows are all padding visits
+    no block (a decoding call's few rows fill one consumer's). An opaque
+    rule is a block mask's classes, made once (or read,
+    :func:`jax_sdpa._kernels.fitting.block_lists`), and listed: the kernels visit only the
+    blocks it does not exclude. A sequence's pages are padded to whole programs of keys.
     """
     key, value = _keys(keys)
     (seq_q, _, _), value_width = query.shape, value.shape[-1]
     tunables = for_inputs(tunables, query, key, value)
-    if isinstance(keys, _Pages):
-        logical = jax.ShapeDtypeStruct((keys.length, *key.shape[2:]), key.dtype)
+    if isinstance(keys, Pages):  # (whole programs of keys: the last page repeated, masked)
+        length, page = keys.length, key.shape[1]
+        whole = -(-length // PROGRAM_ROWS) * PROGRAM_ROWS
+        if whole > length:
+            table = jnp.pad(keys.table, (0, (whole - length) // page), mode="edge")
+            keys = dataclasses.replace(keys, table=table)
+            arrays = masked_past(arrays, (0 if at is None else at) + length)
+        logical = jax.ShapeDtypeStruct((whole, *key.shape[2:]), key.dtype)
         tiles = fitted(formula, tunables, query, logical)
         query, arrays = padded_queries(query, arrays, PROGRAM_ROWS, MIN_WIDTH)
-        out, lse, top = _fused_pages(tiles, tunables, query, keys, arrays, at)
+        arrays = _rows_past(arrays, seq_q, query.shape[0])
+        out, lse, top = _on_pages(tiles, tunables, query, keys, arrays, at)
     else:
         tiles = fitted(formula, tunables, query, key)
         query, key, value, arrays = padded(
             tiles, tunables, query, key, value, arrays, 0 if at is None else at
         )
+        arrays = _rows_past(arrays, seq_q, query.shape[0])
         arrays, lists = block_lists(tiles, tunables, arrays, seq_q, key.shape[0])
         out, lse, top = _fused(tiles, tunables, query, key, value, arrays, lists, at)
     return Result(out[:seq_q, :, :value_width], lse[:seq_q], None, top[:seq_q])

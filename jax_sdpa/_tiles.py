@@ -441,9 +441,10 @@ def pad_to(x: jax.Array | None, axis: int, multiple: int, value=0) -> jax.Array 
     return jnp.pad(x, widths, constant_values=value)
 
 
-def masked_past(arrays: CallArrays, length) -> CallArrays:
-    """``arrays`` whose rule also masks the keys at positions ``length`` and on (padding)."""
-    padding = LengthMask(None, jnp.asarray(length, INDEX))
+def masked_past(arrays: CallArrays, length, queries: bool = False) -> CallArrays:
+    """``arrays`` whose rule also masks the keys (``queries``) at ``length`` and on: padding."""
+    length = jnp.asarray(length, INDEX)
+    padding = LengthMask(length, None) if queries else LengthMask(None, length)
     return dataclasses.replace(
         arrays, rule=padding if arrays.rule is None else arrays.rule & padding
     )

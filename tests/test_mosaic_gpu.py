@@ -555,14 +555,19 @@ def test_a_decoding_call_lowers_for_cuda_as_one_kernel_of_packed_heads():
 
 
 @pytest.mark.parametrize(
-    "page", [16, pytest.param(256, marks=SIMULATED_SLOW)]
-)  # (pages of a block, blocks of a page)
-def test_a_paged_cache_read_by_the_kernel_on_the_gpu_simulator_is_the_paged_path(page, monkeypatch):
+    "page, seq",
+    # (pages of a block, split; 9 pages of 16, not split and no whole program of keys; blocks
+    # of a page)
+    [(16, 768), (16, 144), pytest.param(256, 768, marks=SIMULATED_SLOW)],
+)
+def test_a_paged_cache_read_by_the_kernel_on_the_gpu_simulator_is_the_paged_path(
+    page, seq, monkeypatch
+):
     _split_small(monkeypatch)
     rng = np.random.default_rng(16)
-    key_pages, value_pages, table = paged_pool(rng, 2, 768, page, 2, 64, jnp.bfloat16)
+    key_pages, value_pages, table = paged_pool(rng, 2, seq, page, 2, 64, jnp.bfloat16)
     q = jnp.asarray(rng.normal(size=(2, 1, 8, 64)), jnp.bfloat16)
-    lengths = jnp.array([700, 300])
+    lengths = jnp.array([seq - 68, seq // 2])
     out, lse = js.paged_attention(
         q,
         key_pages,
@@ -582,10 +587,10 @@ def test_a_paged_cache_read_by_the_kernel_on_the_gpu_simulator_is_the_paged_path
 def test_a_paged_caches_gradients_on_the_gpu_simulator(monkeypatch):
     _split_small(monkeypatch)
     rng = np.random.default_rng(17)
-    pool = paged_pool(rng, 2, 768, 16, 2, 64, jnp.bfloat16)
+    pool = paged_pool(rng, 2, 192, 16, 2, 64, jnp.bfloat16)  # (12 pages: 1.5 programs)
     key_pages, value_pages, table = (jnp.nan_to_num(x) for x in pool)
     q = jnp.asarray(rng.normal(size=(2, 1, 8, 64)), jnp.bfloat16)
-    lengths = jnp.array([700, 300])
+    lengths = jnp.array([190, 100])
 
     def loss(q, key_pages, value_pages, implementation):
         out = js.paged_attention(

@@ -22,6 +22,7 @@ from tests.util import enable_x64, paged_pool, qkv
 INTERPRET = js.Pallas(block_q=16, block_kv=16, interpret=True)
 S = 300  # keys: five chunks of 64 (the last padded)
 LENGTHS = np.array([300, 77])
+DOCUMENTS = jnp.arange(S) // 100  # (the one query sits at position 0)
 
 
 def _ends_causal(t):
@@ -85,6 +86,15 @@ CASES = {
         False,
         False,
     ),
+    "documents (an opaque rule): neither": (
+        1,
+        8,
+        2,
+        dict(mask_mod=lambda b, h, i, j: DOCUMENTS[i] == DOCUMENTS[j]),
+        dict(mask_mod=lambda b, h, i, j: np.asarray(DOCUMENTS)[i] == np.asarray(DOCUMENTS)[j]),
+        False,
+        False,
+    ),
     "more rows than a tile: neither": (
         70,
         8,
@@ -138,9 +148,10 @@ def test_decoding_calls_packed_and_split_are_the_reference(case, monkeypatch):
 def test_a_paged_cache_through_the_kernel_is_the_paged_path(page, monkeypatch):
     monkeypatch.setattr(_pallas, "SPLIT_KEYS", 128)
     rng = np.random.default_rng(4)
-    key_pages, value_pages, table = paged_pool(rng, 2, 384, page, 2, 32)
-    q = jnp.asarray(rng.normal(size=(2, 2, 8, 32)), jnp.float32)
-    lengths = jnp.array([384, 150])
+    # (heads 64 wide: the kernels read the pages chunk by chunk, each chunk's gathered here)
+    key_pages, value_pages, table = paged_pool(rng, 2, 400, page, 2, 64)
+    q = jnp.asarray(rng.normal(size=(2, 2, 8, 64)), jnp.float32)
+    lengths = jnp.array([380, 150])
 
     def call(q, key_pages, value_pages, implementation):
         return js.paged_attention(
@@ -156,8 +167,14 @@ def test_a_paged_cache_through_the_kernel_is_the_paged_path(page, monkeypatch):
     def loss(*args):
         return jnp.sum(call(*args)[0] ** 2)
 
+    chunks = []
+    on_pages = _pallas._on_pages
+    monkeypatch.setattr(
+        _pallas, "_on_pages", lambda *a: chunks.append(a[3].table.shape) or on_pages(*a)
+    )
     kernel = js.Paged(kernel=INTERPRET)
     (out, lse), want = (call(q, key_pages, value_pages, x) for x in (kernel, None))
+    assert chunks[0] == (128 // page,)  # (whole chunks of 128 keys, split, their pages read)
     assert ref.rel_err(out, want[0]) < 1e-5 and ref.rel_err(lse, want[1]) < 1e-5
     pools = [jnp.nan_to_num(x) for x in (key_pages, value_pages)]  # (finite, for gradients)
     grads, want_grads = (jax.grad(loss, (0, 1, 2))(q, *pools, x) for x in (kernel, None))
@@ -227,3 +244,23 @@ def test_a_ragged_batch_through_the_kernel_is_the_ragged_path():
     grads, want_grads = (jax.grad(loss, (0, 1, 2))(q, *pools, x) for x in (kernel, None))
     for got, wanted in zip(grads, want_grads, strict=True):
         assert ref.rel_err(got, wanted) < 1e-5
+
+
+def test_the_paged_kernel_has_no_forward_mode_nor_second_derivatives_and_says_so():
+    rng = np.random.default_rng(7)
+    key_pages, value_pages, table = paged_pool(rng, 1, 64, 16, 2, 32)
+    q = jnp.asarray(rng.normal(size=(1, 1, 8, 32)), jnp.float32)
+    lengths = jnp.array([50])
+
+    def call(q, implementation):
+        return js.paged_attention(
+            q, key_pages, value_pages, table, lengths, implementation=implementation
+        ).sum()
+
+    kernel = js.Paged(kernel=INTERPRET)
+    with pytest.raises(TypeError, match="has no forward-mode derivative.*a Paged without"):
+        jax.jvp(lambda q: call(q, kernel), (q,), (q,))
+    with pytest.raises(TypeError, match="has no second derivatives.*a Paged without `kernel`"):
+        jax.hessian(lambda q: call(q, kernel))(q)
+    jax.jvp(lambda q: call(q, None), (q,), (q,))  # (the pure-JAX path has both)
+    jax.hessian(lambda q: call(q, None))(q)

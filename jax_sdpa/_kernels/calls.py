@@ -173,45 +173,53 @@ def forward(
     return outs.out, outs.lse[:, :, 0], outs.top[:, :, 0]
 
 
-def paged_forward(
-    tiles: Tiles,
-    tunables: Pallas,
-    query,
-    key_pages,
-    value_pages,
-    table,
-    arrays: CallArrays,
-    offsets=(0, 0),
-    out_dtype=None,
-):
-    """:func:`forward` of keys and values in pages: ``(out, lse, max_scores)``.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pages:
+    """A sequence's keys and values in pages: ``table`` ``(pages,)`` of ``(P, page, K, ·)``."""
 
-    ``table`` ``(pages,)`` names the sequence's pages of the pools ``(P, page, K, ·)``, in
-    order (all inside the pool). The Mosaic GPU kernel copies each block of keys from its pages
-    (on its simulator, or on ``cuda``); elsewhere the pages are gathered first (a copy of the
-    sequence's keys) for :func:`forward`.
+    key: jax.Array
+    value: jax.Array
+    table: jax.Array
+
+    @property
+    def length(self) -> int:
+        return self.table.shape[0] * self.key.shape[1]
+
+    def gathered(self) -> tuple:
+        """The sequence's keys and values, ``(S, K, ·)``: a copy of its pages."""
+        return tuple(x[self.table].reshape(-1, *x.shape[2:]) for x in (self.key, self.value))
+
+
+def paged_forward(
+    tiles: Tiles, tunables: Pallas, query, pages: Pages, arrays: CallArrays, offsets=(0, 0)
+):
+    """:func:`forward` of keys and values in :class:`Pages`: ``(out, lse, max_scores)``.
+
+    The table's pages all inside the pool, whole multiples of the kernels' programs of keys.
+    The Mosaic GPU kernel copies each block of keys from its pages (on its simulator, or on
+    ``cuda``); elsewhere the pages are gathered first (a copy of the sequence's keys) for
+    :func:`forward`.
     """
 
     def gathered(inputs):
-        query, key_pages, value_pages, table = inputs
-        key, value = (x[table].reshape(-1, *x.shape[2:]) for x in (key_pages, value_pages))
-        return forward(tiles, tunables, query, key, value, arrays, offsets, out_dtype)
+        query, pages = inputs
+        return forward(tiles, tunables, query, *pages.gathered(), arrays, offsets)
 
-    inputs = (query, key_pages, value_pages, table)
     if not on_mosaic_gpu(tunables):
-        return gathered(inputs)
-    seq_kv = table.shape[0] * key_pages.shape[1]
-    plan = _plan(tiles, tunables, query, seq_kv, arrays, None)
+        return gathered((query, pages))
+    plan = _plan(tiles, tunables, query, pages.length, arrays, None)
 
     def on_mosaic_gpu_(inputs):
-        query, key_pages, value_pages, table = inputs
+        query, pages = inputs
         shared = plan.inputs(arrays, offsets, None)
-        dtype = out_dtype or value_pages.dtype
-        return mosaic_gpu.forward(plan, query, key_pages, value_pages, shared, dtype, None, table)
+        return mosaic_gpu.forward(
+            plan, query, pages.key, pages.value, shared, pages.value.dtype, None, pages.table
+        )
 
     if isinstance(tunables.interpret, GPU_SIMULATOR):
-        return on_mosaic_gpu_(inputs)
-    return lax.platform_dependent(inputs, cuda=on_mosaic_gpu_, default=gathered)
+        return on_mosaic_gpu_((query, pages))
+    return lax.platform_dependent((query, pages), cuda=on_mosaic_gpu_, default=gathered)
 
 
 def backward(
