@@ -495,7 +495,10 @@ def _split_small(monkeypatch):
     monkeypatch.setattr(_pallas, "SPLIT_KEYS", 256)
 
 
-@pytest.mark.parametrize("case", list(DECODING))
+@pytest.mark.parametrize(  # (the inner loop simulates one)
+    "case",
+    [c if n == 0 else pytest.param(c, marks=SIMULATED_SLOW) for n, c in enumerate(DECODING)],
+)
 def test_decoding_packed_and_split_on_the_gpu_simulator_is_the_reference(case, monkeypatch):
     _split_small(monkeypatch)
     t, ours, theirs = DECODING[case]
@@ -607,7 +610,7 @@ def test_a_paged_caches_gradients_on_the_gpu_simulator(monkeypatch):
         assert ref.rel_err(got, wanted) < 2e-2, name
 
 
-@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("page", [16, pytest.param(64, marks=pytest.mark.slow)])
 def test_a_paged_decoding_call_lowers_for_cuda_reading_the_pool_in_place(page):
     # B8 S32768 N32 K8: the forward kernel takes the whole pool and each chunk's pages; its
     # blocks are copied page by page. The backward kernels read the gathered pages.

@@ -107,7 +107,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# With x64 on (tests/test_x64.py) the first two cases run, and the paged and ragged ones below
+# are sampled the same way.
+SAMPLED = pytest.mark.x64_sampled
+
+
+@pytest.mark.parametrize(
+    "case", [c if n < 2 else pytest.param(c, marks=SAMPLED) for n, c in enumerate(CASES)]
+)
 def test_decoding_calls_packed_and_split_are_the_reference(case, monkeypatch):
     t, heads, kv_heads, ours, theirs, packs, splits = CASES[case]
     monkeypatch.setattr(_pallas, "SPLIT_KEYS", 64)
@@ -144,7 +151,7 @@ def test_decoding_calls_packed_and_split_are_the_reference(case, monkeypatch):
         assert ref.rel_err(got, wanted) < 1e-5, name
 
 
-@pytest.mark.parametrize("page", [16, 128])
+@pytest.mark.parametrize("page", [16, pytest.param(128, marks=SAMPLED)])
 def test_a_paged_cache_through_the_kernel_is_the_paged_path(page, monkeypatch):
     monkeypatch.setattr(_pallas, "SPLIT_KEYS", 128)
     rng = np.random.default_rng(4)
@@ -189,7 +196,7 @@ def test_a_page_number_outside_the_pool_reads_a_page_of_the_sequence():
     rng = np.random.default_rng(5)
     key_pages, value_pages, table = paged_pool(rng, 1, 128, 16, 1, 32)
     # A block of 64 keys, 64 … 127, holds valid keys (64 … 69) and the pages past them.
-    table = table.at[0, 5:].set(jnp.array([-1, 99, 9]))  # (the pool: pages 0 … 8)
+    table = table.at[0, 5:].set(jnp.array([-1, 99, 9], jnp.int32))  # (the pool: pages 0 … 8)
     q = jnp.asarray(rng.normal(size=(1, 1, 2, 32)), jnp.float32)
     lengths = jnp.array([70])
     # (under jit: concrete page numbers outside the pool are refused)
@@ -211,6 +218,7 @@ def test_the_paged_kernel_is_a_pallas_kernel_or_none():
         js.Paged(kernel="pallas")
 
 
+@SAMPLED
 def test_a_ragged_batch_through_the_kernel_is_the_ragged_path():
     # Two decoding steps and a 5-token chunk (with an empty sequence), the causal mask at each
     # sequence's end; the padding rows before each sequence's own see no key.
@@ -246,6 +254,7 @@ def test_a_ragged_batch_through_the_kernel_is_the_ragged_path():
         assert ref.rel_err(got, wanted) < 1e-5
 
 
+@SAMPLED
 def test_the_paged_kernel_has_no_forward_mode_nor_second_derivatives_and_says_so():
     rng = np.random.default_rng(7)
     key_pages, value_pages, table = paged_pool(rng, 1, 64, 16, 2, 32)
