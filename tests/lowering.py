@@ -189,12 +189,14 @@ def _hopper_shared_bytes(asm: str, num_warps: int, num_stages: int) -> int:
     return compiled.metadata.shared
 
 
-def mosaic_gpu_kernels(program, *args) -> list[str]:
+def mosaic_gpu_kernels(program, *args, operands: list | None = None) -> list[str]:
     """Every Mosaic GPU kernel module of ``program`` exported for ``cuda``, parsed (Mosaic GPU's
     dialect registered), deserialized and verified, printed.
 
     What XLA does next on a GPU (its C++ passes to NVVM, PTX and a cubin) a CPU jaxlib cannot:
     the lowering has already run Mosaic GPU's layout inference and its shared-memory check.
+    ``operands``: a list to append each kernel call's operand types to (printed, one string a
+    call), as the program passes them.
     """
     from jax._src.lib import mosaic_gpu_dialect
     from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
@@ -215,6 +217,8 @@ def mosaic_gpu_kernels(program, *args) -> list[str]:
                 if ir.StringAttr(op.attributes["call_target_name"]).value == "mosaic_gpu_v2":
                     config = ir.DictAttr(op.attributes["mhlo.backend_config"])
                     bodies.append(ir.StringAttr(config["module"]).value_bytes)
+                    if operands is not None:
+                        operands.append(", ".join(str(x.type) for x in op.operands))
             return ir.WalkResult.ADVANCE
 
         ir.Module.parse(stablehlo).operation.walk(find)

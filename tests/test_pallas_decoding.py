@@ -107,9 +107,10 @@ CASES = {
 }
 
 
-# With x64 on (tests/test_x64.py) the first two cases run, and the paged and ragged ones below
-# are sampled the same way.
-SAMPLED = pytest.mark.x64_sampled
+# The inner loop (`-m "not slow"`: the x64 pass, tests/test_x64.py, and the newest JAX's) runs
+# the first two cases, and the paged and ragged ones below are sampled the same way; the whole
+# suite runs them all.
+SAMPLED = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
