@@ -203,9 +203,9 @@ def _split(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) 
     Each chunk is attended on its own, all in one kernel (``jax.vmap``: a program per chunk
     too, so that a few sequences still fill the GPU), and their results merged as
     :func:`~jax_sdpa.merge_attention` merges two. Each chunk's output is rounded to the
-    values' dtype before the merge. A chunk of pages is whole pages. Not split: sinks (one
-    logit per row, not per chunk), a bias or mask array (of all the keys), an opaque rule, a
-    block mask's included (classified and listed from position 0).
+    values' dtype before the merge; the sinks (one logit a row, not a chunk) are met once, in
+    it. A chunk of pages is whole pages. Not split: a bias or mask array (of all the keys), an
+    opaque rule, a block mask's included (classified and listed from position 0).
     """
     paged, rule = isinstance(keys, Pages), arrays.rule
     seq_kv = keys.length if paged else keys[0].shape[0]
@@ -213,7 +213,7 @@ def _split(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) 
     size = -(-seq_kv // -(-seq_kv // SPLIT_KEYS))  # (chunks of about equal lengths, then whole)
     size = -(-size // multiple) * multiple
     count = -(-seq_kv // size)
-    whole = any(x is not None for x in (arrays.sinks, arrays.bias, arrays.mask)) or (
+    whole = any(x is not None for x in (arrays.bias, arrays.mask)) or (
         rule is not None and rule.opaque
     )
     if count == 1 or whole:
@@ -228,12 +228,17 @@ def _split(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) 
         key, value, arrays = pad_keys(*keys, arrays, count * size)
         chunks, axes = tuple(x.reshape(count, size, *x.shape[1:]) for x in (key, value)), 0
 
-    def chunk(keys, at):
-        return _sequence(formula, tunables, query, keys, arrays, at)
+    def chunk(keys, at):  # (the sinks met once, after)
+        return _sequence(
+            formula, tunables, query, keys, dataclasses.replace(arrays, sinks=None), at
+        )
 
     out, lse, _, top = jax.vmap(chunk, in_axes=(axes, 0))(chunks, positions(0, count) * size)
     normalizer = formula.normalizer
     state = online_softmax.combine(normalizer.from_result(out, lse, top))
+    if arrays.sinks is not None:
+        sinks = online_softmax.init(query, state.denom.shape, state.acc.shape, arrays.sinks)
+        state = online_softmax.merge(state, sinks)
     out, lse = normalizer.finish(state, out.dtype)
     return Result(out, lse, None, online_softmax.max_scores(state))
 

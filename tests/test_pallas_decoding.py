@@ -77,14 +77,14 @@ CASES = {
         False,
         True,
     ),
-    "sinks (per head, per row): neither": (
+    "sinks (per head): split, not packed": (
         1,
         8,
         2,
         dict(sinks=jnp.linspace(-1.0, 1.0, 8)),
         dict(sinks=np.linspace(-1.0, 1.0, 8)),
         False,
-        False,
+        True,
     ),
     "documents (an opaque rule): neither": (
         1,
@@ -274,3 +274,25 @@ def test_the_paged_kernel_has_no_forward_mode_nor_second_derivatives_and_says_so
         jax.hessian(lambda q: call(q, kernel))(q)
     jax.jvp(lambda q: call(q, None), (q,), (q,))  # (the pure-JAX path has both)
     jax.hessian(lambda q: call(q, None))(q)
+
+
+def test_split_keys_meet_the_sinks_once_and_give_their_gradient(monkeypatch):
+    monkeypatch.setattr(_pallas, "SPLIT_KEYS", 64)
+    monkeypatch.setattr(_pallas, "CHUNK_MULTIPLE", 64)
+    q, k, v = qkv(np.random.default_rng(8), 2, 1, S, 4, 4, 32)
+    sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
+
+    def loss(sinks, implementation):
+        out = js.dot_product_attention(
+            q,
+            k,
+            v,
+            sinks=sinks,
+            key_value_seq_lengths=jnp.asarray(LENGTHS),
+            implementation=implementation,
+        )
+        return jnp.sum(out**2)
+
+    (got, d_got), (want, d_want) = (jax.value_and_grad(loss)(sinks, x) for x in (INTERPRET, "xla"))
+    assert abs(got - want) < 1e-5 * abs(want)
+    assert ref.rel_err(d_got, d_want) < 1e-5
