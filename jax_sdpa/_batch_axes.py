@@ -1,7 +1,7 @@
 """A call's arrays fitted to its batch axes: shared by every sequence, or one per sequence.
 
 :func:`shared` gives an array a leading 1 per batch axis; :func:`with_batch` does it for each
-array field of a mask rule, by the axes the field declares (``_masks._per_sequence``).
+array field of a mask rule, by the axes the field declares (``_masks.per_sequence``).
 """
 
 import dataclasses
@@ -28,15 +28,15 @@ def with_batch(
 ) -> MaskRule:
     """``rule`` for a call with batch axes ``batch``: each array field leads with them.
 
-    Each field says what its axes are (:func:`_per_sequence`): one with exactly those is shared by
-    the batch and gets a leading 1 per batch axis; one with the batch axes before them (each full
-    or 1) is per sequence; any other shape is refused. Whether an array is per sequence never
-    depends on its sizes happening to equal the batch's. A field that says nothing (a rule of
-    the user's own), like the arrays a ``mask_mod`` closes over, is shared. ``sizes`` are the
-    call's ``q_seq`` and ``kv_seq`` (a ring's whole sequences), which the per-sequence axes must
-    have. On a ring that splits the leading batch axis over devices, ``whole`` is the whole
-    batch's axes and ``first`` this device's first sequence: a per-sequence field may have the
-    whole batch, of which the device takes its own.
+    Each field says what its axes are (:func:`~jax_sdpa._masks.per_sequence`): one with exactly
+    those is shared by the batch and gets a leading 1 per batch axis; one with the batch axes before
+    them (each full or 1) is per sequence; any other shape is refused. Whether an array is per
+    sequence never depends on its sizes happening to equal the batch's. A field that says nothing (a
+    rule of the user's own), like the arrays a ``mask_mod`` closes over, is shared. ``sizes`` are
+    the call's ``q_seq`` and ``kv_seq`` (a ring's whole sequences), which the per-sequence axes must
+    have. On a ring that splits the leading batch axis over devices, ``whole`` is the whole batch's
+    axes and ``first`` this device's first sequence: a per-sequence field may have the whole batch,
+    of which the device takes its own.
 
     Raises:
         ValueError: Naming the rule's field, the shapes it may have and the one it has.

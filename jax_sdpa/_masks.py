@@ -47,10 +47,10 @@ __all__ = [
     "materialize_mask",
 ]
 
-_NO_LIMIT = 2**31 - 1
+NO_LIMIT = 2**31 - 1
 
 
-def _promoted(a, b) -> tuple[Array, Array]:
+def promoted(a, b) -> tuple[Array, Array]:
     """``a`` and ``b`` in their common dtype: integers of any two, with no implicit promotion.
 
     (NumPy's ``promote_types``: ``jnp``'s refuses int32 with int64 under strict promotion.)
@@ -70,7 +70,7 @@ def static_field(default: Any = dataclasses.MISSING) -> Any:
     return dataclasses.field(default=default, metadata={"static": True})
 
 
-def _per_sequence(*axes: str, index: bool = False) -> Any:
+def per_sequence(*axes: str, index: bool = False) -> Any:
     """An array field with these axes for one sequence, and optionally the batch's before them.
 
     With exactly ``len(axes)`` axes it is shared by every sequence of a call; with the call's batch
@@ -109,11 +109,11 @@ class MaskRule:
 
     def kv_range(self, q_lo: Index, q_hi: Index) -> tuple[Index, Index]:
         """A half-open range of keys that contains every key queries ``[q_lo, q_hi)`` may see."""
-        return 0, _NO_LIMIT
+        return 0, NO_LIMIT
 
     def q_range(self, kv_lo: Index, kv_hi: Index) -> tuple[Index, Index]:
         """A half-open range of queries that contains every query keys ``[kv_lo, kv_hi)`` serve."""
-        return 0, _NO_LIMIT
+        return 0, NO_LIMIT
 
     def kv_full_range(self, q_lo: Index, q_hi: Index) -> tuple[Index, Index]:
         """A half-open range of keys that every query in ``[q_lo, q_hi)`` may see (maybe empty)."""
@@ -180,7 +180,7 @@ class CausalMask(MaskRule):
     """
 
     offset: int = static_field(0)
-    offsets: Integer[Array, "*batch"] | None = _per_sequence(index=True)
+    offsets: Integer[Array, "*batch"] | None = per_sequence(index=True)
 
     def __call__(self, q_idx, kv_idx):
         return kv_idx <= q_idx + _shift(self)
@@ -189,13 +189,13 @@ class CausalMask(MaskRule):
         return 0, q_hi + _shift(self)
 
     def q_range(self, kv_lo, kv_hi):
-        return kv_lo - _shift(self), _NO_LIMIT
+        return kv_lo - _shift(self), NO_LIMIT
 
     def kv_full_range(self, q_lo, q_hi):
         return 0, q_lo + _shift(self) + 1
 
     def q_full_range(self, kv_lo, kv_hi):
-        return kv_hi - 1 - _shift(self), _NO_LIMIT
+        return kv_hi - 1 - _shift(self), NO_LIMIT
 
 
 @rule_class
@@ -210,7 +210,7 @@ class LocalWindowMask(MaskRule):
     left: int = static_field()
     right: int = static_field()
     offset: int = static_field(0)
-    offsets: Integer[Array, "*batch"] | None = _per_sequence(index=True)
+    offsets: Integer[Array, "*batch"] | None = per_sequence(index=True)
 
     def __call__(self, q_idx, kv_idx):
         centre = q_idx + _shift(self)
@@ -241,68 +241,40 @@ class LengthMask(MaskRule):
     ``mask_mod``, a scalar length is shared by the batch and a ``(batch,)`` one is per sequence.
     """
 
-    q_length: Integer[Array, "*batch"] | None = _per_sequence(index=True)
-    kv_length: Integer[Array, "*batch"] | None = _per_sequence(index=True)
+    q_length: Integer[Array, "*batch"] | None = per_sequence(index=True)
+    kv_length: Integer[Array, "*batch"] | None = per_sequence(index=True)
 
     def __call__(self, q_idx, kv_idx):
         allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
         for idx, length in ((q_idx, self.q_length), (kv_idx, self.kv_length)):
             if length is not None:
-                idx, length = _promoted(idx, length)
+                idx, length = promoted(idx, length)
                 allowed = allowed & (idx < length)
         return allowed
 
     def kv_range(self, q_lo, q_hi):
-        hi = _NO_LIMIT if self.kv_length is None else self.kv_length
+        hi = NO_LIMIT if self.kv_length is None else self.kv_length
         if self.q_length is not None:
             hi = jnp.where(q_lo < self.q_length, hi, 0)
         return 0, hi
 
     def q_range(self, kv_lo, kv_hi):
-        hi = _NO_LIMIT if self.q_length is None else self.q_length
+        hi = NO_LIMIT if self.q_length is None else self.q_length
         if self.kv_length is not None:
             hi = jnp.where(kv_lo < self.kv_length, hi, 0)
         return 0, hi
 
     def kv_full_range(self, q_lo, q_hi):
-        hi = _NO_LIMIT if self.kv_length is None else self.kv_length
+        hi = NO_LIMIT if self.kv_length is None else self.kv_length
         if self.q_length is not None:
             hi = jnp.where(q_hi <= self.q_length, hi, 0)
         return 0, hi
 
     def q_full_range(self, kv_lo, kv_hi):
-        hi = _NO_LIMIT if self.q_length is None else self.q_length
+        hi = NO_LIMIT if self.q_length is None else self.q_length
         if self.kv_length is not None:
             hi = jnp.where(kv_hi <= self.kv_length, hi, 0)
         return 0, hi
-
-
-@rule_class
-class QueriesFrom(MaskRule):
-    """Only the queries from position ``first`` on see keys; those before it see none.
-
-    (The rows a ragged batch pads each sequence's own with, before them:
-    :func:`~jax_sdpa.ragged_paged_attention`.) ``first`` is per sequence.
-    """
-
-    first: Integer[Array, "*batch"] = _per_sequence(index=True)
-
-    def __call__(self, q_idx, kv_idx):
-        q_idx, first = _promoted(q_idx, self.first)
-        shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
-        return jnp.broadcast_to(q_idx >= first, shape)
-
-    def kv_range(self, q_lo, q_hi):
-        return 0, jnp.where(q_hi > self.first, _NO_LIMIT, 0)
-
-    def q_range(self, kv_lo, kv_hi):
-        return self.first, _NO_LIMIT
-
-    def kv_full_range(self, q_lo, q_hi):
-        return 0, jnp.where(q_lo >= self.first, _NO_LIMIT, 0)
-
-    def q_full_range(self, kv_lo, kv_hi):
-        return self.first, _NO_LIMIT
 
 
 @rule_class
@@ -314,11 +286,11 @@ class SegmentMask(MaskRule):
     ``(batch, q_seq)`` are per sequence, whatever the sizes.
     """
 
-    q_segment_ids: Integer[Array, "*batch q_seq"] = _per_sequence("q_seq")
-    kv_segment_ids: Integer[Array, "*batch kv_seq"] = _per_sequence("kv_seq")
+    q_segment_ids: Integer[Array, "*batch q_seq"] = per_sequence("q_seq")
+    kv_segment_ids: Integer[Array, "*batch kv_seq"] = per_sequence("kv_seq")
 
     def __call__(self, q_idx, kv_idx):
-        q_ids, kv_ids = _promoted(self.q_segment_ids[q_idx], self.kv_segment_ids[kv_idx])
+        q_ids, kv_ids = promoted(self.q_segment_ids[q_idx], self.kv_segment_ids[kv_idx])
         return q_ids == kv_ids
 
     @property
@@ -428,57 +400,9 @@ class OrMask(_Combination):
         return _union_within(rule.q_full_range(kv_lo, kv_hi) for rule in self.rules)
 
 
-@rule_class
-class PackedRows(MaskRule):
-    """``rule`` on rows that each hold ``group`` query heads: row ``r`` is position ``r // group``.
-
-    A key/value head's query heads packed into one tile's rows (GQA decoding,
-    :mod:`jax_sdpa._pallas`), position by position: a rule the same for every head, asked of
-    rows, answers for their positions; its ranges of rows hold every row of their positions.
-    """
-
-    rule: MaskRule
-    group: int = static_field()
-
-    def __call__(self, q_idx, kv_idx):
-        return self.at(q_idx, kv_idx, 0, 0)
-
-    def at(self, q_idx, kv_idx, batch, head):
-        # (over the whole block first: a kernel holds positions that way, its rows' vectors not)
-        rows = jnp.broadcast_to(q_idx, jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)))
-        return self.rule.at(rows // self.group, kv_idx, batch, head)
-
-    @property
-    def opaque(self) -> bool:
-        return self.rule.opaque
-
-    def _positions(self, lo, hi) -> tuple[Index, Index]:
-        """The positions of rows ``[lo, hi)``."""
-        return lo // self.group, -(-hi // self.group)
-
-    def _rows(self, lo, hi) -> tuple[Index, Index]:
-        """The rows of positions ``[lo, hi)``, within int32 (:data:`_NO_LIMIT` stays one)."""
-        most = _NO_LIMIT // self.group
-        return tuple(
-            jnp.where(x >= most, _NO_LIMIT, jnp.maximum(x, -most) * self.group) for x in (lo, hi)
-        )
-
-    def kv_range(self, q_lo, q_hi):
-        return self.rule.kv_range(*self._positions(q_lo, q_hi))
-
-    def kv_full_range(self, q_lo, q_hi):
-        return self.rule.kv_full_range(*self._positions(q_lo, q_hi))
-
-    def q_range(self, kv_lo, kv_hi):
-        return self._rows(*self.rule.q_range(kv_lo, kv_hi))
-
-    def q_full_range(self, kv_lo, kv_hi):
-        return self._rows(*self.rule.q_full_range(kv_lo, kv_hi))
-
-
 def _intersect(ranges) -> tuple[Index, Index]:
     """The intersection of half-open ranges (empty when ``lo >= hi``)."""
-    lo, hi = 0, _NO_LIMIT
+    lo, hi = 0, NO_LIMIT
     for r_lo, r_hi in ranges:
         lo, hi = jnp.maximum(lo, r_lo), jnp.minimum(hi, r_hi)
     return lo, hi
@@ -486,7 +410,7 @@ def _intersect(ranges) -> tuple[Index, Index]:
 
 def _hull(ranges) -> tuple[Index, Index]:
     """The smallest range that contains every one of ``ranges``: it contains their union."""
-    lo, hi = _NO_LIMIT, 0
+    lo, hi = NO_LIMIT, 0
     for r_lo, r_hi in ranges:
         lo, hi = jnp.minimum(lo, r_lo), jnp.maximum(hi, r_hi)
     return lo, hi

@@ -27,8 +27,9 @@ from jax_sdpa._implementations import check_implementation, run
 from jax_sdpa._indices import INDEX, indices
 from jax_sdpa._keywords import Normalizer, PagedKeywords
 from jax_sdpa._latent import LatentValues
-from jax_sdpa._masks import MaskRule, QueriesFrom
+from jax_sdpa._masks import MaskRule
 from jax_sdpa._quantized import Quantized, quantize_like
+from jax_sdpa._row_rules import QueriesFrom
 from jax_sdpa._tunables import Paged
 from jax_sdpa._user_functions import function_mask
 

@@ -27,7 +27,7 @@ from jax_sdpa._kernels.fitting import (
     padded_queries,
 )
 from jax_sdpa._kernels.mosaic_gpu import MIN_WIDTH, PROGRAM_ROWS
-from jax_sdpa._masks import PackedRows
+from jax_sdpa._row_rules import PackedRows
 from jax_sdpa._tiles import Tiles, differentiable, masked_past, pad_keys
 from jax_sdpa._tiles_backward import backward_rows, sinks_grad
 from jax_sdpa._tunables import Pallas
@@ -265,21 +265,28 @@ def _sequence(
     no block (a decoding call's few rows fill one consumer's). An opaque
     rule is a block mask's classes, made once (or read,
     :func:`jax_sdpa._kernels.fitting.block_lists`), and listed: the kernels visit only the
-    blocks it does not exclude. A sequence's pages are padded to whole programs of keys.
+    blocks it does not exclude. A sequence's pages are padded to whole programs and tiles.
     """
     key, value = _keys(keys)
     (seq_q, _, _), value_width = query.shape, value.shape[-1]
     tunables = for_inputs(tunables, query, key, value)
-    if isinstance(keys, Pages):  # (whole programs of keys: the last page repeated, masked)
+    if isinstance(keys, Pages):  # (whole programs and tiles: the last page repeated, masked)
         length, page = keys.length, key.shape[1]
-        whole = -(-length // PROGRAM_ROWS) * PROGRAM_ROWS
+
+        def shaped(count):
+            return jax.ShapeDtypeStruct((count, *key.shape[2:]), key.dtype)
+
+        tiles = fitted(formula, tunables, query, shaped(-(-length // page) * page))
+        # (sides and programs are powers of two: the larger a multiple of both)
+        multiple = max(PROGRAM_ROWS, tiles.block_kv, page)
+        whole = -(-length // multiple) * multiple
         if whole > length:
             table = jnp.pad(keys.table, (0, (whole - length) // page), mode="edge")
             keys = dataclasses.replace(keys, table=table)
             arrays = masked_past(arrays, (0 if at is None else at) + length)
-        logical = jax.ShapeDtypeStruct((whole, *key.shape[2:]), key.dtype)
-        tiles = fitted(formula, tunables, query, logical)
-        query, arrays = padded_queries(query, arrays, PROGRAM_ROWS, MIN_WIDTH)
+        tiles = fitted(formula, tunables, query, shaped(whole))
+        rows = max(PROGRAM_ROWS, tiles.block_q)
+        query, arrays = padded_queries(query, arrays, rows, MIN_WIDTH)
         arrays = _rows_past(arrays, seq_q, query.shape[0])
         out, lse, top = _on_pages(tiles, tunables, query, keys, arrays, at)
     else:

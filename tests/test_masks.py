@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_sdpa as js
-from jax_sdpa._masks import PackedRows, QueriesFrom
+from jax_sdpa._row_rules import PackedRows, QueriesFrom
 from tests.profile import examples
 
 

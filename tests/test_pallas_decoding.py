@@ -279,6 +279,10 @@ def test_the_paged_kernel_has_no_forward_mode_nor_second_derivatives_and_says_so
 def test_split_keys_meet_the_sinks_once_and_give_their_gradient(monkeypatch):
     monkeypatch.setattr(_pallas, "SPLIT_KEYS", 64)
     monkeypatch.setattr(_pallas, "CHUNK_MULTIPLE", 64)
+    chunks, sequence = [], _pallas._sequence
+    monkeypatch.setattr(
+        _pallas, "_sequence", lambda *a: chunks.append(a[3][0].shape[0]) or sequence(*a)
+    )
     q, k, v = qkv(np.random.default_rng(8), 2, 1, S, 4, 4, 32)
     sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
 
@@ -294,5 +298,30 @@ def test_split_keys_meet_the_sinks_once_and_give_their_gradient(monkeypatch):
         return jnp.sum(out**2)
 
     (got, d_got), (want, d_want) = (jax.value_and_grad(loss)(sinks, x) for x in (INTERPRET, "xla"))
+    assert chunks[0] == 64  # (split)
     assert abs(got - want) < 1e-5 * abs(want)
     assert ref.rel_err(d_got, d_want) < 1e-5
+
+
+@SAMPLED
+def test_paged_keys_and_rows_padded_to_tiles_larger_than_a_program():
+    # Tiles of 256 rows and 512 keys (a program of the Mosaic GPU kernel's is 128): 1,152 keys
+    # and 300 queries are padded to whole tiles, none lost.
+    rng = np.random.default_rng(9)
+    key_pages, value_pages, table = (jnp.nan_to_num(x) for x in paged_pool(rng, 1, 1152, 16, 1, 64))
+    q = jnp.asarray(rng.normal(size=(1, 300, 2, 64)), jnp.float32)
+    lengths = jnp.array([1100])
+    kernel = js.Paged(kernel=js.Pallas(block_q=256, block_kv=512, interpret=True))
+
+    def loss(q, key_pages, value_pages, implementation):
+        out = js.paged_attention(
+            q, key_pages, value_pages, table, lengths, implementation=implementation
+        )
+        return jnp.sum(out**2)
+
+    (got, grads), (want, want_grads) = (
+        jax.value_and_grad(loss, (0, 1, 2))(q, key_pages, value_pages, x) for x in (kernel, None)
+    )
+    assert abs(got - want) < 1e-5 * abs(want)
+    for g, w in zip(grads, want_grads, strict=True):
+        assert ref.rel_err(g, w) < 1e-5
