@@ -174,16 +174,14 @@ def _selected_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 
 def _run_paged(inputs: Inputs, config: Config) -> Result:
-    kernel = config.tunables.kernel
     plain = not isinstance(inputs.key, Quantized) and not isinstance(inputs.value, LatentValues)
-    if kernel is not None and plain:  # (all sequences in one kernel)
-        sequence = functools.partial(pallas_paged_sequence, config.formula, kernel)
-    else:
+    kernel = config.tunables.kernel if plain else None
+    if kernel is None:  # one sequence after the other: each gathers its own pages, not the batch's
         sequence = functools.partial(paged_sequence, config.formula, config.tunables)
+    else:  # all sequences in one kernel
+        sequence = functools.partial(pallas_paged_sequence, config.formula, kernel)
     args = (inputs.query, inputs.key, inputs.value, inputs.page_table, inputs.arrays)
-    # Else one sequence after the other: each gathers its own pages, never the whole batch's.
-    sequential = sequence.func is paged_sequence
-    return over_batch(sequence, inputs.query.shape[:-3], *args, sequential=sequential)
+    return over_batch(sequence, inputs.query.shape[:-3], *args, sequential=kernel is None)
 
 
 def _paged_unsupported(inputs: Inputs, config: Config) -> str | None:

@@ -85,11 +85,11 @@ def _on_pages(tiles: Tiles, tunables: Pallas, query, pages: Pages, arrays: CallA
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _fused_pages(tiles: Tiles, tunables: Pallas, query, key, value, pages: Pages, arrays, at):
-    del key, value  # (the pages are read in the kernel: these carry the gradients)
-    return paged_forward(tiles, tunables, query, pages, arrays, _offsets(at))
+    return _fused_pages_fwd(tiles, tunables, query, key, value, pages, arrays, at)[0]
 
 
 def _fused_pages_fwd(tiles: Tiles, tunables: Pallas, query, key, value, pages, arrays, at):
+    del key, value  # (the pages are read in the kernel: these carry the gradients)
     out, lse, top = paged_forward(tiles, tunables, query, pages, arrays, _offsets(at))
     return (out, lse, top), (query, pages, arrays, at, out, lse)
 
@@ -219,9 +219,8 @@ def _split(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) 
     if count == 1 or whole:
         return _sequence(formula, tunables, query, keys, arrays)
     if paged:  # (the last page repeated, past the length: masked)
-        per_chunk = size // keys.key.shape[1]
-        table = jnp.pad(keys.table, (0, count * per_chunk - keys.table.shape[0]), mode="edge")
-        chunks = dataclasses.replace(keys, table=table.reshape(count, per_chunk))
+        chunks = keys.padded(count * size)
+        chunks = dataclasses.replace(chunks, table=chunks.table.reshape(count, -1))
         axes = Pages(None, None, 0)
         arrays = arrays if count * size == seq_kv else masked_past(arrays, seq_kv)
     else:
@@ -271,20 +270,15 @@ def _sequence(
     (seq_q, _, _), value_width = query.shape, value.shape[-1]
     tunables = for_inputs(tunables, query, key, value)
     if isinstance(keys, Pages):  # (whole programs and tiles: the last page repeated, masked)
-        length, page = keys.length, key.shape[1]
-
-        def shaped(count):
-            return jax.ShapeDtypeStruct((count, *key.shape[2:]), key.dtype)
-
-        tiles = fitted(formula, tunables, query, shaped(-(-length // page) * page))
-        # (sides and programs are powers of two: the larger a multiple of both)
-        multiple = max(PROGRAM_ROWS, tiles.block_kv, page)
+        length = keys.length
+        logical = jax.ShapeDtypeStruct((length, *key.shape[2:]), key.dtype)
+        tiles = fitted(formula, tunables, query, logical)
+        # (sides, programs and pages are powers of two: the largest a multiple of all)
+        multiple = max(PROGRAM_ROWS, tiles.block_kv, key.shape[1])
         whole = -(-length // multiple) * multiple
         if whole > length:
-            table = jnp.pad(keys.table, (0, (whole - length) // page), mode="edge")
-            keys = dataclasses.replace(keys, table=table)
+            keys = keys.padded(whole)
             arrays = masked_past(arrays, (0 if at is None else at) + length)
-        tiles = fitted(formula, tunables, query, shaped(whole))
         rows = max(PROGRAM_ROWS, tiles.block_q)
         query, arrays = padded_queries(query, arrays, rows, MIN_WIDTH)
         arrays = _rows_past(arrays, seq_q, query.shape[0])

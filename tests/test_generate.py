@@ -12,47 +12,40 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "generate.py"
 pytestmark = pytest.mark.slow  # end to end: -m "not slow" leaves it out
 
 
-def test_generation_with_contiguous_and_paged_caches_matches_the_full_forward():
-    # The script asserts each step's logits against the whole sequence run from scratch, and
-    # that both caches generate the same tokens; it fails (non-zero exit) otherwise. It runs with
-    # XLA's own compiler settings, as a user runs it (the rest of the suite compiles for speed of
-    # compiling: tests/conftest.py).
+def _generated(*flags: str, env=None) -> list[str]:
+    """The example's output lines, run with ``--short`` and ``flags``; its exit must be 0."""
     run = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--short"],
+        [sys.executable, str(EXAMPLE), "--short", *flags],
         capture_output=True,
         text=True,
         check=False,
-        env=dict(os.environ, XLA_FLAGS=""),
+        env=env,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.splitlines()
+    return run.stdout.splitlines()
+
+
+def _each_step_checked(lines: list[str]) -> None:
     for cache in ("contiguous", "paged"):
         line = next(line for line in lines if line.startswith(cache))
         assert "tokens/s (each step checked against the full forward)" in line
 
 
+def test_generation_with_contiguous_and_paged_caches_matches_the_full_forward():
+    # The script asserts each step's logits against the whole sequence run from scratch, and
+    # that both caches generate the same tokens; it fails (non-zero exit) otherwise. It runs with
+    # XLA's own compiler settings, as a user runs it (the rest of the suite compiles for speed of
+    # compiling: tests/conftest.py).
+    _each_step_checked(_generated(env=dict(os.environ, XLA_FLAGS="")))
+
+
 def test_generation_with_an_int8_cache_matches_the_full_forward_on_the_same_rounding():
-    run = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--short", "--cache", "int8"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    moved = next(line for line in run.stdout.splitlines() if line.startswith("int8 cache"))
+    lines = _generated("--cache", "int8")
+    moved = next(line for line in lines if line.startswith("int8 cache"))
     assert float(moved.split("by ")[1].split()[0]) < 2.0**-7  # within the format's step
 
 
 def test_generation_on_the_fused_kernel_matches_the_full_forward():
     # --kernel interpret: the cached steps' attention on the fused kernel in the Pallas
     # interpreter (packed heads; the paged cache through Paged(kernel=...)), each step checked.
-    run = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--short", "--kernel", "interpret"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    for cache in ("contiguous", "paged"):
-        line = next(line for line in run.stdout.splitlines() if line.startswith(cache))
-        assert "(each step checked against the full forward)" in line
+    _each_step_checked(_generated("--kernel", "interpret"))

@@ -190,6 +190,11 @@ class Pages:
         """The sequence's keys and values, ``(S, K, ·)``: a copy of its pages."""
         return tuple(x[self.table].reshape(-1, *x.shape[2:]) for x in (self.key, self.value))
 
+    def padded(self, length: int) -> "Pages":
+        """The pages of ``length`` keys (whole pages): the last page repeated after them."""
+        extra = length // self.key.shape[1] - self.table.shape[0]
+        return dataclasses.replace(self, table=jnp.pad(self.table, (0, extra), mode="edge"))
+
 
 def paged_forward(
     tiles: Tiles, tunables: Pallas, query, pages: Pages, arrays: CallArrays, offsets=(0, 0)
