@@ -12,7 +12,8 @@ sequence, as ms and TB/s of the keys and values a call reads: the yardstick (one
 the cache, the machine's bandwidth in this run), ``implementation=None`` (the decode path),
 the fused kernels (Mosaic GPU and Triton: query heads packed by groups, keys split; paged
 caches read page by page in the Mosaic GPU kernel, gathered for Triton), int8 and float8
-caches, paged caches, ``jax.nn`` with cuDNN and with XLA, PyTorch's SDPA if it is installed
+caches (on the decode path, and read as they are by the Mosaic GPU kernel, paged int8 too),
+paged caches, ``jax.nn`` with cuDNN and with XLA, PyTorch's SDPA if it is installed
 (CUDA events around calls back to back, one sync per round); B1 S131072 and B64
 S4096 with their yardsticks; the ragged batch (8 decodes and a 2,048-token chunk) against the two
 calls apart. Last, each kernel of the decode call and its device time: what XLA runs around the
@@ -71,14 +72,22 @@ def decode_calls(batch: int, seq: int, dtype=jnp.bfloat16) -> dict:
         "yardstick (read K, V)": (lambda k, v: (k.max(axis=1), v.max(axis=1)), (k, v)),
         "jax_sdpa default": (ours, (q, k, v)),
     }
+    mosaic_gpu = {name: pallas for name, pallas in KERNELS.items() if name == "mosaic_gpu"}
     for fmt in ("int8", "float8_e4m3fn"):
         quantized = (js.quantize(k, fmt), js.quantize(v, fmt))
         calls[f"jax_sdpa {fmt}"] = (ours, (q, *quantized))
+        for name, pallas in mosaic_gpu.items():  # (the 8 bits read in the kernel)
+            kernel = functools.partial(ours, implementation=pallas)
+            calls[f"jax_sdpa {fmt} {name}"] = (kernel, (q, *quantized))
     for page in (16, 64):
         calls[f"jax_sdpa paged {page}"] = (js.paged_attention, (q, *_paged(k, v, page), lengths))
         for name, pallas in KERNELS.items():  # (the pages read in the kernel, or gathered)
             paged = functools.partial(js.paged_attention, implementation=js.Paged(kernel=pallas))
             calls[f"jax_sdpa paged {page} {name}"] = (paged, (q, *_paged(k, v, page), lengths))
+            if page == 16 and name in mosaic_gpu:  # (and paged int8)
+                *pools, table = _paged(k, v, page)
+                pools = [js.quantize(x, "int8") for x in pools]
+                calls[f"jax_sdpa paged {page} int8 {name}"] = (paged, (q, *pools, table, lengths))
     for name, pallas in KERNELS.items():  # (packed query heads, split keys: one kernel)
         calls[f"jax_sdpa {name}"] = (functools.partial(ours, implementation=pallas), (q, k, v))
     for implementation in ("cudnn", "xla"):
@@ -91,7 +100,9 @@ def decode_calls(batch: int, seq: int, dtype=jnp.bfloat16) -> dict:
     sizes = {name: cache_bytes for name in calls}
     for fmt in ("int8", "float8_e4m3fn"):  # (a byte a number, and the scales)
         scales = sum(x.scale.size * x.scale.dtype.itemsize for x in calls[f"jax_sdpa {fmt}"][1][1:])
-        sizes[f"jax_sdpa {fmt}"] = k.size + v.size + scales
+        for name in calls:
+            if fmt in name:
+                sizes[name] = k.size + v.size + scales
     return {name: (fn, args, sizes[name]) for name, (fn, args) in calls.items()}
 
 
@@ -137,7 +148,7 @@ def check(seq: int, tolerance: float) -> None:
             error = float(np.max(np.abs(out - want)) / np.max(np.abs(want)))
             bound = 4 * tolerance if ("int8" in name or "float8" in name) else tolerance
             verdict = "ok" if np.all(np.isfinite(out)) and error < bound else "FAILED"
-            print(f"  {name:28s} {verdict}  {error:.1e} (bound {bound:.0e})", flush=True)
+            print(f"  {name:34s} {verdict}  {error:.1e} (bound {bound:.0e})", flush=True)
         except Exception as error:  # one case's failure must not lose the others
             print(f"  {name}: FAILED {_failure(error, 300)}")
     try:
@@ -145,7 +156,7 @@ def check(seq: int, tolerance: float) -> None:
         one, two = (np.asarray(jax.jit(fn)(*args), np.float32) for fn, args in ragged.values())
         error = float(np.max(np.abs(one - two)) / np.max(np.abs(two)))
         print(
-            f"  {'ragged against apart':28s} {'ok' if error < tolerance else 'FAILED'}  {error:.1e}"
+            f"  {'ragged against apart':34s} {'ok' if error < tolerance else 'FAILED'}  {error:.1e}"
         )
     except Exception as error:
         print(f"  ragged: FAILED {_failure(error, 300)}")
@@ -175,7 +186,7 @@ def _torch_seconds(batch: int, seq: int, reps: int) -> float:
 def time_shape(batch: int, seq: int, names, reps: int, stop: float) -> dict:
     """The device time of each named decode call at ``(batch, seq)``, printed; ``name -> s``."""
     print(f"\nB{batch} S{seq} N{N} K{K} d{D} bfloat16, one query a sequence:")
-    print(f"{'call':28s} {'ms':>8s} {'TB/s':>7s} {'% yardstick':>12s} {'% of 4.8':>9s}")
+    print(f"{'call':34s} {'ms':>8s} {'TB/s':>7s} {'% yardstick':>12s} {'% of 4.8':>9s}")
     seconds, yardstick = {}, None
     for name, (fn, args, size) in decode_calls(batch, seq).items():
         if names is not None and name not in names:
@@ -191,7 +202,7 @@ def time_shape(batch: int, seq: int, names, reps: int, stop: float) -> dict:
         rate = size / seconds[name] / 1e12
         yardstick = yardstick or rate
         print(
-            f"{name:28s} {seconds[name] * 1e3:8.3f} {rate:7.2f} {100 * rate / yardstick:11.0f}% "
+            f"{name:34s} {seconds[name] * 1e3:8.3f} {rate:7.2f} {100 * rate / yardstick:11.0f}% "
             f"{100 * rate / HBM_TB_S:8.0f}%",
             flush=True,
         )
@@ -216,7 +227,7 @@ def main() -> None:
         try:
             torch = _torch_seconds(*big, args.reps)
             size = 2 * big[0] * big[1] * K * D * 2
-            print(f"{'torch SDPA (enable_gqa)':28s} {torch * 1e3:8.3f} {size / torch / 1e12:7.2f}")
+            print(f"{'torch SDPA (enable_gqa)':34s} {torch * 1e3:8.3f} {size / torch / 1e12:7.2f}")
         except Exception as error:
             print(f"  torch SDPA: {_failure(error, 200)}")
     for shape in ((1, 2048), (8, 256)) if rehearse else ((1, 131072), (64, 4096)):

@@ -46,7 +46,7 @@ from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result, over_heads
 from jax_sdpa._indices import positions
 from jax_sdpa._latent import LatentValues
-from jax_sdpa._quantized import Quantized, per_token
+from jax_sdpa._quantized import Quantized, keys_product, per_token, values_product
 from jax_sdpa._steps import accumulation_dtype, raw_scores, weighted_sum
 from jax_sdpa._tiles import Tiles, listed_blocks, loop, pad_keys
 from jax_sdpa._tiles_backward import backward
@@ -66,9 +66,13 @@ def _per_key(scale, dtype):
 
 def _scores(query, key, precision=None):
     """``q · k`` for every head, query and key: ``(K, G, T, H) × (L, K, H) → (K, G, T, L)``."""
-    if isinstance(key, Quantized):  # q · (s k) = s (q · k): the 8-bit keys in the product
-        raw = _scores(query, key.values.astype(query.dtype), precision)
-        return raw * _per_key(key.scale, raw.dtype)
+    if isinstance(key, Quantized):  # the 8-bit keys in the product
+        return keys_product(
+            lambda q, k: _scores(q, k.astype(q.dtype), precision),
+            query,
+            key,
+            lambda scale: _per_key(scale, accumulation_dtype(query.dtype)),
+        )
     dtype = accumulation_dtype(query.dtype)
     kv_heads, _, _, features = query.shape
     query_rows = query[0].size // features  # G·T rows per key/value head
@@ -96,9 +100,13 @@ def _blend(weights, value, *, precision=None):
     :func:`~jax_sdpa.weighted_sum`'s sum, formed as :func:`_scores` forms its products; as
     there, the weights are cast to the value dtype and the sum is accumulated in float32.
     """
-    if isinstance(value, Quantized):  # Σ w (s v) = Σ (w s) v: the 8-bit values in the sum
-        scaled = weights * _per_key(value.scale, weights.dtype)
-        return _blend(scaled, value.values.astype(value.dtype), precision=precision)
+    if isinstance(value, Quantized):  # the 8-bit values in the sum
+        return values_product(
+            lambda w, v: _blend(w, v.astype(value.dtype), precision=precision),
+            weights,
+            value,
+            lambda scale: _per_key(scale, weights.dtype),
+        )
     dtype = accumulation_dtype(value.dtype)
     weights = weights.astype(value.dtype)
     kv_heads, group, seq_q, size = weights.shape

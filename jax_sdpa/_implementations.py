@@ -41,7 +41,6 @@ from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._jax_compat import PALLAS_UNDER_SHARD_MAP, differentiated_twice, under_jvp_of
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._pallas import pallas_paged_sequence, pallas_sequence
-from jax_sdpa._quantized import Quantized
 from jax_sdpa._ring import ring_sequence
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tunables import Chunked, Decode, Paged, Pallas, Ring, Selected
@@ -76,9 +75,9 @@ class Entry:
     ``asked_as``: how a user asks for it, for messages (``implementation=...`` by default).
     ``tunables``: the class of its tunables (``Chunked``), whose instance the call's ``run``
     finds in ``config.tunables``; ``None`` where it has none.
-    ``serving_caches``: whether it reads quantized caches (:class:`~jax_sdpa.Quantized`; the
-    others refuse them) and :class:`~jax_sdpa.LatentValues` as they are (the others attend to
-    the keys' slice).
+    ``quantized``: whether it reads quantized caches (:class:`~jax_sdpa.Quantized`; the others
+    refuse them). ``latent``: whether it reads :class:`~jax_sdpa.LatentValues` as they are (the
+    others attend to the keys' slice).
     """
 
     run: Callable[[Inputs, Config], Result]
@@ -87,7 +86,8 @@ class Entry:
     second_order: Callable[[Any], bool] = lambda tunables: True
     asked_as: str | None = None
     tunables: type | None = None
-    serving_caches: bool = False
+    quantized: bool = False
+    latent: bool = False
 
     def refuses(self, name: str, inputs: Inputs, config: Config) -> str | None:
         """Why this entry (``name`` in the table) cannot run the call, or None."""
@@ -97,11 +97,11 @@ class Entry:
                 f"{how} attends to every key; `key_indices` are read by implementation=None "
                 "or 'selected'."
             )
-        if inputs.quantized and not self.serving_caches:
+        if inputs.quantized and not self.quantized:
             how = self.asked_as or f"`implementation={name!r}`"
             return (
-                f"{how} reads float caches, not quantized ones (jax_sdpa.quantize): the decode "
-                "path reads those, implementation=None or 'decode' (or `paged_attention`)."
+                f"{how} reads float caches, not quantized ones (jax_sdpa.quantize): "
+                "implementation=None, 'decode' or 'pallas' read those (or `paged_attention`)."
             )
         return self.unsupported(inputs, config)
 
@@ -174,8 +174,7 @@ def _selected_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 
 def _run_paged(inputs: Inputs, config: Config) -> Result:
-    plain = not isinstance(inputs.key, Quantized) and not isinstance(inputs.value, LatentValues)
-    kernel = config.tunables.kernel if plain else None
+    kernel = None if isinstance(inputs.value, LatentValues) else config.tunables.kernel
     if kernel is None:  # one sequence after the other: each gathers its own pages, not the batch's
         sequence = functools.partial(paged_sequence, config.formula, config.tunables)
     else:  # all sequences in one kernel
@@ -233,8 +232,10 @@ def _ring_unsupported(inputs: Inputs, config: Config) -> str | None:
 IMPLEMENTATIONS: dict[str, Entry] = {
     "xla": Entry(_run_dense, jvp=lambda tunables: True),
     "chunked": Entry(_tiled(chunked_sequence), _chunked_unsupported, tunables=Chunked),
-    "decode": Entry(_run_decode, _decode_unsupported, tunables=Decode, serving_caches=True),
-    "selected": Entry(_run_selected, _selected_unsupported, tunables=Selected, serving_caches=True),
+    "decode": Entry(_run_decode, _decode_unsupported, tunables=Decode, quantized=True, latent=True),
+    "selected": Entry(
+        _run_selected, _selected_unsupported, tunables=Selected, quantized=True, latent=True
+    ),
     "paged": Entry(
         _run_paged,
         _paged_unsupported,
@@ -242,7 +243,8 @@ IMPLEMENTATIONS: dict[str, Entry] = {
         second_order=lambda paged: paged.kernel is None,
         asked_as="`paged_attention`",
         tunables=Paged,
-        serving_caches=True,
+        quantized=True,
+        latent=True,
     ),
     "cudnn": Entry(run_cudnn, cudnn_unsupported, second_order=lambda tunables: False),
     "ring": Entry(
@@ -257,6 +259,7 @@ IMPLEMENTATIONS: dict[str, Entry] = {
         _pallas_unsupported,
         second_order=lambda pallas: False,
         tunables=Pallas,
+        quantized=True,
     ),
 }
 
@@ -391,7 +394,7 @@ def without_positions(inputs: Inputs) -> Result:
 def run(inputs: Inputs, *, config: Config) -> Result:
     """The jitted batched computation of a bound call; the weights only where asked for."""
     entry = IMPLEMENTATIONS[config.implementation]
-    if isinstance(inputs.value, LatentValues) and not entry.serving_caches:
+    if isinstance(inputs.value, LatentValues) and not entry.latent:
         inputs = dataclasses.replace(inputs, value=inputs.value.of(inputs.key))
     if 0 in (inputs.query.shape[-3], inputs.seq_kv):
         result = without_positions(inputs)

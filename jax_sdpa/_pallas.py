@@ -18,7 +18,8 @@ from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
 from jax_sdpa._indices import positions
-from jax_sdpa._kernels.calls import Pages, backward, forward, paged_forward
+from jax_sdpa._kernels.caches import Pages, cache_forward, plain
+from jax_sdpa._kernels.calls import backward
 from jax_sdpa._kernels.fitting import (
     block_lists,
     fitted,
@@ -27,6 +28,7 @@ from jax_sdpa._kernels.fitting import (
     padded_queries,
 )
 from jax_sdpa._kernels.mosaic_gpu import MIN_WIDTH, PROGRAM_ROWS
+from jax_sdpa._quantized import per_token
 from jax_sdpa._row_rules import PackedRows
 from jax_sdpa._tiles import Tiles, differentiable, masked_past, pad_keys
 from jax_sdpa._tiles_backward import backward_rows, sinks_grad
@@ -52,7 +54,7 @@ def _offsets(at) -> tuple:
 
 def _fused_fwd(tiles: Tiles, tunables: Pallas, query, key, value, arrays: CallArrays, lists, at):
     offsets = _offsets(at)
-    out, lse, top = forward(tiles, tunables, query, key, value, arrays, offsets, lists=lists)
+    out, lse, top = cache_forward(tiles, tunables, query, (key, value), arrays, offsets, lists)
     return (out, lse, top), (query, key, value, arrays, lists, at, out, lse)
 
 
@@ -60,11 +62,14 @@ def _fused_bwd(tiles: Tiles, tunables: Pallas, residuals: tuple, cotangents: tup
     query, key, value, arrays, lists, at, out, lse = residuals
     rows = backward_rows(out, lse, cotangents, tiles.formula.normalizer)
     offsets = _offsets(at)
+    # (the kernels' on a quantized cache widened, their gradients then the widening's)
+    (key, value), widened = jax.vjp(plain, (key, value))
     grads = backward(tiles, tunables, query, key, value, arrays, rows, offsets, lists=lists)
     operands = (query, key, value, differentiable(arrays.score_consts))
     d_query, d_key, d_value, d_consts = jax.tree.map(
         lambda d, x: d.astype(x.dtype), grads, operands
     )
+    ((d_key, d_value),) = widened((d_key, d_value))
     d_arrays = CallArrays(score_consts=d_consts, sinks=sinks_grad(arrays.sinks, lse, rows))
     return d_query, d_key, d_value, d_arrays, None, None
 
@@ -90,7 +95,7 @@ def _fused_pages(tiles: Tiles, tunables: Pallas, query, key, value, pages: Pages
 
 def _fused_pages_fwd(tiles: Tiles, tunables: Pallas, query, key, value, pages, arrays, at):
     del key, value  # (the pages are read in the kernel: these carry the gradients)
-    out, lse, top = paged_forward(tiles, tunables, query, pages, arrays, _offsets(at))
+    out, lse, top = cache_forward(tiles, tunables, query, pages, arrays, _offsets(at))
     return (out, lse, top), (query, pages, arrays, at, out, lse)
 
 
@@ -110,12 +115,14 @@ def pallas_sequence(
 ) -> Result:
     """The fused kernels on one sequence, all heads: ``(out, lse, None)`` in jax.nn's layout.
 
-    ``(T, N, H)`` queries and ``(S, K, ·)`` keys and values. Decoding (a few queries) is
-    shaped for it: grouped query heads packed, each key/value head's ``G`` into one tile's rows
-    (:func:`packed`: each key is read once for its group), and the keys split (:func:`_split`)
-    where the rows then fit :data:`PACKED_ROWS`.
+    ``(T, N, H)`` queries and ``(S, K, ·)`` keys and values, either quantized
+    (:class:`~jax_sdpa.Quantized`: read as they are by the Mosaic GPU kernel, widened first
+    for the others; :func:`~jax_sdpa._kernels.caches.cache_forward`). Decoding (a few queries)
+    is shaped for it: grouped query heads packed, each key/value head's ``G`` into one tile's
+    rows (:func:`packed`: each key is read once for its group), and the keys split
+    (:func:`_split`) where the rows then fit :data:`PACKED_ROWS`.
     """
-    return _decoding(formula, tunables, query, (key, value), arrays)
+    return _decoding(formula, tunables, query, (per_token(key), per_token(value)), arrays)
 
 
 def pallas_paged_sequence(
@@ -128,14 +135,15 @@ def pallas_paged_sequence(
     the chunk); any other call gathers the sequence's pages first (a copy of them all). A page
     number outside the pool reads the sequence's first page inside it, as if listed there (its
     keys past the length are masked): never another sequence's page, where any of its own is in
-    the pool (with none, page 0; its length is then 0, and no key is read). The gradients are
-    the kernels', on the gathered pages.
+    the pool (with none, page 0; its length is then 0, and no key is read). The pools may be
+    quantized, as :func:`pallas_sequence`'s caches. The gradients are the kernels', on the
+    gathered pages.
     """
     count = key_pages.shape[0]
     inside = (table >= 0) & (table < count)
     first = jnp.clip(table[jnp.argmax(inside)], 0, count - 1)  # (the first inside)
     table = jnp.where(inside, table, first)
-    pages = Pages(key_pages, value_pages, table)
+    pages = Pages(per_token(key_pages), per_token(value_pages), table)
     if not _pages_fit(tunables, query, pages):
         return pallas_sequence(formula, tunables, query, *pages.gathered(), arrays)
     return _decoding(formula, tunables, query, pages, arrays)
@@ -225,7 +233,7 @@ def _split(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) 
         arrays = arrays if count * size == seq_kv else masked_past(arrays, seq_kv)
     else:
         key, value, arrays = pad_keys(*keys, arrays, count * size)
-        chunks, axes = tuple(x.reshape(count, size, *x.shape[1:]) for x in (key, value)), 0
+        chunks, axes = jax.tree.map(lambda x: x.reshape(count, size, *x.shape[1:]), (key, value)), 0
 
     def chunk(keys, at):  # (the sinks met once, after)
         return _sequence(
@@ -271,7 +279,9 @@ def _sequence(
     tunables = for_inputs(tunables, query, key, value)
     if isinstance(keys, Pages):  # (whole programs and tiles: the last page repeated, masked)
         length = keys.length
-        logical = jax.ShapeDtypeStruct((length, *key.shape[2:]), key.dtype)
+        logical = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((length, *x.shape[2:]), x.dtype), key
+        )  # (the sequence's keys: quantized, if the pool is)
         tiles = fitted(formula, tunables, query, logical)
         # (sides, programs and pages are powers of two: the largest a multiple of all)
         multiple = max(PROGRAM_ROWS, tiles.block_kv, key.shape[1])

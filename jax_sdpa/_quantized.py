@@ -17,8 +17,9 @@ and ``s`` a float scale, symmetric about 0 (vLLM, FlashInfer, FlashAttention-3's
 The attention reads ``q`` and ``s``, never a float copy of the cache: ``s`` leaves the products,
 :math:`q_i \cdot (s_j k_j) = s_j (q_i \cdot k_j)` and :math:`\sum_j w_{ij} (s_j v_j) = \sum_j
 (w_{ij} s_j) v_j`, so the scores are scaled after the product of the 8-bit keys and the weights
-before the blend with the 8-bit values (:mod:`jax_sdpa._decode`). The results are those of the
-dequantized cache :math:`q \cdot s`, to float32 rounding.
+before the blend with the 8-bit values (:func:`keys_product`, :func:`values_product`: the decode
+path's products and the Mosaic GPU kernel's tiles). The results are those of the dequantized
+cache :math:`q \cdot s`, to float32 rounding.
 """
 
 import dataclasses
@@ -136,6 +137,28 @@ def quantize(x: ArrayLike, format: Format = "int8", *, scale: ArrayLike | None =
         _checks.check_broadcastable("scale", scale, shape, str(shape))
         scale = jnp.broadcast_to(scale.astype(x.dtype), shape)
     return Quantized(_stored(x, scale, dtype, largest), scale)
+
+
+def keys_product(product, query, key, per_key):
+    r"""``product(query, key)`` of a key block, quantized or not.
+
+    Quantized: :math:`q \cdot (s k) = s (q \cdot k)`, the 8-bit keys in the product and
+    ``per_key(scale)`` (their scales laid out along its keys) on its result.
+    """
+    if not isinstance(key, Quantized):
+        return product(query, key)
+    return product(query, key.values) * per_key(key.scale)
+
+
+def values_product(product, weights, value, per_key):
+    r"""``product(weights, value)`` of a value block, quantized or not.
+
+    Quantized: :math:`\sum_j w_j (s_j v_j) = \sum_j (w_j s_j) v_j`, ``per_key(scale)`` on the
+    weights and the 8-bit values in the product.
+    """
+    if not isinstance(value, Quantized):
+        return product(weights, value)
+    return product(weights * per_key(value.scale), value.values)
 
 
 def per_token(cache):

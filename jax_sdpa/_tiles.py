@@ -35,7 +35,8 @@ from jax_sdpa._heads import over_heads
 from jax_sdpa._indices import INDEX, Index, at_start, indices, listed, positions
 from jax_sdpa._masks import LengthMask, MaskRule
 from jax_sdpa._online_softmax import State
-from jax_sdpa._steps import cast_product, raw_scores, weighted_sum
+from jax_sdpa._quantized import keys_product, values_product
+from jax_sdpa._steps import accumulation_dtype, cast_product, raw_scores, weighted_sum
 
 
 class BackwardRows(NamedTuple):
@@ -94,7 +95,8 @@ class Tiles:
         """
         q_i, formula = self.formula.scaled_queries(q_i)
         if self.product is not None:
-            return q_i, formula, self.product("td,sd->ts", q_i, k_j, q_i.dtype)
+            product = functools.partial(self.product, "td,sd->ts", dtype=q_i.dtype)
+            return q_i, formula, keys_product(product, q_i, k_j, _along_keys)
         return q_i, formula, raw_scores(q_i, k_j, precision=formula.precision)
 
     def scores(self, q_i, k_j, arrays: CallArrays, q_offset, kv_offset):
@@ -131,7 +133,8 @@ class Tiles:
         """The weighted sum of the values, :func:`~jax_sdpa._steps.weighted_sum` or the kernel's."""
         if self.product is None:
             return weighted_sum(weights, value, precision=precision)
-        return self.product("ts,sd->td", weights, value, value.dtype)
+        product = functools.partial(self.product, "ts,sd->td", dtype=value.dtype)
+        return values_product(product, weights, value, _along_keys)
 
     def tile_gradient(
         self, q_i, k_j, v_j, arrays: CallArrays, row_terms: BackwardRows, q_offset, kv_offset
@@ -224,6 +227,15 @@ class Tiles:
     def keys(self, x, j):
         """Block ``j`` of ``(S, K·d)`` key or value rows as ``(K, block_kv, d)``."""
         return _heads_first(_rows(x, j, self.block_kv), self.groups[:1], False)
+
+
+def _along_keys(scale: jax.Array) -> jax.Array:
+    """A block's ``(L,)`` quantized keys' or values' scales along a tile's keys, ``(1, L)``.
+
+    In the products' accumulation dtype (a kernel's tile may take its keys and values as
+    :class:`~jax_sdpa.Quantized` blocks, whose 16-bit scales Mosaic GPU does not promote).
+    """
+    return scale.astype(accumulation_dtype(scale.dtype))[None, :]
 
 
 def differentiable(consts: tuple) -> tuple:

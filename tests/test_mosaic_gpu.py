@@ -624,3 +624,83 @@ def test_a_paged_decoding_call_lowers_for_cuda_reading_the_pool_in_place(page):
         return call(q, key_pages, value_pages).astype(jnp.float32).sum()
 
     assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, pool, pool)) == 3
+
+
+@pytest.mark.parametrize(
+    "fmt, paged",
+    [
+        ("int8", False),
+        pytest.param("float8_e4m3fn", False, marks=SIMULATED_SLOW),
+        pytest.param("int8", True, marks=SIMULATED_SLOW),
+    ],
+)
+def test_quantized_caches_read_by_the_kernel_on_the_gpu_simulator_are_the_reference(
+    fmt, paged, monkeypatch
+):
+    # The 8 bits and the scales copied as they are, each block widened in shared memory, the
+    # scales on the scores and the weights: the reference on the dequantized cache (a scale
+    # dropped or misplaced fails it by orders of magnitude).
+    _split_small(monkeypatch)
+    rng = np.random.default_rng(18)
+    lengths = jnp.array([700, 300])
+    q = jnp.asarray(rng.normal(size=(2, 1, 8, 64)), jnp.bfloat16)
+    if paged:
+        key_pages, value_pages, table = paged_pool(rng, 2, 768, 16, 2, 64, jnp.bfloat16)
+        pools = [js.quantize(jnp.nan_to_num(x), fmt) for x in (key_pages, value_pages)]
+        out, lse = js.paged_attention(
+            q,
+            *pools,
+            table,
+            lengths,
+            return_residual=True,
+            implementation=js.Paged(kernel=_simulated()),
+        )
+        wide = [x.astype(jnp.float32) for x in (q, *(p.dequantize() for p in pools))]
+        want = js.paged_attention(*wide, table, lengths, return_residual=True)
+    else:
+        _, k, v = qkv(rng, 2, 1, 700, 8, 2, 64, dtype=jnp.bfloat16)
+        caches = [js.quantize(x, fmt) for x in (k, v)]
+        out, lse = js.dot_product_attention(
+            q,
+            *caches,
+            key_value_seq_lengths=lengths,
+            implementation=_simulated(),
+            return_residual=True,
+        )
+        theirs = ref.attention(q, *(x.dequantize() for x in caches), kv_lengths=np.asarray(lengths))
+        want = theirs["out"], theirs["lse"]
+    assert ref.rel_err(out, want[0]) < 2e-2 and ref.rel_err(lse, want[1]) < 1e-2
+
+
+@pytest.mark.parametrize("paged", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_quantized_decoding_call_lowers_for_cuda_reading_the_8_bits_in_place(paged):
+    # B2 S8192 N32 K8 int8: the forward kernel takes the 8-bit keys and values as they lie
+    # (or the whole pool, once) and their scales heads first; nothing widened around it.
+    from tests.lowering import mosaic_gpu_kernels
+
+    q = jnp.zeros((2, 1, 32, 128), jnp.bfloat16)
+    lengths = jnp.array([8000, 5000])
+    pallas = js.Pallas(backend="mosaic_gpu")
+    if paged:
+        pool = js.quantize(jnp.zeros((1024, 16, 8, 128), jnp.bfloat16))
+        table = jnp.zeros((2, 512), jnp.int32)
+        args, cache, scale = (q, pool, pool), "tensor<1024x16x8x128xi8>", "tensor<8x1024x16xbf16>"
+
+        def call(q, key, value):
+            paged = js.Paged(kernel=pallas)
+            return js.paged_attention(q, key, value, table, lengths, implementation=paged)
+    else:
+        k = js.quantize(jnp.zeros((2, 8192, 8, 128), jnp.bfloat16))
+        # (2 chunks in place; their scales heads first)
+        args, cache, scale = (q, k, k), "tensor<2x2x4096x8x128xi8>", "tensor<2x2x8x4096xbf16>"
+
+        def call(q, key, value):
+            return js.dot_product_attention(
+                q, key, value, key_value_seq_lengths=lengths, implementation=pallas
+            )
+
+    operands = []
+    assert len(mosaic_gpu_kernels(call, *args, operands=operands)) == 1
+    types = operands[0].split(", ")
+    assert types.count(cache) == 2 and types.count(scale) == 2
+    assert [t for t in types if t.endswith("x8x128xbf16>")] == ["tensor<2x128x8x128xbf16>"]

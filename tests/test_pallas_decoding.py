@@ -325,3 +325,62 @@ def test_paged_keys_and_rows_padded_to_tiles_larger_than_a_program():
     assert abs(got - want) < 1e-5 * abs(want)
     for g, w in zip(grads, want_grads, strict=True):
         assert ref.rel_err(g, w) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "fmt, paged",
+    [
+        ("int8", False),
+        pytest.param("float8_e4m3fn", False, marks=SAMPLED),
+        pytest.param("int8", True, marks=SAMPLED),
+    ],
+)
+def test_quantized_caches_through_the_kernel_are_the_decode_paths(fmt, paged, monkeypatch):
+    # 8-bit caches: read as they are by the Mosaic GPU kernel (tests/test_mosaic_gpu.py),
+    # widened first for the others (here the interpreter); the gradients of the queries and
+    # of the scales through the widening.
+    monkeypatch.setattr(_pallas, "SPLIT_KEYS", 128)
+    rng = np.random.default_rng(8)
+    lengths = jnp.array([380, 150])
+    q = jnp.asarray(rng.normal(size=(2, 2, 8, 64)), jnp.float32)
+    if paged:
+        pools = [jnp.nan_to_num(x) for x in paged_pool(rng, 2, 400, 16, 2, 64)[:2]]
+        table = paged_pool(rng, 2, 400, 16, 2, 64)[2]
+        caches = [js.quantize(x, fmt) for x in pools]
+
+        def call(q, key, value, kernel):
+            implementation = js.Paged(kernel=kernel)
+            return js.paged_attention(
+                q, key, value, table, lengths, return_residual=True, implementation=implementation
+            )
+    else:
+        _, k, v = qkv(rng, 2, 2, 400, 8, 2, 64)
+        caches = [js.quantize(x, fmt) for x in (k, v)]
+
+        def call(q, key, value, kernel):
+            return js.dot_product_attention(
+                q,
+                key,
+                value,
+                key_value_seq_lengths=lengths,
+                is_causal=True,
+                causal_alignment="bottom_right",
+                return_residual=True,
+                implementation=kernel,
+            )
+
+    def loss(q, key, value, kernel):
+        out, lse = call(q, key, value, kernel)
+        return jnp.sum(out**2) + jnp.sum(lse), (out, lse)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True, allow_int=True)
+    (d_q, d_key, d_value), (out, lse) = grad(q, *caches, INTERPRET)
+    (want_q, want_key, want_value), want = grad(q, *caches, None)  # (the decode path's)
+    assert ref.rel_err(out, want[0]) < 1e-5 and ref.rel_err(lse, want[1]) < 1e-5
+    assert ref.rel_err(d_q, want_q) < 1e-5
+    for got, wanted in ((d_key, want_key), (d_value, want_value)):
+        assert ref.rel_err(got.scale, wanted.scale) < 1e-4
+        if fmt == "int8":  # (integers have no gradient; float8 its own, in float8)
+            assert got.values.dtype == jax.dtypes.float0
+        else:
+            assert ref.rel_err(*(x.values.astype(jnp.float32) for x in (got, wanted))) < 2**-4

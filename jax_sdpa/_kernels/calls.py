@@ -131,7 +131,7 @@ def forward(
     ``arrays``, the rows start from them. ``out`` is in ``out_dtype`` (the values' by default).
     ``lists``: those of the call's block mask (its tiles the kernel's), to visit only its blocks.
     """
-    plan = _plan(tiles, tunables, query, key.shape[0], arrays, lists)
+    plan = plan_for(tiles, tunables, query, key.shape[0], arrays, lists)
     (seq_q, heads, width), value_width = query.shape, value.shape[-1]
     inputs = ForwardIn(query, key, value, plan.inputs(arrays, offsets, lists))
     specs = ForwardIn(
@@ -142,7 +142,7 @@ def forward(
     )
     rows = shaped_like((seq_q, heads, 1), accumulation_dtype(query.dtype), query)
 
-    masked = _masked(arrays, offsets)
+    masked = block_mask_arrays(arrays, offsets)
 
     def on_mosaic_gpu(inputs: ForwardIn) -> ForwardOut:
         out, lse, top = mosaic_gpu.forward(
@@ -173,60 +173,6 @@ def forward(
     return outs.out, outs.lse[:, :, 0], outs.top[:, :, 0]
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Pages:
-    """A sequence's keys and values in pages: ``table`` ``(pages,)`` of ``(P, page, K, ·)``."""
-
-    key: jax.Array
-    value: jax.Array
-    table: jax.Array
-
-    @property
-    def length(self) -> int:
-        return self.table.shape[0] * self.key.shape[1]
-
-    def gathered(self) -> tuple:
-        """The sequence's keys and values, ``(S, K, ·)``: a copy of its pages."""
-        return tuple(x[self.table].reshape(-1, *x.shape[2:]) for x in (self.key, self.value))
-
-    def padded(self, length: int) -> "Pages":
-        """The pages of ``length`` keys (whole pages): the last page repeated after them."""
-        extra = length // self.key.shape[1] - self.table.shape[0]
-        return dataclasses.replace(self, table=jnp.pad(self.table, (0, extra), mode="edge"))
-
-
-def paged_forward(
-    tiles: Tiles, tunables: Pallas, query, pages: Pages, arrays: CallArrays, offsets=(0, 0)
-):
-    """:func:`forward` of keys and values in :class:`Pages`: ``(out, lse, max_scores)``.
-
-    The table's pages all inside the pool, whole multiples of the kernels' programs of keys.
-    The Mosaic GPU kernel copies each block of keys from its pages (on its simulator, or on
-    ``cuda``); elsewhere the pages are gathered first (a copy of the sequence's keys) for
-    :func:`forward`.
-    """
-
-    def gathered(inputs):
-        query, pages = inputs
-        return forward(tiles, tunables, query, *pages.gathered(), arrays, offsets)
-
-    if not on_mosaic_gpu(tunables):
-        return gathered((query, pages))
-    plan = _plan(tiles, tunables, query, pages.length, arrays, None)
-
-    def on_mosaic_gpu_(inputs):
-        query, pages = inputs
-        shared = plan.inputs(arrays, offsets, None)
-        return mosaic_gpu.forward(
-            plan, query, pages.key, pages.value, shared, pages.value.dtype, None, pages.table
-        )
-
-    if isinstance(tunables.interpret, GPU_SIMULATOR):
-        return on_mosaic_gpu_((query, pages))
-    return lax.platform_dependent((query, pages), cuda=on_mosaic_gpu_, default=gathered)
-
-
 def backward(
     tiles: Tiles,
     tunables: Pallas,
@@ -245,7 +191,7 @@ def backward(
     gradients (None for the others). All in the accumulation dtype; the sinks' gradient is the
     caller's.
     """
-    plan = _plan(tiles, tunables, query, key.shape[0], arrays, lists)
+    plan = plan_for(tiles, tunables, query, key.shape[0], arrays, lists)
     (seq_q, heads, _), value_width = query.shape, value.shape[-1]
     # (in the values' dtype, which the products cast it to: half the bytes of 16-bit values)
     d_out = rows.d_out.reshape(seq_q, heads, value_width).astype(value.dtype)
@@ -257,7 +203,7 @@ def backward(
         plan.inputs(arrays, offsets, lists),
     )
     consts = [c for c in differentiable(arrays.score_consts) if c is not None]
-    masked = _masked(arrays, offsets)
+    masked = block_mask_arrays(arrays, offsets)
     dq = _query_gradients(plan, inputs, masked)
     dk, dv, d_consts = _key_gradients(plan, inputs, consts, masked)
 
@@ -465,7 +411,7 @@ def _compiled(
     return lambda inputs: lax.platform_dependent(inputs, **calls, default=on(INTERPRETER))
 
 
-def _plan(tiles: Tiles, tunables: Pallas, query, seq_kv: int, arrays: CallArrays, lists) -> Plan:
+def plan_for(tiles: Tiles, tunables: Pallas, query, seq_kv: int, arrays: CallArrays, lists) -> Plan:
     leaves, shared = jax.tree.flatten(shared_arrays(arrays, (0, 0), lists))
     return Plan(
         tiles,
@@ -487,7 +433,7 @@ def _one_hot(array) -> bool:
     return array.size <= ONE_HOT_MAX and all(n & (n - 1) == 0 for n in array.shape)
 
 
-def _masked(arrays: CallArrays, offsets):
+def block_mask_arrays(arrays: CallArrays, offsets):
     """The call's arrays where the Mosaic GPU kernels list a block mask's blocks, or None.
 
     Where its rule is a :class:`~jax_sdpa.BlockMask` and both axes start at position 0.

@@ -17,6 +17,7 @@ from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import GPU_SIMULATOR
 from jax_sdpa._kernels import mosaic_gpu
 from jax_sdpa._kernels.programs import BlockLists
+from jax_sdpa._quantized import Quantized
 from jax_sdpa._tiles import BackwardRows, Tiles, pad_keys
 from jax_sdpa._tunables import MIN_SIDE, Pallas
 
@@ -48,7 +49,7 @@ def fitted(formula: Formula, tunables: Pallas, query, key) -> Tiles:
     """
     (seq_q, heads, width), (seq_kv, kv_heads, _) = query.shape, key.shape
     if on_mosaic_gpu(tunables):
-        block_q, block_kv = mosaic_gpu.sides(width)
+        block_q, block_kv = mosaic_gpu.sides(width, isinstance(key, Quantized))
         block_kv = _power_of_two(min(block_kv, seq_kv), mosaic_gpu.MIN_WIDTH)
     else:
         block_q, block_kv = _side(seq_q, tunables.block_q), _side(seq_kv, tunables.block_kv)
@@ -90,10 +91,17 @@ def padded(tiles: Tiles, tunables: Pallas, query, key, value, arrays: CallArrays
     width = query.shape[-1]
     return (
         query,
-        _pad(key, rows_kv, width),
-        _pad(value, rows_kv, _power_of_two(value.shape[-1], least)),
+        _padded_cache(key, rows_kv, width),
+        _padded_cache(value, rows_kv, _power_of_two(value.shape[-1], least)),
         arrays,
     )
+
+
+def _padded_cache(x, rows: int, width: int):
+    """:func:`_pad` of keys or values, quantized (their scale a column: its rows) or not."""
+    if isinstance(x, Quantized):
+        return Quantized(_pad(x.values, rows, width), _pad(x.scale, rows, 1))
+    return _pad(x, rows, width)
 
 
 def padded_queries(query, arrays: CallArrays, multiple: int, least: int) -> tuple:

@@ -33,10 +33,12 @@ from jax_sdpa._kernels.warp_specialized import (
     head_blocks,
     laid_out,
     load,
+    read_along,
     staging_memory,
     store,
     warp_specialized,
 )
+from jax_sdpa._quantized import Quantized
 from jax_sdpa._tiles import BackwardRows
 
 MIN_WIDTH = 64  # a head's width: 128 bytes of 16-bit numbers, the rows its TMA swizzles
@@ -45,13 +47,23 @@ BACKWARD_SIDE = ROWS  # the backward kernels' tiles, ``(64, 64)``: their registe
 PROGRAM_ROWS = CONSUMERS * BACKWARD_SIDE
 
 
-def sides(width: int) -> tuple[int, int]:
+def sides(width: int, quantized: bool = False) -> tuple[int, int]:
     """``(block_q, block_kv)`` of the forward kernel for heads of ``width``.
 
     A consumer's rows are one ``wgmma``'s 64; 128 keys a step, but 64 for ``width`` 256,
-    whose ring of 128 would not fit shared memory.
+    whose ring of 128 would not fit shared memory. 64 for a ``quantized`` cache's heads up to
+    128 wide, whose consumers each widen their blocks of keys and values into shared memory of
+    their own (:func:`reads_quantized`).
     """
-    return ROWS, 128 if width <= 128 else 64
+    return ROWS, 64 if width > 128 or (quantized and reads_quantized(width)) else 128
+
+
+def reads_quantized(width: int) -> bool:
+    """Whether the forward kernel reads quantized caches of heads ``width`` wide as they are.
+
+    Up to 128: wider heads' blocks, widened, would not fit shared memory beside the rest.
+    """
+    return width <= 128
 
 
 def _backward_stages(width: int) -> int:
@@ -68,27 +80,37 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
     rows may see, the producer copying the union: the rule's ranges, or the blocks a block
     mask lists where ``masked`` (the call's arrays) has one (:class:`Swept`). With a ``table``
     ``(pages,)``, the keys and values are pools of pages ``(P, page, K, ·)``, the sequence's
-    its pages in the table's order: each block copied from its pages (:func:`_paged`).
+    its pages in the table's order: each block copied from its pages (:func:`_blocks`). Keys
+    or values :class:`~jax_sdpa.Quantized` (their scales heads first, ``(K, S)`` or ``(K, P,
+    page)``) are copied as they are, 8 bits and scales; each block is widened in shared memory
+    for its product, and the scales meet the scores and the weights in registers
+    (:func:`~jax_sdpa._quantized.keys_product`).
     """
     tiles = plan.tiles
     block_q, block_kv = tiles.block_q, tiles.block_kv
     (seq_q, heads, width), value_width = query.shape, value.shape[-1]
+    caches, tree = jax.tree.flatten((key, value))
 
     def consumer(ins, outs, own, program: Program):
         q_ref = ins[0]
         out_ref, lse_ref, top_ref = outs
-        q_smem, o_smem, stats, loaded, staged = own
+        q_smem, o_smem, stats, loaded, staged, widened = own
         n, c, start = program.n, program.c, program.start
         q = q_smem.at[c]
         load([(q_ref.at[pl.ds(start, block_q), n], q)], [loaded], c)
-        tiled = program.tiles(staged)
+        tiled = program.tiles(staged, widened)
 
         def init(arrays, sink, offsets):
             like = jnp.zeros((), query.dtype)  # (a kernel's state need not vary)
             return online_softmax.init(like, (block_q,), (block_q, value_width), sink)
 
         def tile(slots, state, arrays, at):
-            return tiled.forward_tile(state, q, *slots, arrays, *at)
+            blocks = jax.tree.unflatten(tree, slots)  # (a quantized block's scales loaded)
+            k_j, v_j = (
+                Quantized(x.values, read_along(x.scale)) if isinstance(x, Quantized) else x
+                for x in blocks
+            )
+            return tiled.forward_tile(state, q, k_j, v_j, arrays, *at)
 
         state = program.sweep(program.run(init), tile)
         out, lse = tiles.formula.normalizer.finish(state, out_dtype)
@@ -110,17 +132,32 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
         plgpu.SMEM((2, CONSUMERS, block_q), jnp.float32),
         plgpu.Barrier(num_barriers=CONSUMERS),
         staging_memory(plan, query.dtype, always=False),
+        {  # (a block of 8-bit keys or values, widened for its product)
+            spec: plgpu.SMEM((CONSUMERS, block_kv, x.shape[-1]), query.dtype)
+            for spec, x in zip(("td,sd->ts", "ts,sd->td"), (key, value), strict=True)
+            if isinstance(x, Quantized)
+        },
     )
-    slots = [jax.ShapeDtypeStruct((block_kv, x.shape[-1]), x.dtype) for x in (key, value)]
+    # Each leaf of the caches: its block (of keys or values, or of their scales: heads first)
+    scales = [
+        scale
+        for x in (key, value)
+        for scale in ((False, True) if isinstance(x, Quantized) else (False,))  # (its leaves)
+    ]
+    slots = [
+        jax.ShapeDtypeStruct((block_kv,) if scale else (block_kv, x.shape[-1]), x.dtype)
+        for x, scale in zip(caches, scales, strict=True)
+    ]
 
     def sources(ins, n):
-        head = n // plan.group
-        if table is None:
-            return [head_blocks(ref, block_kv, head) for ref in ins[1:]]
-        return [_paged(ref, ins[3], block_kv, head) for ref in ins[1:3]]
+        refs, table_ref = ins[1 : 1 + len(caches)], None if table is None else ins[-1]
+        return [
+            _blocks(ref, block_kv, n // plan.group, table_ref, scale)
+            for ref, scale in zip(refs, scales, strict=True)
+        ]
 
     out_type = (jax.ShapeDtypeStruct((seq_q, heads, value_width), out_dtype), stats, stats)
-    inputs = (query, key, value) if table is None else (query, key, value, table)
+    inputs = (query, *caches) if table is None else (query, *caches, table)
     pieces = 1 if table is None else max(1, block_kv // key.shape[1])
     swept = Swept(slots, sources, STAGES, masked, pieces)
     out, lse, top = warp_specialized(
@@ -129,14 +166,22 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
     return out, lse.T, top.T
 
 
-def _paged(pool, table, size: int, head):
-    """Block ``m`` of ``size`` keys of head ``head`` from a pool of pages: ``m -> ref(s)``.
+def _blocks(ref, size: int, head, table, scale: bool):
+    """Block ``m`` of ``size`` keys of head ``head`` of a cache ref: ``m -> ref(s)``.
 
-    ``pool`` ``(P, page, K, ·)`` and ``table`` ``(pages,)`` refs. A block within one page (the
-    page at least the block) is one ref; a block of several pages, the tuple of them. A page
-    number outside the pool reads its nearest page: a sequence's keys past its length, masked.
+    ``ref`` ``(S, K, ·)``, or ``(K, S)`` for a quantized cache's ``scale`` (heads first); with a
+    ``table`` ``(pages,)`` (a ref), a pool of pages ``(P, page, K, ·)`` or ``(K, P, page)``. A
+    block within one page (the page at least the block) is one ref; a block of several pages,
+    the tuple of them. A page number outside the pool reads its nearest page: a sequence's keys
+    past its length, masked.
     """
-    count, page = pool.shape[:2]
+
+    def at(*index):
+        return ref.at[(head, *index) if scale else (*index, head)]
+
+    if table is None:
+        return lambda m: at(pl.ds(m * size, size))
+    count, page = ref.shape[1:3] if scale else ref.shape[:2]
 
     def page_of(n):
         return jnp.clip(table[n], 0, count - 1)
@@ -144,8 +189,8 @@ def _paged(pool, table, size: int, head):
     def block(m):
         first = m * size
         if page >= size:
-            return pool.at[page_of(first // page), pl.ds(first % page, size), head]
-        return tuple(pool.at[page_of(first // page + n), :, head] for n in range(size // page))
+            return at(page_of(first // page), pl.ds(first % page, size))
+        return tuple(at(page_of(first // page + n), pl.ds(0, page)) for n in range(size // page))
 
     return block
 

@@ -51,9 +51,14 @@ def _along(axis: int) -> Vectors:
     """Vectors along a tile's ``axis`` (0: its rows, 1: its columns) in ``wgmma``'s layout."""
     layout = plgpu.Layout.WGMMA.reduce(1 - axis)
     return Vectors(
-        load=lambda part: plgpu.load(part.ref.at[part.index], layout=layout, optimized=False),
+        load=lambda part: read_along(part.ref.at[part.index], axis),
         iota=lambda count: plgpu.broadcasted_iota(INDEX, (count,), 0, layout=layout),
     )
+
+
+def read_along(ref, axis: int = 1):
+    """A vector ref in registers, along a tile's ``axis`` (by default its columns: its keys)."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1 - axis), optimized=False)
 
 
 class GradientAtPoints(NotImplementedError):
@@ -98,23 +103,34 @@ MOSAIC_GPU = Backend(
 )
 
 
-def product(staging, simulated: bool):
+def product(staging, simulated: bool, widened=None):
     """The tiles' :func:`~jax_sdpa._steps.cast_product` as ``wgmma``.
 
     ``td,sd->ts`` (the raw scores ``q · kᵀ``, the weights' gradient ``dO · vᵀ``) of two refs in
     shared memory; ``ts,sd->td`` (``p · v``, ``dS · k``) of a tile (an array) and a ref, the
     tile from registers, or through ``staging`` (shared memory) under the simulator
     (``simulated``), which has no ``wgmma`` from registers; ``ts,td->sd`` (``Pᵀ · dO``,
-    ``dSᵀ · q``) of a tile and a ref, the tile through ``staging``, read transposed.
+    ``dSᵀ · q``) of a tile and a ref, the tile through ``staging``, read transposed. A ref of
+    8-bit numbers (a quantized cache's block) is first widened to ``dtype``, into shared memory:
+    ``widened[spec]``, the product's own.
     """
 
-    def stage(a, dtype):
-        staging[...] = a.astype(dtype)
+    def stage(a, dtype, into=staging):
+        into[...] = a.astype(dtype)
         plgpu.commit_smem()
-        return staging
+        return into
+
+    def wide(spec, b, dtype):
+        if b.dtype == dtype:
+            return b
+        into = widened[spec]
+        eight_bits = plgpu.load(b, layout=plgpu.Layout.WGMMA_8BIT)
+        # (float8 widens through float32: Hopper converts it to float16 alone)
+        return stage(eight_bits.astype(jnp.float32), dtype, into)
 
     def product(spec: str, a, b, dtype, *, precision=None):
         # (``dtype``: every operand has it, the kernels' inputs' one dtype, fitting.for_inputs)
+        b = wide(spec, b, dtype)
         if spec == "td,sd->ts":
             shape, b = (a.shape[0], b.shape[0]), b.transpose((1, 0))
         elif spec == "ts,sd->td":
@@ -268,13 +284,16 @@ class Program:
         tiles = self.plan.tiles
         return tiles.block_kv if self.axis == "kv" else tiles.block_q
 
-    def tiles(self, staging):
+    def tiles(self, staging, widened=None):
         """The plan's tiles, their products ``wgmma`` (:func:`product`).
 
-        Through this consumer's part of ``staging`` (a ref, or None).
+        Through this consumer's part of ``staging`` (a ref, or None) and of each of ``widened``
+        (a dict of refs, by product).
         """
         staged = None if staging is None else staging.at[self.c]
-        return dataclasses.replace(self.plan.tiles, product=product(staged, simulated(self.plan)))
+        own = {spec: ref.at[self.c] for spec, ref in (widened or {}).items()}
+        tiles = self.plan.tiles
+        return dataclasses.replace(tiles, product=product(staged, simulated(self.plan), own))
 
     def run(self, body):
         """``body(arrays, sink, offsets)`` with head ``n``'s arrays (:meth:`Plan.run`)."""
