@@ -46,11 +46,8 @@ class Config(NamedTuple):
 
 
 def kernel(config: Config) -> "jax_sdpa.Pallas | None":
-    """The fused kernel ``config.kernel`` names (the Pallas interpreter for ``"interpret"``).
-
-    It reads a float cache; a quantized one is read by the XLA paths.
-    """
-    if config.kernel is None or config.cache != "float32":
+    """The fused kernel ``config.kernel`` names (the Pallas interpreter for ``"interpret"``)."""
+    if config.kernel is None:
         return None
     if config.kernel == "interpret":
         return jax_sdpa.Pallas(interpret=True)
@@ -228,7 +225,7 @@ def main(argv=None):
     parser.add_argument(
         "--kernel",
         choices=["mosaic_gpu", "triton", "interpret"],
-        help="the cached steps' attention on the fused kernel (a float cache)",
+        help="the cached steps' attention on the fused kernel",
     )
     args = parser.parse_args(argv)
     config = Config(max_len=128 if args.short else 1024, cache=args.cache, kernel=args.kernel)
