@@ -177,9 +177,14 @@ def _decoding(formula: Formula, tunables: Pallas, query, keys, arrays: CallArray
         return x.reshape(seq_q, heads, -1)
 
     rule = None if arrays.rule is None else PackedRows(arrays.rule, group)
-    arrays = dataclasses.replace(arrays, rule=rule, head=None)
-    out, *per_row = _split(formula, tunables, rows(query), keys, arrays)
-    return Result(heads_of(out), *(None if x is None else heads_of(x)[..., 0] for x in per_row))
+    # (the sinks, a logit per query head, met by the unpacked rows)
+    packed_arrays = dataclasses.replace(arrays, rule=rule, head=None, sinks=None)
+    out, *per_row = _split(formula, tunables, rows(query), keys, packed_arrays)
+    result = Result(heads_of(out), *(None if x is None else heads_of(x)[..., 0] for x in per_row))
+    if arrays.sinks is None:
+        return result
+    state = formula.normalizer.from_result(result.out, result.lse, result.max_scores)
+    return _finished(formula, state, arrays.sinks, query, result.out.dtype)
 
 
 def _keys(keys) -> tuple:
@@ -191,12 +196,13 @@ def packed(formula: Formula, arrays: CallArrays, seq_q: int, group: int) -> bool
     """Whether a call's query heads are packed by groups into rows (:func:`pallas_sequence`).
 
     Where ``T·G`` rows fit in :data:`PACKED_ROWS` and nothing differs from one query head to
-    another but its queries: no ``score_mod``, sinks, bias, mask array, dropout, sigmoid bias,
-    or rule per head; nor an opaque rule, a block mask's included (it would read its arrays at
-    ``row // G``, not at a run of positions, which is all a TPU or the Mosaic GPU kernel loads).
+    another but its queries (and its sink, met after the rows are unpacked): no ``score_mod``,
+    bias, mask array, dropout, sigmoid bias, or rule per head; nor an opaque rule, a block
+    mask's included (it would read its arrays at ``row // G``, not at a run of positions, which
+    is all a TPU or the Mosaic GPU kernel loads).
     """
     rule = arrays.rule
-    per_head = (formula.score_mod, arrays.sinks, arrays.bias, arrays.mask, arrays.dropout_rng)
+    per_head = (formula.score_mod, arrays.bias, arrays.mask, arrays.dropout_rng)
     return (
         1 < group
         and seq_q * group <= PACKED_ROWS
@@ -241,12 +247,19 @@ def _split(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) 
         )
 
     out, lse, _, top = jax.vmap(chunk, in_axes=(axes, 0))(chunks, positions(0, count) * size)
-    normalizer = formula.normalizer
-    state = online_softmax.combine(normalizer.from_result(out, lse, top))
-    if arrays.sinks is not None:
-        sinks = online_softmax.init(query, state.denom.shape, state.acc.shape, arrays.sinks)
-        state = online_softmax.merge(state, sinks)
-    out, lse = normalizer.finish(state, out.dtype)
+    state = online_softmax.combine(formula.normalizer.from_result(out, lse, top))
+    return _finished(formula, state, arrays.sinks, query, out.dtype)
+
+
+def _finished(formula: Formula, state, sinks, query, dtype) -> Result:
+    """The rows' result in ``dtype`` from their online-softmax ``state``, meeting the ``sinks``.
+
+    ``sinks``: one logit a row (broadcast to its rows), or None.
+    """
+    if sinks is not None:
+        met = online_softmax.init(query, state.denom.shape, state.acc.shape, sinks)
+        state = online_softmax.merge(state, met)
+    out, lse = formula.normalizer.finish(state, dtype)
     return Result(out, lse, None, online_softmax.max_scores(state))
 
 

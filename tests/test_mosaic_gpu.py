@@ -486,6 +486,11 @@ DECODING = {
         dict(mask_mod=js.CausalMask(697)),
         dict(mask_mod=lambda b, h, i, j: j <= i + 697),
     ),
+    "sinks, met by the unpacked rows": (
+        1,
+        dict(sinks=jnp.linspace(-1.0, 2.0, 8)),
+        dict(sinks=np.linspace(-1.0, 2.0, 8)),
+    ),
 }
 
 

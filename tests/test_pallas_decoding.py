@@ -77,13 +77,13 @@ CASES = {
         False,
         True,
     ),
-    "sinks (per head): split, not packed": (
+    "sinks (per head, met once unpacked): packed and split": (
         1,
         8,
         2,
         dict(sinks=jnp.linspace(-1.0, 1.0, 8)),
         dict(sinks=np.linspace(-1.0, 1.0, 8)),
-        False,
+        True,
         True,
     ),
     "documents (an opaque rule): neither": (
@@ -276,15 +276,27 @@ def test_the_paged_kernel_has_no_forward_mode_nor_second_derivatives_and_says_so
     jax.hessian(lambda q: call(q, None))(q)
 
 
-def test_split_keys_meet_the_sinks_once_and_give_their_gradient(monkeypatch):
+@pytest.mark.parametrize(
+    "heads, kv_heads, seq_kv",
+    [(4, 4, S), pytest.param(8, 2, S, marks=SAMPLED), (8, 2, 60)],
+    ids=["split", "packed and split", "packed"],
+)
+def test_decoding_meets_the_sinks_once_and_gives_their_gradient(
+    heads, kv_heads, seq_kv, monkeypatch
+):
+    # Split keys meet the sinks once, after the chunks are merged; packed rows meet each query
+    # head's sink once they are unpacked (the kernel runs without them).
     monkeypatch.setattr(_pallas, "SPLIT_KEYS", 64)
     monkeypatch.setattr(_pallas, "CHUNK_MULTIPLE", 64)
-    chunks, sequence = [], _pallas._sequence
-    monkeypatch.setattr(
-        _pallas, "_sequence", lambda *a: chunks.append(a[3][0].shape[0]) or sequence(*a)
-    )
-    q, k, v = qkv(np.random.default_rng(8), 2, 1, S, 4, 4, 32)
-    sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
+    calls, sequence = [], _pallas._sequence
+
+    def spy(formula, tunables, query, keys, arrays, *rest):
+        calls.append((query.shape[0], keys[0].shape[0], arrays.sinks is None))
+        return sequence(formula, tunables, query, keys, arrays, *rest)
+
+    monkeypatch.setattr(_pallas, "_sequence", spy)
+    q, k, v = qkv(np.random.default_rng(8), 2, 1, seq_kv, heads, kv_heads, 32)
+    sinks = jnp.linspace(-1.0, 2.0, heads)
 
     def loss(sinks, implementation):
         out = js.dot_product_attention(
@@ -292,13 +304,14 @@ def test_split_keys_meet_the_sinks_once_and_give_their_gradient(monkeypatch):
             k,
             v,
             sinks=sinks,
-            key_value_seq_lengths=jnp.asarray(LENGTHS),
+            key_value_seq_lengths=jnp.asarray(np.minimum(LENGTHS, seq_kv)),
             implementation=implementation,
         )
         return jnp.sum(out**2)
 
     (got, d_got), (want, d_want) = (jax.value_and_grad(loss)(sinks, x) for x in (INTERPRET, "xla"))
-    assert chunks[0] == 64  # (split)
+    rows, keys, without_sinks = calls[0]
+    assert rows == heads // kv_heads and keys == min(64, seq_kv) and without_sinks
     assert abs(got - want) < 1e-5 * abs(want)
     assert ref.rel_err(d_got, d_want) < 1e-5
 
