@@ -45,8 +45,9 @@ def test_generation_with_an_int8_cache_matches_the_full_forward_on_the_same_roun
     assert float(moved.split("by ")[1].split()[0]) < 2.0**-7  # within the format's step
 
 
-def test_generation_on_the_fused_kernel_with_an_int8_cache_matches_the_full_forward():
+def test_generation_on_the_fused_kernel_in_bfloat16_with_an_int8_cache_matches_the_full_forward():
     # --kernel interpret: the cached steps' attention on the fused kernel in the Pallas
-    # interpreter (packed heads; the paged cache through Paged(kernel=...)), the caches int8,
-    # each step checked.
-    _each_step_checked(_generated("--kernel", "interpret", "--cache", "int8"))
+    # interpreter (packed heads; the paged cache through Paged(kernel=...)), the model and its
+    # caches in bfloat16 (as the Mosaic GPU kernel takes them), int8, each step checked.
+    flags = ("--kernel", "interpret", "--cache", "int8", "--dtype", "bfloat16")
+    _each_step_checked(_generated(*flags))
