@@ -709,3 +709,26 @@ def test_a_quantized_decoding_call_lowers_for_cuda_reading_the_8_bits_in_place(p
     types = operands[0].split(", ")
     assert types.count(cache) == 2 and types.count(scale) == 2
     assert [t for t in types if t.endswith("x8x128xbf16>")] == ["tensor<2x128x8x128xbf16>"]
+
+
+@SIMULATED_SLOW
+def test_a_quantized_caches_gradients_on_the_gpu_simulator(monkeypatch):
+    # The kernels' on the widened cache, then the widening's: the queries' and the scales'.
+    _split_small(monkeypatch)
+    q, k, v = qkv(np.random.default_rng(19), 2, 1, 700, 8, 2, 64, dtype=jnp.bfloat16)
+    caches = [js.quantize(x, "int8") for x in (k, v)]
+    lengths = np.array([700, 300])
+    d_out = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.bfloat16)
+
+    def loss(q, key, value):
+        out = js.dot_product_attention(
+            q, key, value, key_value_seq_lengths=lengths, implementation=_simulated()
+        )
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+
+    d_q, d_key, d_value = jax.grad(loss, argnums=(0, 1, 2), allow_int=True)(q, *caches)
+    want = ref.attention(q, *(x.dequantize() for x in caches), kv_lengths=lengths, d_out=d_out)
+    assert ref.rel_err(d_q, want["dq"]) < 2e-2
+    for got, cache, name in zip((d_key, d_value), caches, ("dk", "dv"), strict=True):
+        d_scale = np.sum(want[name] * np.asarray(cache.values, np.float64), -1, keepdims=True)
+        assert ref.rel_err(got.scale, d_scale) < 2e-2, name
