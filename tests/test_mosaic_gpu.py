@@ -7,7 +7,9 @@
   0 gradients), key and query lengths, lengths no tile divides, heads that are not a power of
   two, a block mask (only its listed blocks visited); arrays read along positions and at tiles
   of points; the gradient of a ``score_mod``'s array read at one index (the keys' kernel's; of
-  arrays read at more points, the Triton programs').
+  arrays read at more points, the Triton programs'). Decoding: query heads packed, keys split,
+  sinks met once; paged caches and 8-bit caches (int8, float8) read as they are, with the
+  gradients of the queries and the scales.
 - Lowering for ``cuda`` on this CPU (Mosaic GPU's layout inference and its shared-memory check
   run then) of the forward and both backward kernels, for 64, 128 and 256 wide heads: each
   kernel module is then parsed and verified with Mosaic GPU's dialect. Compiling
