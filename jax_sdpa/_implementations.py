@@ -101,7 +101,8 @@ class Entry:
             how = self.asked_as or f"`implementation={name!r}`"
             return (
                 f"{how} reads float caches, not quantized ones (jax_sdpa.quantize): "
-                "implementation=None, 'decode' or 'pallas' read those (or `paged_attention`)."
+                "implementation=None, 'decode', 'selected' or 'pallas' read those (or "
+                "`paged_attention`)."
             )
         return self.unsupported(inputs, config)
 

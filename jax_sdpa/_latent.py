@@ -39,9 +39,13 @@ class LatentValues:
 
     features: int
 
-    def of(self, key: jax.Array) -> jax.Array:
-        """The values as an array of their own: ``key[..., :features]``."""
-        return key[..., : self.features]
+    def of(self, key):
+        """The values as an array of their own: ``key[..., :features]``.
+
+        Of a quantized ``key`` (:class:`~jax_sdpa.Quantized`), its values' features, each
+        token's scale as it is (its last axis is 1).
+        """
+        return jax.tree.map(lambda x: x[..., : self.features], key)
 
     def like(self, key) -> jax.ShapeDtypeStruct:
         """The shape and dtype the values have, for a cache ``key``."""

@@ -62,13 +62,16 @@ def _fused_bwd(tiles: Tiles, tunables: Pallas, residuals: tuple, cotangents: tup
     query, key, value, arrays, lists, at, out, lse = residuals
     rows = backward_rows(out, lse, cotangents, tiles.formula.normalizer)
     offsets = _offsets(at)
-    # (the kernels' on a quantized cache widened, their gradients then the widening's)
-    (key, value), widened = jax.vjp(plain, (key, value))
-    grads = backward(tiles, tunables, query, key, value, arrays, rows, offsets, lists=lists)
-    operands = (query, key, value, differentiable(arrays.score_consts))
-    d_query, d_key, d_value, d_consts = jax.tree.map(
-        lambda d, x: d.astype(x.dtype), grads, operands
+    caches = (key, value)  # (quantized: the kernels' on them widened, then the widening's)
+    grads = backward(tiles, tunables, query, *plain(caches), arrays, rows, offsets, lists=lists)
+    d_query, d_key, d_value, d_consts = grads
+    d_query, d_consts = jax.tree.map(
+        lambda d, x: d.astype(x.dtype),
+        (d_query, d_consts),
+        (query, differentiable(arrays.score_consts)),
     )
+    # (from the kernels' sums, in the dtype they accumulate in: a scale's sums its features')
+    _, widened = jax.vjp(functools.partial(plain, accumulated=True), caches)
     ((d_key, d_value),) = widened((d_key, d_value))
     d_arrays = CallArrays(score_consts=d_consts, sinks=sinks_grad(arrays.sinks, lse, rows))
     return d_query, d_key, d_value, d_arrays, None, None
@@ -295,7 +298,7 @@ def _sequence(
         logical = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((length, *x.shape[2:]), x.dtype), key
         )  # (the sequence's keys: quantized, if the pool is)
-        tiles = fitted(formula, tunables, query, logical)
+        tiles = fitted(formula, tunables, query, logical, keys.value)
         # (sides, programs and pages are powers of two: the largest a multiple of all)
         multiple = max(PROGRAM_ROWS, tiles.block_kv, key.shape[1])
         whole = -(-length // multiple) * multiple
@@ -307,7 +310,7 @@ def _sequence(
         arrays = _rows_past(arrays, seq_q, query.shape[0])
         out, lse, top = _on_pages(tiles, tunables, query, keys, arrays, at)
     else:
-        tiles = fitted(formula, tunables, query, key)
+        tiles = fitted(formula, tunables, query, key, value)
         query, key, value, arrays = padded(
             tiles, tunables, query, key, value, arrays, 0 if at is None else at
         )

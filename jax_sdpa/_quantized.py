@@ -82,9 +82,13 @@ class Quantized:
         """Whether the format keeps a scale per token (int8), not one per head (float8)."""
         return _FORMATS[self.format][2]
 
-    def dequantize(self) -> Array:
-        """The float array the cache stands for, ``values · scale`` (a full copy: for checks)."""
-        return self.values.astype(self.dtype) * self.scale
+    def dequantize(self, dtype=None) -> Array:
+        """The float array the cache stands for, ``values · scale`` (a full copy: for checks).
+
+        In ``dtype``, the scale's by default.
+        """
+        dtype = self.dtype if dtype is None else dtype
+        return self.values.astype(dtype) * self.scale.astype(dtype)
 
     def per_token(self) -> "Quantized":
         """The same cache with its scale broadcast to one per token (free inside ``jit``)."""

@@ -653,7 +653,7 @@ def test_quantized_caches_read_by_the_kernel_on_the_gpu_simulator_are_the_refere
     q = jnp.asarray(rng.normal(size=(2, 1, 8, 64)), jnp.bfloat16)
     if paged:
         key_pages, value_pages, table = paged_pool(rng, 2, 768, 16, 2, 64, jnp.bfloat16)
-        pools = [js.quantize(jnp.nan_to_num(x), fmt) for x in (key_pages, value_pages)]
+        pools = [js.quantize(x, fmt) for x in (key_pages, value_pages)]  # (a NaN page, unread)
         out, lse = js.paged_attention(
             q,
             *pools,
@@ -676,6 +676,7 @@ def test_quantized_caches_read_by_the_kernel_on_the_gpu_simulator_are_the_refere
         )
         theirs = ref.attention(q, *(x.dequantize() for x in caches), kv_lengths=np.asarray(lengths))
         want = theirs["out"], theirs["lse"]
+    assert bool(jnp.isfinite(out).all())
     assert ref.rel_err(out, want[0]) < 2e-2 and ref.rel_err(lse, want[1]) < 1e-2
 
 
@@ -733,4 +734,4 @@ def test_a_quantized_caches_gradients_on_the_gpu_simulator(monkeypatch):
     assert ref.rel_err(d_q, want["dq"]) < 2e-2
     for got, cache, name in zip((d_key, d_value), caches, ("dk", "dv"), strict=True):
         d_scale = np.sum(want[name] * np.asarray(cache.values, np.float64), -1, keepdims=True)
-        assert ref.rel_err(got.scale, d_scale) < 2e-2, name
+        assert ref.rel_err(got.scale, d_scale) < 1e-2, name  # (summed in float32)

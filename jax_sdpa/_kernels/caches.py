@@ -3,10 +3,11 @@
 :func:`cache_forward` is :func:`~jax_sdpa._kernels.calls.forward` of keys and values kept as a
 server keeps them: in :class:`Pages` of a pool (``paged_attention``'s), or quantized
 (:class:`~jax_sdpa.Quantized`), or both. The Mosaic GPU kernel reads them in place: each block
-of keys copied page by page, 8 bits and scales (its scales made heads first, a copy of
-:math:`4/H` of the 8-bit cache's bytes, the only work around it). The other backends read plain
-arrays (:func:`plain`): the pages gathered and the 8 bits widened first, a copy of the
-sequence's keys and values.
+of keys copied page by page, 8 bits and scales. Around it, the scales are made heads first (a
+copy of :math:`4/H` of the 8-bit cache's bytes, float8's one scale a head broadcast to one a
+token), and, as for any cache, keys that are not whole programs or heads that are not 64, 128
+or 256 wide are padded (a copy). The other backends read plain arrays (:func:`plain`): the
+pages gathered and the 8 bits widened first, a copy of the sequence's keys and values.
 """
 
 import dataclasses
@@ -21,6 +22,7 @@ from jax_sdpa._kernels import mosaic_gpu
 from jax_sdpa._kernels.calls import block_mask_arrays, forward, plan_for
 from jax_sdpa._kernels.fitting import on_mosaic_gpu
 from jax_sdpa._quantized import Quantized
+from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import Tiles
 from jax_sdpa._tunables import Pallas
 
@@ -55,13 +57,21 @@ class Pages:
         return dataclasses.replace(self, table=jnp.pad(self.table, (0, extra), mode="edge"))
 
 
-def plain(keys) -> tuple:
-    """``(key, value)`` of ``keys`` as float arrays: pages gathered, 8 bits widened (copies)."""
+def plain(keys, accumulated: bool = False) -> tuple:
+    """``(key, value)`` of ``keys`` as float arrays: pages gathered, 8 bits widened (copies).
+
+    In their dtypes, or (``accumulated``) in those their sums accumulate in.
+    """
     keys = keys.gathered() if isinstance(keys, Pages) else keys
-    return tuple(x.dequantize() if isinstance(x, Quantized) else x for x in keys)
+
+    def widened(x):
+        dtype = accumulation_dtype(x.dtype) if accumulated else x.dtype
+        return x.dequantize(dtype) if isinstance(x, Quantized) else x.astype(dtype)
+
+    return tuple(widened(x) for x in keys)
 
 
-def _heads_first(cache):
+def _scales_heads_first(cache):
     """A quantized cache's scale ``(…, K, 1)`` as ``(K, …)``: a head's are then a run."""
     if not isinstance(cache, Quantized):
         return cache
@@ -76,7 +86,7 @@ def cache_forward(
     ``keys``: ``(key, value)`` (either may be quantized), or :class:`Pages` whose table's pages
     are all inside the pool, whole multiples of the kernels' programs of keys. The Mosaic GPU
     kernel reads them as they are (on its simulator, or on ``cuda``; quantized heads up to 128
-    wide, :func:`~jax_sdpa._kernels.mosaic_gpu.reads_quantized`); elsewhere they are made plain
+    wide, :func:`~jax_sdpa._kernels.mosaic_gpu.reads_in_place`); elsewhere they are made plain
     arrays first (:func:`plain`). ``lists``: a block mask's, of keys that are not pages.
     """
     paged = isinstance(keys, Pages)
@@ -89,8 +99,7 @@ def cache_forward(
         query, keys = inputs
         return forward(tiles, tunables, query, *plain(keys), arrays, offsets, lists=lists)
 
-    widths = (x.shape[-1] for x in (key, value) if isinstance(x, Quantized))
-    if not (on_mosaic_gpu(tunables) and all(map(mosaic_gpu.reads_quantized, widths))):
+    if not (on_mosaic_gpu(tunables) and mosaic_gpu.reads_in_place(key, value)):
         return elsewhere((query, keys))
     plan = plan_for(tiles, tunables, query, keys.length if paged else key.shape[0], arrays, lists)
 
@@ -100,8 +109,8 @@ def cache_forward(
         return mosaic_gpu.forward(
             plan,
             query,
-            _heads_first(key),
-            _heads_first(value),
+            _scales_heads_first(key),
+            _scales_heads_first(value),
             plan.inputs(arrays, offsets, lists),
             value.dtype,
             None if paged else block_mask_arrays(arrays, offsets),

@@ -41,15 +41,17 @@ def block_lists(
     return arrays, BlockLists.of(rule) if at_tiles else None
 
 
-def fitted(formula: Formula, tunables: Pallas, query, key) -> Tiles:
-    """The tiles for ``(T, N, H)`` queries and ``(S, K, H)`` keys.
+def fitted(formula: Formula, tunables: Pallas, query, key, value=None) -> Tiles:
+    """The tiles for ``(T, N, H)`` queries and ``(S, K, H)`` keys (and values).
 
     ``tunables``' sides, or for a short sequence the power of two ≥ 16 at or above its length;
     the Mosaic GPU kernel's own (:func:`jax_sdpa._kernels.mosaic_gpu.sides`) where it runs.
     """
     (seq_q, heads, width), (seq_kv, kv_heads, _) = query.shape, key.shape
     if on_mosaic_gpu(tunables):
-        block_q, block_kv = mosaic_gpu.sides(width, isinstance(key, Quantized))
+        quantized = any(isinstance(x, Quantized) for x in (key, value))
+        quantized = quantized and mosaic_gpu.reads_in_place(key, value)
+        block_q, block_kv = mosaic_gpu.sides(width, quantized)
         block_kv = _power_of_two(min(block_kv, seq_kv), mosaic_gpu.MIN_WIDTH)
     else:
         block_q, block_kv = _side(seq_q, tunables.block_q), _side(seq_kv, tunables.block_kv)

@@ -51,19 +51,20 @@ def sides(width: int, quantized: bool = False) -> tuple[int, int]:
     """``(block_q, block_kv)`` of the forward kernel for heads of ``width``.
 
     A consumer's rows are one ``wgmma``'s 64; 128 keys a step, but 64 for ``width`` 256,
-    whose ring of 128 would not fit shared memory. 64 for a ``quantized`` cache's heads up to
-    128 wide, whose consumers each widen their blocks of keys and values into shared memory of
-    their own (:func:`reads_quantized`).
+    whose ring of 128 would not fit shared memory, and 64 where it reads ``quantized`` caches
+    (:func:`reads_in_place`), whose consumers each widen their blocks of keys and values into
+    shared memory of their own.
     """
-    return ROWS, 64 if width > 128 or (quantized and reads_quantized(width)) else 128
+    return ROWS, 64 if width > 128 or quantized else 128
 
 
-def reads_quantized(width: int) -> bool:
-    """Whether the forward kernel reads quantized caches of heads ``width`` wide as they are.
+def reads_in_place(key, value) -> bool:
+    """Whether the forward kernel reads these caches as they are (where it reads them at all).
 
-    Up to 128: wider heads' blocks, widened, would not fit shared memory beside the rest.
+    Quantized ones (:class:`~jax_sdpa.Quantized`: 8 bits and scales) up to 128 wide: wider
+    heads' blocks, widened, would not fit shared memory beside the rest.
     """
-    return width <= 128
+    return all(x.shape[-1] <= 128 for x in (key, value) if isinstance(x, Quantized))
 
 
 def _backward_stages(width: int) -> int:
@@ -139,21 +140,21 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
         },
     )
     # Each leaf of the caches: its block (of keys or values, or of their scales: heads first)
-    scales = [
+    is_scale = [
         scale
         for x in (key, value)
         for scale in ((False, True) if isinstance(x, Quantized) else (False,))  # (its leaves)
     ]
     slots = [
         jax.ShapeDtypeStruct((block_kv,) if scale else (block_kv, x.shape[-1]), x.dtype)
-        for x, scale in zip(caches, scales, strict=True)
+        for x, scale in zip(caches, is_scale, strict=True)
     ]
 
     def sources(ins, n):
         refs, table_ref = ins[1 : 1 + len(caches)], None if table is None else ins[-1]
         return [
             _blocks(ref, block_kv, n // plan.group, table_ref, scale)
-            for ref, scale in zip(refs, scales, strict=True)
+            for ref, scale in zip(refs, is_scale, strict=True)
         ]
 
     out_type = (jax.ShapeDtypeStruct((seq_q, heads, value_width), out_dtype), stats, stats)
