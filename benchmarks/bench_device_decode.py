@@ -16,8 +16,10 @@ caches (on the decode path, and read as they are by the Mosaic GPU kernel, paged
 paged caches, ``jax.nn`` with cuDNN and with XLA, PyTorch's SDPA if it is installed
 (CUDA events around calls back to back, one sync per round); B1 S131072 and B64
 S4096 with their yardsticks; the ragged batch (8 decodes and a 2,048-token chunk) against the two
-calls apart. Last, each kernel of the decode call and its device time: what XLA runs around the
-products. Every case runs in its own ``try``; the deadline stops the run between cases.
+calls apart. Then each kernel of the decode call and its device time: what XLA runs around the
+products. Last, ``examples/generate.py`` on the Mosaic GPU kernel in bfloat16 with an int8
+cache, each step checked against the full forward. Every case runs in its own ``try``; the
+deadline stops the run between cases.
 
 On a lent machine without this package, as ``bench_device.py``::
 
@@ -26,7 +28,10 @@ On a lent machine without this package, as ``bench_device.py``::
 
 import argparse
 import functools
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -260,6 +265,30 @@ def main() -> None:
         if name in seconds
     )
     print(f"\nsummary, B{big[0]} S{big[1]}: {summary}")
+    if time.time() < stop:
+        _generation("interpret" if rehearse else "mosaic_gpu", stop)
+
+
+def _generation(kernel: str, stop: float) -> None:
+    """``examples/generate.py --short`` on the kernel, bfloat16, an int8 cache: each step checked.
+
+    (Its cached steps' attention against the full forward, contiguous and paged.)
+    """
+    example = Path(__file__).resolve().parent.parent / "examples" / "generate.py"
+    flags = ["--short", "--kernel", kernel, "--dtype", "bfloat16", "--cache", "int8"]
+    print(f"\ngeneration: examples/generate.py {' '.join(flags)}")
+    try:
+        run = subprocess.run(
+            [sys.executable, str(example), *flags],
+            capture_output=True,
+            text=True,
+            timeout=max(1.0, stop - time.time()),
+            check=False,
+        )
+        lines = [line for line in run.stdout.splitlines() if "tokens/s" in line or "cache" in line]
+        print("\n".join(f"  {line}" for line in lines) or f"  FAILED {run.stderr[-300:]}")
+    except Exception as error:  # (past the deadline: subprocess.TimeoutExpired)
+        print(f"  generation: {_failure(error, 300)}")
 
 
 if __name__ == "__main__":
