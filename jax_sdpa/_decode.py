@@ -10,8 +10,11 @@ bandwidth, not the matrix units. Two things then decide the speed:
   are one matrix product of the keys as they lie, ``(L, K·H)``, with a block-diagonal matrix of
   the queries (:func:`_scores`), and the blend is a multiply and a sum that XLA fuses into one
   pass over the values (:func:`_blend`): each key and value row is read once, for the ``G``
-  query heads that share it (GQA). With many query rows (``N·T > 64``) the block-diagonal
-  product wastes too much; there each chunk is copied heads-first and multiplied head by head.
+  query heads that share it (GQA). On a GPU, where XLA copies the values before such a sum
+  (issue 44's profile), the blend is one product of the values as they lie too, every head's
+  weights against every head's values, the diagonal blocks kept. With many query rows
+  (``N·T > 64``) the block-diagonal product wastes too much; there each chunk is copied
+  heads-first and multiplied head by head.
 * **Split keys** ("flash-decoding", Dao et al. 2023). The keys are cut into chunks that are
   attended independently, each to an online-softmax state (:mod:`jax_sdpa._online_softmax`),
   and the states are then combined: the chunks are independent work for every core, even for
@@ -111,12 +114,38 @@ def _blend(weights, value, *, precision=None):
     weights = weights.astype(value.dtype)
     kv_heads, group, seq_q, size = weights.shape
     if kv_heads * group * seq_q <= BLOCK_DIAGONAL_COLUMNS:
-        weights = jnp.moveaxis(weights.astype(dtype), -1, 0)  # (L, K, G, T)
-        return jnp.sum(weights[..., None] * value.astype(dtype)[:, :, None, None, :], axis=0)
+
+        def by_sum(weights, value):  # a multiply and a sum, one pass over the values
+            weights = jnp.moveaxis(weights.astype(dtype), -1, 0)  # (L, K, G, T)
+            return jnp.sum(weights[..., None] * value.astype(dtype)[:, :, None, None, :], axis=0)
+
+        # On a GPU, XLA first copies the values to sum them so (issue 44's profile): there,
+        # one product of the values as they lie, its diagonal blocks kept (as in _scores).
+        by_product = functools.partial(_block_diagonal_blend, precision=precision)
+        return lax.platform_dependent(
+            weights, value, cuda=by_product, rocm=by_product, default=by_sum
+        )
     per_head = weights.reshape(kv_heads, group * seq_q, size)
     heads_first = jnp.moveaxis(value, 1, 0)  # (K, L, V)
     out = jax.vmap(functools.partial(weighted_sum, precision=precision))(per_head, heads_first)
     return out.reshape(kv_heads, group, seq_q, -1)
+
+
+def _block_diagonal_blend(weights, value, precision=None):
+    """:func:`_blend` as one product of the values as they lie, ``(L, K·V)``.
+
+    Every head's weights ``(K·G·T, L)`` times every head's values: head ``k``'s rows against
+    head ``k``'s columns are kept (``K`` times the useful flops, the values read once).
+    """
+    kv_heads, group, seq_q, size = weights.shape
+    every = jnp.matmul(
+        weights.reshape(-1, size),
+        value.reshape(size, -1),
+        precision=precision,
+        preferred_element_type=accumulation_dtype(value.dtype),
+    ).reshape(kv_heads, group * seq_q, kv_heads, -1)
+    own = jnp.eye(kv_heads, dtype=every.dtype)[:, None, :, None]  # (a sum with one term)
+    return jnp.sum(every * own, axis=2).reshape(kv_heads, group, seq_q, -1)
 
 
 def _chunk_state(formula: Formula, query, keys, values, arrays: CallArrays, q_offset, at):

@@ -140,3 +140,35 @@ def test_the_automatic_choice_decodes_only_decoding_shapes(rng):
         )
     # With dropout (training), the automatic choice passes over decode.
     js.dot_product_attention(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+
+
+def test_the_block_diagonal_blend_is_the_weighted_sum(rng):
+    # The GPU's blend: every head's weights times every head's values, the diagonal blocks kept.
+    from jax_sdpa._decode import _block_diagonal_blend
+
+    weights = rng.standard_normal((4, 3, 2, 50))  # (K, G, T, L)
+    value = rng.standard_normal((50, 4, 16))  # (L, K, V)
+    got = _block_diagonal_blend(jnp.asarray(weights), jnp.asarray(value))
+    want = np.einsum("kgtl,lkv->kgtv", weights, value)
+    assert got.shape == (4, 3, 2, 16) and ref.rel_err(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("platform, products", [("cuda", 2), ("cpu", 1)])
+def test_on_a_gpu_the_decode_path_reads_the_values_in_one_product_as_they_lie(platform, products):
+    # XLA on a GPU copied the values to sum them (issue 44's profile: a transpose of the whole
+    # cache, every call); there they meet the weights in one product of the (L, K·V) chunks,
+    # as the keys meet the queries. On a CPU, a multiply and a sum (measured faster there).
+    from tests.lowering import exported
+
+    q = jnp.zeros((2, 1, 8, 64), jnp.bfloat16)
+    k = jnp.zeros((2, 4096, 2, 64), jnp.bfloat16)
+
+    def call(q, k, v):
+        return js.dot_product_attention(q, k, v, implementation="decode")
+
+    if platform == "cpu":  # (this machine's)
+        text = jax.jit(call).lower(q, k, k).as_text()
+    else:
+        text = exported(call, q, k, k, platform=platform)
+    chunks = [line for line in text.splitlines() if "dot_general" in line and "x128xbf16>" in line]
+    assert len(chunks) == products, chunks  # (the keys' product, and on a GPU the values')
