@@ -10,8 +10,9 @@ bandwidth, not the matrix units. Two things then decide the speed:
   are one matrix product of the keys as they lie, ``(L, K·H)``, with a block-diagonal matrix of
   the queries (:func:`_scores`), and the blend is a multiply and a sum that XLA fuses into one
   pass over the values (:func:`_blend`): each key and value row is read once, for the ``G``
-  query heads that share it (GQA). On a GPU, where XLA copies the values before such a sum
-  (issue 44's profile), the blend is one product of the values as they lie too, every head's
+  query heads that share it (GQA). On a GPU, where XLA's sum came after a copy of the whole
+  cache (issue 44's profile: the keys' product reads them as they lie, so the values, most
+  likely), the blend is one product of the values as they lie too, every head's
   weights against every head's values, the diagonal blocks kept. With many query rows
   (``N·T > 64``) the block-diagonal product wastes too much; there each chunk is copied
   heads-first and multiplied head by head.
