@@ -102,7 +102,9 @@ def _blend(weights, value, *, precision=None):
     """``Σ_j w_ij v_j`` for every head: ``(K, G, T, L) × (L, K, V) → (K, G, T, V)``.
 
     :func:`~jax_sdpa.weighted_sum`'s sum, formed as :func:`_scores` forms its products; as
-    there, the weights are cast to the value dtype and the sum is accumulated in float32.
+    there, the weights are cast to the value dtype and the sum is accumulated in float32 (on a
+    GPU a matrix product's, at the call's ``precision``: float32 values at the default may
+    take TF32's, as the scores' product does).
     """
     if isinstance(value, Quantized):  # the 8-bit values in the sum
         return values_product(
@@ -145,8 +147,9 @@ def _block_diagonal_blend(weights, value, precision=None):
         precision=precision,
         preferred_element_type=accumulation_dtype(value.dtype),
     ).reshape(kv_heads, group * seq_q, kv_heads, -1)
-    own = jnp.eye(kv_heads, dtype=every.dtype)[:, None, :, None]  # (a sum with one term)
-    return jnp.sum(every * own, axis=2).reshape(kv_heads, group, seq_q, -1)
+    # (selected, not multiplied: a head's NaN stays in its own output, as in the sum)
+    own = jnp.eye(kv_heads, dtype=bool)[:, None, :, None]
+    return jnp.sum(jnp.where(own, every, 0), axis=2).reshape(kv_heads, group, seq_q, -1)
 
 
 def _chunk_state(formula: Formula, query, keys, values, arrays: CallArrays, q_offset, at):

@@ -199,7 +199,8 @@ def packed(formula: Formula, arrays: CallArrays, seq_q: int, group: int) -> bool
     """Whether a call's query heads are packed by groups into rows (:func:`pallas_sequence`).
 
     Where ``T·G`` rows fit in :data:`PACKED_ROWS` and nothing differs from one query head to
-    another but its queries (and its sink, met after the rows are unpacked): no ``score_mod``,
+    another but its queries (and its sink, met after the rows are unpacked, the rows' output
+    then rounded once more to the values' dtype): no ``score_mod``,
     bias, mask array, dropout, sigmoid bias, or rule per head; nor an opaque rule, a block
     mask's included (it would read its arrays at ``row // G``, not at a run of positions, which
     is all a TPU or the Mosaic GPU kernel loads).
