@@ -45,9 +45,9 @@ class Config(NamedTuple):
     kv_heads: int = 2  # grouped-query attention: 4 query heads per key/value head
     head_dim: int = 32
     max_len: int = 1024
-    cache: str = "float32"  # or a jax_sdpa.quantize format
+    cache: str = "plain"  # the model's dtype, or a jax_sdpa.quantize format
     kernel: str | None = None  # attention on the fused kernel: "mosaic_gpu", "triton", "interpret"
-    dtype: str = "float32"  # the model's and its caches' ("float32" cache: unquantized)
+    dtype: str = "float32"  # the model's, and its plain caches'
 
 
 def kernel(config: Config) -> "jax_sdpa.Pallas | None":
@@ -109,7 +109,7 @@ def full_forward(params, tokens, config: Config):
     x = params["embed"][tokens] + params["positions"][: tokens.shape[1]]
 
     def attend(q, k, v):
-        if config.cache != "float32":  # as the cache stores them (float8: with the cache's scale)
+        if config.cache != "plain":  # as the cache stores them (float8: with the cache's scale)
             k, v = (rounded(x, config) for x in (k, v))
         return jax_sdpa.dot_product_attention(q, k, v, is_causal=True)
 
@@ -130,7 +130,7 @@ FLOAT8_SCALE = 8 / 448
 
 def empty_cache(shape, config: Config):
     """A cache of zeros in ``config.cache``'s format."""
-    if config.cache == "float32":
+    if config.cache == "plain":
         return jnp.zeros(shape, config.dtype)
     scale = None if config.cache == "int8" else FLOAT8_SCALE
     return jax_sdpa.quantize(jnp.zeros(shape, config.dtype), config.cache, scale=scale)
@@ -197,7 +197,7 @@ def tolerance(full, config: Config) -> float:
     """
     if config.dtype == "bfloat16":
         return 2.0**-6 * float(jnp.abs(full).max())
-    if config.cache == "float32":
+    if config.cache == "plain":
         return 2e-4
     return 2.0**-8 * float(jnp.abs(full).max())
 
@@ -231,7 +231,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=40)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--cache", default="float32", choices=["float32", "int8", "float8_e4m3fn"])
+    parser.add_argument("--cache", default="plain", choices=["plain", "int8", "float8_e4m3fn"])
     parser.add_argument("--short", action="store_true", help="a few tokens, as the test suite")
     parser.add_argument(
         "--kernel",
@@ -274,12 +274,12 @@ def main(argv=None):
         print(f"{name:10s}: {steps} tokens × {args.batch} sequences, {rate:.0f} tokens/s{checked}")
     np.testing.assert_array_equal(results["contiguous"], results["paged"])
     print("generated (sequence 0):", np.asarray(results["paged"][0, args.prompt :]).tolist())
-    if config.cache != "float32":
+    if config.cache != "plain":
         tokens = results["paged"]
         padded = jnp.pad(tokens, ((0, 0), (0, -tokens.shape[1] % 64)))
         logits = [
             full_forward(params, padded, c)[:, : tokens.shape[1]]
-            for c in (config, config._replace(cache="float32"))
+            for c in (config, config._replace(cache="plain"))
         ]
         moved = float(jnp.abs(logits[0] - logits[1]).max() / jnp.abs(logits[1]).max())
         print(
