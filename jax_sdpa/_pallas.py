@@ -18,7 +18,7 @@ from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
 from jax_sdpa._indices import positions
-from jax_sdpa._kernels.caches import Pages, cache_forward, plain
+from jax_sdpa._kernels.caches import Pages, cache_forward, key_value, plain
 from jax_sdpa._kernels.calls import backward
 from jax_sdpa._kernels.fitting import (
     block_lists,
@@ -165,7 +165,7 @@ def _pages_fit(tunables: Pallas, query, pages: Pages) -> bool:
 
 def _decoding(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) -> Result:
     """:func:`pallas_sequence` of ``keys``: ``(key, value)`` or :class:`Pages`."""
-    (seq_q, heads, _), kv_heads = query.shape, _keys(keys)[0].shape[-2]
+    (seq_q, heads, _), kv_heads = query.shape, key_value(keys)[0].shape[-2]
     group = heads // kv_heads
     if not packed(formula, arrays, seq_q, group):
         call = _split if seq_q <= PACKED_ROWS else _sequence
@@ -188,11 +188,6 @@ def _decoding(formula: Formula, tunables: Pallas, query, keys, arrays: CallArray
         return result
     state = formula.normalizer.from_result(result.out, result.lse, result.max_scores)
     return _finished(formula, state, arrays.sinks, query, result.out.dtype)
-
-
-def _keys(keys) -> tuple:
-    """``(key, value)`` of ``keys``, pools of pages for :class:`Pages`."""
-    return (keys.key, keys.value) if isinstance(keys, Pages) else keys
 
 
 def packed(formula: Formula, arrays: CallArrays, seq_q: int, group: int) -> bool:
@@ -291,7 +286,7 @@ def _sequence(
     :func:`jax_sdpa._kernels.fitting.block_lists`), and listed: the kernels visit only the
     blocks it does not exclude. A sequence's pages are padded to whole programs and tiles.
     """
-    key, value = _keys(keys)
+    key, value = key_value(keys)
     (seq_q, _, _), value_width = query.shape, value.shape[-1]
     tunables = for_inputs(tunables, query, key, value)
     if isinstance(keys, Pages):  # (whole programs and tiles: the last page repeated, masked)

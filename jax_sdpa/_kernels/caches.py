@@ -57,6 +57,11 @@ class Pages:
         return dataclasses.replace(self, table=jnp.pad(self.table, (0, extra), mode="edge"))
 
 
+def key_value(keys) -> tuple:
+    """``(key, value)`` of ``keys``: the pools of :class:`Pages`, or the pair itself."""
+    return (keys.key, keys.value) if isinstance(keys, Pages) else keys
+
+
 def plain(keys, accumulated: bool = False) -> tuple:
     """``(key, value)`` of ``keys`` as float arrays: pages gathered, 8 bits widened (copies).
 
@@ -90,7 +95,7 @@ def cache_forward(
     arrays first (:func:`plain`). ``lists``: a block mask's, of keys that are not pages.
     """
     paged = isinstance(keys, Pages)
-    key, value = (keys.key, keys.value) if paged else keys
+    key, value = key_value(keys)
     floats = not any(isinstance(x, Quantized) for x in (key, value))
     if not paged and floats:
         return forward(tiles, tunables, query, key, value, arrays, offsets, lists=lists)
@@ -105,7 +110,7 @@ def cache_forward(
 
     def kernel(inputs):
         query, keys = inputs
-        key, value = (keys.key, keys.value) if paged else keys
+        key, value = key_value(keys)
         return mosaic_gpu.forward(
             plan,
             query,
