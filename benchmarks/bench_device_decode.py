@@ -41,6 +41,7 @@ from bench_device import _call_seconds, _failure, kernel_times  # this folder is
 import jax_sdpa as js
 
 N, K, D = 32, 8, 128  # query heads, key/value heads, head width
+MLA_HEADS, MLA_WIDTH, MLA_VALUES = 128, 576, 512  # DeepSeek-V3's absorbed MLA decode
 HBM_TB_S = 4.8  # an H200's HBM3e, nominal
 # The fused kernels' rows, ``name -> implementation`` (``main``'s: the interpreter's rehearsing).
 KERNELS = {}
@@ -54,18 +55,19 @@ def _cache(batch: int, seq: int, dtype=jnp.bfloat16):
     return q, k, v, jnp.full((batch,), seq, jnp.int32)
 
 
-def _paged(k, v, page: int):
-    """The cache as shuffled pages in a pool one page larger (its spare page NaN) and a table."""
-    batch, seq = k.shape[:2]
+def _paged(*caches, page: int):
+    """The caches as shuffled pages in pools one page larger (their spare page NaN), a table."""
+    batch, seq = caches[0].shape[:2]
     per_sequence = seq // page
     order = np.random.default_rng(0).permutation(batch * per_sequence)
     table = jnp.asarray(order.reshape(batch, per_sequence), jnp.int32)
 
     def pool(x):
-        spare = jnp.full((batch * per_sequence + 1, page, K, x.shape[-1]), jnp.nan, x.dtype)
-        return spare.at[table.reshape(-1)].set(x.reshape(-1, page, K, x.shape[-1]))
+        shape = (batch * per_sequence + 1, page, *x.shape[2:])
+        spare = jnp.full(shape, jnp.nan, x.dtype)
+        return spare.at[table.reshape(-1)].set(x.reshape(-1, *shape[1:]))
 
-    return pool(k), pool(v), table
+    return (*(pool(x) for x in caches), table)
 
 
 def decode_calls(batch: int, seq: int, dtype=jnp.bfloat16) -> dict:
@@ -85,12 +87,15 @@ def decode_calls(batch: int, seq: int, dtype=jnp.bfloat16) -> dict:
             kernel = functools.partial(ours, implementation=mosaic_gpu)
             calls[f"jax_sdpa {fmt} mosaic_gpu"] = (kernel, (q, *quantized))
     for page in (16, 64):
-        calls[f"jax_sdpa paged {page}"] = (js.paged_attention, (q, *_paged(k, v, page), lengths))
+        calls[f"jax_sdpa paged {page}"] = (
+            js.paged_attention,
+            (q, *_paged(k, v, page=page), lengths),
+        )
         for name, pallas in KERNELS.items():  # (the pages read in the kernel, or gathered)
             paged = functools.partial(js.paged_attention, implementation=js.Paged(kernel=pallas))
-            calls[f"jax_sdpa paged {page} {name}"] = (paged, (q, *_paged(k, v, page), lengths))
+            calls[f"jax_sdpa paged {page} {name}"] = (paged, (q, *_paged(k, v, page=page), lengths))
             if page == 16 and name == "mosaic_gpu":  # (and paged int8)
-                *pools, table = _paged(k, v, page)
+                *pools, table = _paged(k, v, page=page)
                 pools = [js.quantize(x, "int8") for x in pools]
                 calls[f"jax_sdpa paged {page} int8 {name}"] = (paged, (q, *pools, table, lengths))
     for name, pallas in KERNELS.items():  # (packed query heads, split keys: one kernel)
@@ -111,11 +116,50 @@ def decode_calls(batch: int, seq: int, dtype=jnp.bfloat16) -> dict:
     return {name: (fn, args, sizes[name]) for name, (fn, args) in calls.items()}
 
 
+def mla_calls(batch: int, seq: int, dtype=jnp.bfloat16) -> dict:
+    """``name -> (fn, args, bytes read)``: MLA's decode, ``MLA_HEADS`` query heads, one latent.
+
+    DeepSeek-V3's absorbed decode: one latent head of ``MLA_WIDTH`` features, the first
+    ``MLA_VALUES`` its values (``LatentValues``), one query per sequence.
+    """
+    keys = jax.random.split(jax.random.key(4), 2)
+    q = jax.random.normal(keys[0], (batch, 1, MLA_HEADS, MLA_WIDTH), jnp.float32).astype(dtype)
+    latent = jax.random.normal(keys[1], (batch, seq, 1, MLA_WIDTH), jnp.float32).astype(dtype)
+    lengths = jnp.full((batch,), seq, jnp.int32)
+    values = js.LatentValues(MLA_VALUES)
+
+    def ours(q, latent, implementation=None):
+        return js.dot_product_attention(
+            q, latent, values, key_value_seq_lengths=lengths, implementation=implementation
+        )
+
+    calls = {
+        "yardstick (read the latent)": (lambda x: x.max(axis=1), (latent,)),
+        "jax_sdpa default": (ours, (q, latent)),
+    }
+    for name, pallas in KERNELS.items():
+        calls[f"jax_sdpa {name}"] = (functools.partial(ours, implementation=pallas), (q, latent))
+    pool, table = _paged(latent, page=64)
+
+    def paged(q, pool, implementation):
+        return js.paged_attention(q, pool, values, table, lengths, implementation=implementation)
+
+    calls["jax_sdpa paged 64"] = (functools.partial(paged, implementation=None), (q, pool))
+    if "mosaic_gpu" in KERNELS:
+        kernel = js.Paged(kernel=KERNELS["mosaic_gpu"])
+        calls["jax_sdpa paged 64 mosaic_gpu"] = (
+            functools.partial(paged, implementation=kernel),
+            (q, pool),
+        )
+    size = latent.size * latent.dtype.itemsize
+    return {name: (fn, args, size) for name, (fn, args) in calls.items()}
+
+
 def ragged_calls(seq: int, chunk: int, dtype=jnp.bfloat16) -> dict:
     """8 decodes and one ``chunk``-token prefill chunk: in one ragged call, and as two calls."""
     page = 64
     q, k, v, lengths = _cache(9, seq, dtype)
-    key_pages, value_pages, table = _paged(k, v, page)
+    key_pages, value_pages, table = _paged(k, v, page=page)
     prefill = jax.random.normal(jax.random.key(3), (1, chunk, N, D), jnp.float32).astype(dtype)
     packed = jnp.concatenate([q[:8, 0], prefill[0]])
     starts = jnp.asarray([*range(9), 8 + chunk], jnp.int32)
@@ -146,16 +190,16 @@ def check(seq: int, tolerance: float) -> None:
     wide = [x.astype(jnp.float32) for x in (q, k, v)]
     want = jax.nn.dot_product_attention(*wide, implementation="xla")
     for name, (fn, args, _) in calls.items():
-        if not name.startswith("jax_sdpa"):
-            continue
-        try:
-            out = np.asarray(jax.jit(fn)(*args), np.float32)
-            error = float(np.max(np.abs(out - want)) / np.max(np.abs(want)))
+        if name.startswith("jax_sdpa"):
             bound = 4 * tolerance if ("int8" in name or "float8" in name) else tolerance
-            verdict = "ok" if np.all(np.isfinite(out)) and error < bound else "FAILED"
-            print(f"  {name:34s} {verdict}  {error:.1e} (bound {bound:.0e})", flush=True)
-        except Exception as error:  # one case's failure must not lose the others
-            print(f"  {name}: FAILED {_failure(error, 300)}")
+            _check(name, fn, args, want, bound)
+    mla = mla_calls(2, seq)
+    _, (q, latent), _ = mla["jax_sdpa default"]
+    wide = [x.astype(jnp.float32) for x in (q, latent)]
+    want = js.dot_product_attention(*wide, wide[1][..., :MLA_VALUES], implementation="xla")
+    for name, (fn, args, _) in mla.items():
+        if name.startswith("jax_sdpa"):
+            _check(f"MLA {name[len('jax_sdpa ') :]}", fn, args, want, tolerance)
     try:
         ragged = ragged_calls(seq, 128)
         one, two = (np.asarray(jax.jit(fn)(*args), np.float32) for fn, args in ragged.values())
@@ -165,6 +209,17 @@ def check(seq: int, tolerance: float) -> None:
         )
     except Exception as error:
         print(f"  ragged: FAILED {_failure(error, 300)}")
+
+
+def _check(name: str, fn, args, want, bound: float) -> None:
+    """Prints whether ``fn(*args)`` is finite and within ``bound`` of ``want`` (max rel.)."""
+    try:
+        out = np.asarray(jax.jit(fn)(*args), np.float32)
+        error = float(np.max(np.abs(out - want)) / np.max(np.abs(want)))
+        verdict = "ok" if np.all(np.isfinite(out)) and error < bound else "FAILED"
+        print(f"  {name:34s} {verdict}  {error:.1e} (bound {bound:.0e})", flush=True)
+    except Exception as error:  # one case's failure must not lose the others
+        print(f"  {name}: FAILED {_failure(error, 300)}")
 
 
 def _torch_seconds(batch: int, seq: int, reps: int) -> float:
@@ -188,12 +243,19 @@ def _torch_seconds(batch: int, seq: int, reps: int) -> float:
     return float(np.median(rounds))
 
 
-def time_shape(batch: int, seq: int, names, reps: int, stop: float) -> dict:
-    """The device time of each named decode call at ``(batch, seq)``, printed; ``name -> s``."""
-    print(f"\nB{batch} S{seq} N{N} K{K} d{D} bfloat16, one query a sequence:")
-    print(f"{'call':34s} {'ms':>8s} {'TB/s':>7s} {'% yardstick':>12s} {'% of 4.8':>9s}")
+def time_shape(title: str, calls: dict, names, reps: int, stop: float, flops: float) -> dict:
+    """The device time of each named call (all if ``names`` is None), printed; ``name -> s``.
+
+    As ms, TB/s of the bytes each reads, against the yardstick's (the first row) and the HBM's
+    nominal rate, and the TFLOP/s of the call's ``flops``.
+    """
+    print(f"\n{title}:")
+    print(
+        f"{'call':34s} {'ms':>8s} {'TB/s':>7s} {'% yardstick':>12s} {'% of 4.8':>9s} "
+        f"{'TFLOP/s':>8s}"
+    )
     seconds, yardstick = {}, None
-    for name, (fn, args, size) in decode_calls(batch, seq).items():
+    for name, (fn, args, size) in calls.items():
         if names is not None and name not in names:
             continue
         if time.time() > stop:
@@ -206,12 +268,30 @@ def time_shape(batch: int, seq: int, names, reps: int, stop: float) -> dict:
             continue
         rate = size / seconds[name] / 1e12
         yardstick = yardstick or rate
+        tflops = "" if name.startswith("yardstick") else f"{flops / seconds[name] / 1e12:8.1f}"
         print(
             f"{name:34s} {seconds[name] * 1e3:8.3f} {rate:7.2f} {100 * rate / yardstick:11.0f}% "
-            f"{100 * rate / HBM_TB_S:8.0f}%",
+            f"{100 * rate / HBM_TB_S:8.0f}% {tflops}",
             flush=True,
         )
     return seconds
+
+
+def time_decode(batch: int, seq: int, names, reps: int, stop: float) -> dict:
+    """:func:`time_shape` of :func:`decode_calls` (the products' flops: ``4·B·N·S·D``)."""
+    title = f"B{batch} S{seq} N{N} K{K} d{D} bfloat16, one query a sequence"
+    flops = 4 * batch * N * seq * D
+    return time_shape(title, decode_calls(batch, seq), names, reps, stop, flops)
+
+
+def time_mla(batch: int, seq: int, reps: int, stop: float) -> dict:
+    """:func:`time_shape` of :func:`mla_calls` (flops ``2·B·N·S·(576 + 512)``)."""
+    title = (
+        f"MLA B{batch} S{seq}: {MLA_HEADS} query heads, one latent head {MLA_WIDTH}/{MLA_VALUES},"
+        " bfloat16"
+    )
+    flops = 2 * batch * MLA_HEADS * seq * (MLA_WIDTH + MLA_VALUES)
+    return time_shape(title, mla_calls(batch, seq), None, reps, stop, flops)
 
 
 def main() -> None:
@@ -227,7 +307,7 @@ def main() -> None:
         KERNELS[backend] = js.Pallas(interpret=True) if rehearse else js.Pallas(backend=backend)
     check(256 if rehearse else 2048, 2e-2)
     big = (2, 1024) if rehearse else (8, 32768)
-    seconds = time_shape(*big, None, args.reps, stop)
+    seconds = time_decode(*big, None, args.reps, stop)
     if not rehearse and time.time() < stop:
         try:
             torch = _torch_seconds(*big, args.reps)
@@ -237,7 +317,8 @@ def main() -> None:
             print(f"  torch SDPA: {_failure(error, 200)}")
     for shape in ((1, 2048), (8, 256)) if rehearse else ((1, 131072), (64, 4096)):
         names = ("yardstick (read K, V)", "jax_sdpa default", "jax_sdpa mosaic_gpu", "jax.nn cudnn")
-        time_shape(*shape, names, args.reps, stop)
+        time_decode(*shape, names, args.reps, stop)
+    time_mla(*((2, 512) if rehearse else (8, 32768)), args.reps, stop)
     if time.time() < stop:
         print("\nragged: 8 decodes and a prefill chunk, one call against two:")
         for name, (fn, call_args) in ragged_calls(

@@ -175,7 +175,7 @@ def _selected_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 
 def _run_paged(inputs: Inputs, config: Config) -> Result:
-    kernel = None if isinstance(inputs.value, LatentValues) else config.tunables.kernel
+    kernel = config.tunables.kernel
     if kernel is None:  # one sequence after the other: each gathers its own pages, not the batch's
         sequence = functools.partial(paged_sequence, config.formula, config.tunables)
     else:  # all sequences in one kernel
@@ -261,6 +261,7 @@ IMPLEMENTATIONS: dict[str, Entry] = {
         second_order=lambda pallas: False,
         tunables=Pallas,
         quantized=True,
+        latent=True,
     ),
 }
 

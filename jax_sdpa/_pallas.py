@@ -24,19 +24,24 @@ from jax_sdpa._kernels.fitting import (
     block_lists,
     fitted,
     for_inputs,
+    heads_padded,
     padded,
     padded_queries,
+    reads_latent,
+    widths,
 )
 from jax_sdpa._kernels.mosaic_gpu import MIN_WIDTH, PROGRAM_ROWS
+from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import per_token
 from jax_sdpa._row_rules import PackedRows
 from jax_sdpa._tiles import Tiles, differentiable, masked_past, pad_keys
 from jax_sdpa._tiles_backward import backward_rows, sinks_grad
-from jax_sdpa._tunables import Pallas
+from jax_sdpa._tunables import MIN_SIDE, Pallas
 
-# The most rows ``T·G`` a call's grouped query heads are packed into (a Mosaic GPU consumer's,
-# one ``wgmma``'s): past it each head's own rows fill its tiles.
-PACKED_ROWS = 64
+# The most rows ``T·G`` a call's grouped query heads are packed into (a Mosaic GPU program's:
+# two consumers of one ``wgmma``'s 64; MLA's 128 heads): past it each head's own rows fill
+# its tiles.
+PACKED_ROWS = 128
 # Keys per chunk where a few queries' keys are split (about: whole multiples of
 # ``CHUNK_MULTIPLE``, the Mosaic GPU kernels' programs of keys).
 SPLIT_KEYS, CHUNK_MULTIPLE = 4096, 128
@@ -62,9 +67,17 @@ def _fused_bwd(tiles: Tiles, tunables: Pallas, residuals: tuple, cotangents: tup
     query, key, value, arrays, lists, at, out, lse = residuals
     rows = backward_rows(out, lse, cotangents, tiles.formula.normalizer)
     offsets = _offsets(at)
-    caches = (key, value)  # (quantized: the kernels' on them widened, then the widening's)
-    grads = backward(tiles, tunables, query, *plain(caches), arrays, rows, offsets, lists=lists)
+    # (quantized or a latent's: the kernels' on them widened or sliced, then the widening's)
+    caches = (key, value)
+    key_b, value_b = plain(caches)
+    width = query.shape[-1]
+    # (the widths the Mosaic GPU kernels take, or the Triton kernel's: a latent's padded)
+    tunables = for_inputs(tunables, query, key_b, value_b)
+    wide = widths(query, value_b, MIN_SIDE)[0]
+    query_b, key_b = (heads_padded(x, wide) for x in (query, key_b))
+    grads = backward(tiles, tunables, query_b, key_b, value_b, arrays, rows, offsets, lists=lists)
     d_query, d_key, d_value, d_consts = grads
+    d_query, d_key = (d[..., :width] for d in (d_query, d_key))
     d_query, d_consts = jax.tree.map(
         lambda d, x: d.astype(x.dtype),
         (d_query, d_consts),
@@ -155,12 +168,17 @@ def pallas_paged_sequence(
 def _pages_fit(tunables: Pallas, query, pages: Pages) -> bool:
     """Whether the kernels read these pages as they are (the Mosaic GPU kernel's blocks of them).
 
-    Pages of a power of two of at least 16 positions, heads 64, 128 or 256 wide.
+    Pages of a power of two of at least 16 positions, heads 64, 128 or 256 wide, or a shared
+    latent that the Mosaic GPU kernel reads (:func:`~jax_sdpa._kernels.fitting.reads_latent`).
     """
     key, value = pages.key, pages.value
     page = key.shape[1]
-    widths = {query.shape[-1], key.shape[-1], value.shape[-1]}
-    return page >= 16 and page & (page - 1) == 0 and widths <= {64, 128, 256}
+    if reads_latent(tunables, key, value):
+        return page >= 16 and page & (page - 1) == 0
+    if isinstance(value, LatentValues):
+        return False
+    heads = {query.shape[-1], key.shape[-1], value.shape[-1]}
+    return page >= 16 and page & (page - 1) == 0 and heads <= {64, 128, 256}
 
 
 def _decoding(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) -> Result:
@@ -287,7 +305,8 @@ def _sequence(
     blocks it does not exclude. A sequence's pages are padded to whole programs and tiles.
     """
     key, value = key_value(keys)
-    (seq_q, _, _), value_width = query.shape, value.shape[-1]
+    latent = isinstance(value, LatentValues)
+    seq_q, value_width = query.shape[0], value.features if latent else value.shape[-1]
     tunables = for_inputs(tunables, query, key, value)
     if isinstance(keys, Pages):  # (whole programs and tiles: the last page repeated, masked)
         length = keys.length
@@ -302,7 +321,7 @@ def _sequence(
             keys = keys.padded(whole)
             arrays = masked_past(arrays, (0 if at is None else at) + length)
         rows = max(PROGRAM_ROWS, tiles.block_q)
-        query, arrays = padded_queries(query, arrays, rows, MIN_WIDTH)
+        query, arrays = padded_queries(query, arrays, rows, widths(query, value, MIN_WIDTH)[0])
         arrays = _rows_past(arrays, seq_q, query.shape[0])
         out, lse, top = _on_pages(tiles, tunables, query, keys, arrays, at)
     else:

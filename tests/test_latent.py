@@ -1,7 +1,7 @@
 """Shared-latent caches (MLA): ``value=LatentValues(V)`` equals the values given as ``key[..., :V]``.
 
 Against the float64 reference on every implementation that takes the call (the decode and paged
-paths read the one array; the others attend to its slice), gradients to the queries and the
+paths, and the Mosaic GPU kernel, read the one array; the others attend to its slice), gradients to the queries and the
 latent cache, a quantized latent cache, and the paged writer.
 """
 
@@ -23,7 +23,12 @@ def latent_cache(rng, b=2, s=90, h=16):
     return q, jnp.asarray(rng.normal(size=(b, s, 1, h)), jnp.float32)
 
 
-@pytest.mark.parametrize("implementation", [None, "xla", "chunked", js.Decode(block_kv=40)])
+INTERPRET = js.Pallas(interpret=True)
+
+
+@pytest.mark.parametrize(
+    "implementation", [None, "xla", "chunked", js.Decode(block_kv=40), INTERPRET]
+)
 def test_latent_values_equal_the_reference_with_the_slice_as_values(rng, implementation):
     q, latent = latent_cache(rng)
     lengths = np.array([90, 37])
@@ -36,14 +41,17 @@ def test_latent_values_equal_the_reference_with_the_slice_as_values(rng, impleme
     assert ref.rel_err(out, want["out"]) < 2e-6
 
 
-def test_gradients_reach_the_queries_and_the_latent_cache_through_both_products(rng):
+@pytest.mark.parametrize("implementation", [js.Decode(block_kv=40), INTERPRET])
+def test_gradients_reach_the_queries_and_the_latent_cache_through_both_products(
+    rng, implementation
+):
     q, latent = latent_cache(rng)
 
     def loss(q, latent, value_of, implementation):
         out = js.dot_product_attention(q, latent, value_of(latent), implementation=implementation)
         return jnp.sum(out * jnp.cos(jnp.arange(out.size, dtype=out.dtype)).reshape(out.shape))
 
-    grads = jax.grad(loss, argnums=(0, 1))(q, latent, lambda _: LATENT, js.Decode(block_kv=40))
+    grads = jax.grad(loss, argnums=(0, 1))(q, latent, lambda _: LATENT, implementation)
     dense = jax.grad(loss, argnums=(0, 1))(q, latent, lambda x: x[..., :12], "xla")
     for got, want in zip(grads, dense, strict=True):
         np.testing.assert_allclose(got, want, atol=2e-6)
@@ -67,8 +75,10 @@ def test_paged_latent_pools_are_written_once_and_read_for_both_products(rng):
     assert values is LATENT
     np.testing.assert_array_equal(gathered(pool, table), latent)
     lengths = jnp.array([35, 20])
-    out = js.paged_attention(q, pool, LATENT, table, lengths, implementation=js.Paged(14))
-    assert ref.rel_err(out, expected(q, pool, pool[..., :12], table, lengths)["out"]) < 2e-6
+    want = expected(q, pool, pool[..., :12], table, lengths)["out"]
+    for paged in (js.Paged(14), js.Paged(kernel=INTERPRET)):
+        out = js.paged_attention(q, pool, LATENT, table, lengths, implementation=paged)
+        assert ref.rel_err(out, want) < 2e-6
 
 
 @pytest.mark.parametrize("features", [0, 17, 2.0])

@@ -735,3 +735,87 @@ def test_a_quantized_caches_gradients_on_the_gpu_simulator(monkeypatch):
     for got, cache, name in zip((d_key, d_value), caches, ("dk", "dv"), strict=True):
         d_scale = np.sum(want[name] * np.asarray(cache.values, np.float64), -1, keepdims=True)
         assert ref.rel_err(got.scale, d_scale) < 1e-2, name  # (summed in float32)
+
+
+def _latent_call(paged: bool, implementation, q, latent, lengths, features):
+    """A shared latent's attention (MLA): contiguous, or in pages of 16 (a table in order)."""
+    if not paged:
+        return js.dot_product_attention(
+            q,
+            latent,
+            js.LatentValues(features),
+            key_value_seq_lengths=lengths,
+            implementation=implementation,
+            return_residual=True,
+        )
+    batch, seq, _, width = latent.shape
+    pool = latent.reshape(batch * seq // 16, 16, 1, width)
+    table = jnp.arange(batch * seq // 16, dtype=jnp.int32).reshape(batch, -1)
+    return js.paged_attention(
+        q,
+        pool,
+        js.LatentValues(features),
+        table,
+        lengths,
+        implementation=js.Paged(kernel=implementation),
+        return_residual=True,
+    )
+
+
+@pytest.mark.parametrize("paged", [False, pytest.param(True, marks=SIMULATED_SLOW)])
+def test_a_shared_latent_read_by_the_kernel_on_the_gpu_simulator_is_the_reference(
+    paged, monkeypatch
+):
+    # MLA: 128 query heads packed into the rows of two programs, each's two consumers holding
+    # the same 64 rows, each computing half of the values' features from the latent's blocks.
+    _split_small(monkeypatch)
+    rng = np.random.default_rng(19)
+    q = jnp.asarray(rng.normal(size=(2, 1, 128, 192)), jnp.bfloat16)
+    latent = jnp.asarray(rng.normal(size=(2, 320, 1, 192)), jnp.bfloat16)
+    lengths = jnp.array([300, 170])
+    out, lse = _latent_call(paged, _simulated(), q, latent, lengths, 128)
+    want = ref.attention(q, latent, latent[..., :128], kv_lengths=np.asarray(lengths))
+    assert out.shape == (2, 1, 128, 128)
+    assert ref.rel_err(out, want["out"]) < 2e-2 and ref.rel_err(lse, want["lse"]) < 1e-2
+
+
+@SIMULATED_SLOW
+def test_a_shared_latents_gradients_on_the_gpu_simulator(monkeypatch):
+    # The backward kernels read the latent's slice as the values (a copy), its gradient added
+    # to the keys'.
+    _split_small(monkeypatch)
+    rng = np.random.default_rng(20)
+    q = jnp.asarray(rng.normal(size=(2, 1, 64, 192)), jnp.bfloat16)
+    latent = jnp.asarray(rng.normal(size=(2, 320, 1, 192)), jnp.bfloat16)
+    lengths = jnp.array([300, 170])
+
+    def loss(q, latent, implementation):
+        out, _ = _latent_call(False, implementation, q, latent, lengths, 128)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    grads = jax.grad(loss, argnums=(0, 1))(q, latent, _simulated())
+    want = jax.grad(loss, argnums=(0, 1))(q.astype(jnp.float32), latent.astype(jnp.float32), None)
+    for got, wanted, name in zip(grads, want, ("dq", "d_latent"), strict=True):
+        assert ref.rel_err(got, wanted) < 2e-2, name
+
+
+@pytest.mark.parametrize("paged", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_shared_latent_decoding_call_lowers_for_cuda_reading_the_latent_once(paged):
+    # DeepSeek-V3's MLA decode, B2 S8192: 128 query heads against one latent head of 576
+    # features, the first 512 the values. One forward kernel, whose only cache operand is the
+    # latent (or its pool), as it lies: no 512-wide values beside it, nothing padded.
+    from tests.lowering import mosaic_gpu_kernels
+
+    q = jnp.zeros((2, 1, 128, 576), jnp.bfloat16)
+    latent = jnp.zeros((2, 8192, 1, 576), jnp.bfloat16)
+    lengths = jnp.array([8000, 5000])
+    pallas = js.Pallas(backend="mosaic_gpu")
+
+    def call(q, latent):
+        return _latent_call(paged, pallas, q, latent, lengths, 512)[0]
+
+    operands = []
+    assert len(mosaic_gpu_kernels(call, q, latent, operands=operands)) == 1
+    types = operands[0].split(", ")
+    cache = "tensor<1024x16x1x576xbf16>" if paged else "tensor<2x2x4096x1x576xbf16>"
+    assert [t for t in types if "bf16" in t] == ["tensor<2x128x1x576xbf16>", cache]

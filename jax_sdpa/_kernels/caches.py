@@ -1,13 +1,16 @@
-"""The caches the kernels read as they are: pages of a pool, and 8-bit keys and values.
+"""The caches the kernels read as they are: pages of a pool, 8-bit keys and values, a latent.
 
 :func:`cache_forward` is :func:`~jax_sdpa._kernels.calls.forward` of keys and values kept as a
 server keeps them: in :class:`Pages` of a pool (``paged_attention``'s), or quantized
-(:class:`~jax_sdpa.Quantized`), or both. The Mosaic GPU kernel reads them in place: each block
-of keys copied page by page, 8 bits and scales. Around it, the scales are made heads first (a
+(:class:`~jax_sdpa.Quantized`), or both; or a shared latent, the values the keys' first
+features (:class:`~jax_sdpa.LatentValues`). The Mosaic GPU kernel reads them in place: each
+block of keys copied page by page, 8 bits and scales, a latent's once for both products. Around
+it, the scales are made heads first (a
 copy of :math:`4/H` of the 8-bit cache's bytes, float8's one scale a head broadcast to one a
 token), and, as for any cache, keys that are not whole programs or heads that are not 64, 128
 or 256 wide are padded (a copy). The other backends read plain arrays (:func:`plain`): the
-pages gathered and the 8 bits widened first, a copy of the sequence's keys and values.
+pages gathered, the 8 bits widened and a latent's values sliced first, a copy of the
+sequence's keys and values.
 """
 
 import dataclasses
@@ -21,6 +24,7 @@ from jax_sdpa._jax_compat import GPU_SIMULATOR
 from jax_sdpa._kernels import mosaic_gpu
 from jax_sdpa._kernels.calls import block_mask_arrays, forward, plan_for
 from jax_sdpa._kernels.fitting import on_mosaic_gpu
+from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import Tiles
@@ -65,15 +69,18 @@ def key_value(keys) -> tuple:
 def plain(keys, accumulated: bool = False) -> tuple:
     """``(key, value)`` of ``keys`` as float arrays: pages gathered, 8 bits widened (copies).
 
+    A shared latent's values (:class:`~jax_sdpa.LatentValues`) sliced from its keys (a copy).
+
     In their dtypes, or (``accumulated``) in those their sums accumulate in.
     """
-    keys = keys.gathered() if isinstance(keys, Pages) else keys
+    key, value = keys.gathered() if isinstance(keys, Pages) else keys
 
     def widened(x):
         dtype = accumulation_dtype(x.dtype) if accumulated else x.dtype
         return x.dequantize(dtype) if isinstance(x, Quantized) else x.astype(dtype)
 
-    return tuple(widened(x) for x in keys)
+    key = widened(key)
+    return key, value.of(key) if isinstance(value, LatentValues) else widened(value)
 
 
 def _scales_heads_first(cache):
@@ -88,16 +95,18 @@ def cache_forward(
 ):
     """:func:`~jax_sdpa._kernels.calls.forward` of ``keys``: ``(out, lse, max_scores)``.
 
-    ``keys``: ``(key, value)`` (either may be quantized), or :class:`Pages` whose table's pages
-    are all inside the pool, whole multiples of the kernels' programs of keys. The Mosaic GPU
-    kernel reads them as they are (on its simulator, or on ``cuda``; quantized heads up to 128
-    wide, :func:`~jax_sdpa._kernels.mosaic_gpu.reads_in_place`); elsewhere they are made plain
+    ``keys``: ``(key, value)`` (either may be quantized, or ``value`` a shared latent's
+    :class:`~jax_sdpa.LatentValues`), or :class:`Pages` whose table's pages are all inside the
+    pool, whole multiples of the kernels' programs of keys. The Mosaic GPU kernel reads them as
+    they are (on its simulator, or on ``cuda``; quantized heads up to 128 wide, a latent up to
+    576, :func:`~jax_sdpa._kernels.mosaic_gpu.reads_in_place`); elsewhere they are made plain
     arrays first (:func:`plain`). ``lists``: a block mask's, of keys that are not pages.
     """
     paged = isinstance(keys, Pages)
     key, value = key_value(keys)
-    floats = not any(isinstance(x, Quantized) for x in (key, value))
-    if not paged and floats:
+    latent = isinstance(value, LatentValues)
+    arrays_as_they_are = not (latent or any(isinstance(x, Quantized) for x in (key, value)))
+    if not paged and arrays_as_they_are:
         return forward(tiles, tunables, query, key, value, arrays, offsets, lists=lists)
 
     def elsewhere(inputs):
@@ -117,7 +126,7 @@ def cache_forward(
             _scales_heads_first(key),
             _scales_heads_first(value),
             plan.inputs(arrays, offsets, lists),
-            value.dtype,
+            (key if latent else value).dtype,
             None if paged else block_mask_arrays(arrays, offsets),
             keys.table if paged else None,
         )

@@ -17,6 +17,7 @@ from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import GPU_SIMULATOR
 from jax_sdpa._kernels import mosaic_gpu
 from jax_sdpa._kernels.programs import BlockLists
+from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized
 from jax_sdpa._tiles import BackwardRows, Tiles, pad_keys
 from jax_sdpa._tunables import MIN_SIDE, Pallas
@@ -49,9 +50,10 @@ def fitted(formula: Formula, tunables: Pallas, query, key, value=None) -> Tiles:
     """
     (seq_q, heads, width), (seq_kv, kv_heads, _) = query.shape, key.shape
     if on_mosaic_gpu(tunables):
-        quantized = any(isinstance(x, Quantized) for x in (key, value))
-        quantized = quantized and mosaic_gpu.reads_in_place(key, value)
-        block_q, block_kv = mosaic_gpu.sides(width, quantized)
+        in_place = mosaic_gpu.reads_in_place(key, value)
+        quantized = in_place and any(isinstance(x, Quantized) for x in (key, value))
+        latent = reads_latent(tunables, key, value)
+        block_q, block_kv = mosaic_gpu.sides(width, quantized, latent)
         block_kv = _power_of_two(min(block_kv, seq_kv), mosaic_gpu.MIN_WIDTH)
     else:
         block_q, block_kv = _side(seq_q, tunables.block_q), _side(seq_kv, tunables.block_kv)
@@ -61,12 +63,22 @@ def fitted(formula: Formula, tunables: Pallas, query, key, value=None) -> Tiles:
 def for_inputs(tunables: Pallas, query, key, value) -> Pallas:
     """The tunables for these inputs: the Mosaic GPU kernel's products take one 16-bit dtype.
 
-    Others (float32) run the Triton kernel on a GPU, the interpreter in the simulator's place.
+    And heads up to :data:`~jax_sdpa._kernels.mosaic_gpu.MAX_WIDTH` wide, or a shared latent it
+    reads in place (:func:`~jax_sdpa._kernels.mosaic_gpu.reads_in_place`). Others (float32,
+    wider heads) run the Triton kernel on a GPU, the interpreter in the simulator's place.
     """
-    dtypes = {jnp.dtype(x.dtype) for x in (query, key, value)}
+    latent_read = reads_latent(tunables, key, value)
+    caches = (key,) if isinstance(value, LatentValues) else (key, value)
+    dtypes = {jnp.dtype(x.dtype) for x in (query, *caches)}
     sixteen_bits = len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
-    if not on_mosaic_gpu(tunables) or sixteen_bits:
+    narrow = max(x.shape[-1] for x in (query, *caches)) <= mosaic_gpu.MAX_WIDTH
+    if not on_mosaic_gpu(tunables) or (sixteen_bits and (narrow or latent_read)):
         return tunables
+    return on_triton(tunables)
+
+
+def on_triton(tunables: Pallas) -> Pallas:
+    """``tunables`` for the Triton kernel on a GPU (the interpreter in the simulator's place)."""
     return dataclasses.replace(tunables, backend="triton", interpret=bool(tunables.interpret))
 
 
@@ -81,21 +93,44 @@ def padded(tiles: Tiles, tunables: Pallas, query, key, value, arrays: CallArrays
     The padded keys are masked by a length rule (at global positions from ``kv_offset``); the
     padded queries are the caller's to drop; the heads' zeros change no product. For the Mosaic
     GPU kernel, whole programs of queries and of keys (its backward kernels') and heads of a
-    power of two ≥ 64.
+    power of two ≥ 64, or a shared latent's as they are (:func:`widths`). ``value`` may be a
+    :class:`~jax_sdpa.LatentValues`: the keys' first features, whatever their padding.
     """
     multiples, least = (tiles.block_q, tiles.block_kv), MIN_SIDE
     if on_mosaic_gpu(tunables):
         program = mosaic_gpu.PROGRAM_ROWS
         multiples, least = (program, max(program, tiles.block_kv)), mosaic_gpu.MIN_WIDTH
+    if isinstance(value, LatentValues) and not reads_latent(tunables, key, value):
+        value = value.of(key)  # (a copy: the Mosaic GPU kernel alone reads a latent as it is)
     rows_kv = -(-key.shape[0] // multiples[1]) * multiples[1]
     _, _, arrays = pad_keys(key, value, arrays, multiples[1], kv_offset)
-    query, arrays = padded_queries(query, arrays, multiples[0], least)
-    width = query.shape[-1]
+    width, value_width = widths(query, value, least)
+    query, arrays = padded_queries(query, arrays, multiples[0], width)
+    if not isinstance(value, LatentValues):
+        value = _padded_cache(value, rows_kv, value_width)
+    return query, _padded_cache(key, rows_kv, width), value, arrays
+
+
+def widths(query, value, least: int) -> tuple[int, int]:
+    """The widths of the kernels' queries and keys, and of their values: their heads padded.
+
+    To a power of two ≥ ``least``; a shared latent's, which the Mosaic GPU kernel reads in place
+    (:func:`reads_latent`: whole 64s), as they are.
+    """
+    if isinstance(value, LatentValues):
+        return query.shape[-1], value.features
+    return _power_of_two(query.shape[-1], least), _power_of_two(value.shape[-1], least)
+
+
+def reads_latent(tunables: Pallas, key, value) -> bool:
+    """Whether the Mosaic GPU kernel runs and reads ``value``, a shared latent, as it is.
+
+    (:func:`~jax_sdpa._kernels.mosaic_gpu.reads_in_place`.)
+    """
     return (
-        query,
-        _padded_cache(key, rows_kv, width),
-        _padded_cache(value, rows_kv, _power_of_two(value.shape[-1], least)),
-        arrays,
+        isinstance(value, LatentValues)
+        and on_mosaic_gpu(tunables)
+        and mosaic_gpu.reads_in_place(key, value)
     )
 
 
@@ -106,15 +141,15 @@ def _padded_cache(x, rows: int, width: int):
     return _pad(x, rows, width)
 
 
-def padded_queries(query, arrays: CallArrays, multiple: int, least: int) -> tuple:
-    """``(query, arrays)``: whole ``multiple``s of rows, heads ``least`` wide or a power of two.
+def padded_queries(query, arrays: CallArrays, multiple: int, width: int) -> tuple:
+    """``(query, arrays)``: whole ``multiple``s of rows, heads ``width`` wide.
 
     (:func:`padded`'s queries; ``arrays`` with each head's index.)
     """
     if arrays.head is None:
         arrays = dataclasses.replace(arrays, head=jnp.arange(query.shape[1], dtype=INDEX))
     rows = -(-query.shape[0] // multiple) * multiple
-    return _pad(query, rows, _power_of_two(query.shape[-1], least)), arrays
+    return _pad(query, rows, width), arrays
 
 
 def padded_rows(rows: BackwardRows, count: int, heads: int, width: int) -> BackwardRows:
@@ -133,6 +168,11 @@ def padded_rows(rows: BackwardRows, count: int, heads: int, width: int) -> Backw
     return BackwardRows(
         d_out, delta, jnp.pad(rows.shift, ((0, extra), (0, 0)), constant_values=far)
     )
+
+
+def heads_padded(x, width: int):
+    """``(r, heads, d)`` with each head zero-padded to ``width``."""
+    return _pad(x, x.shape[0], width)
 
 
 def _pad(x, rows: int, width: int):

@@ -38,32 +38,49 @@ from jax_sdpa._kernels.warp_specialized import (
     store,
     warp_specialized,
 )
+from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized
 from jax_sdpa._tiles import BackwardRows
 
 MIN_WIDTH = 64  # a head's width: 128 bytes of 16-bit numbers, the rows its TMA swizzles
+MAX_WIDTH = 256  # the widest heads the kernels take (a shared latent's aside, reads_in_place)
+LATENT_WIDTH = 576  # the widest shared latent the forward kernel reads (DeepSeek-V3's)
 BACKWARD_SIDE = ROWS  # the backward kernels' tiles, ``(64, 64)``: their registers hold more
 # A program's positions: what the kernels' sequences are padded to whole numbers of.
 PROGRAM_ROWS = CONSUMERS * BACKWARD_SIDE
 
 
-def sides(width: int, quantized: bool = False) -> tuple[int, int]:
+def sides(width: int, quantized: bool = False, latent: bool = False) -> tuple[int, int]:
     """``(block_q, block_kv)`` of the forward kernel for heads of ``width``.
 
     A consumer's rows are one ``wgmma``'s 64; 128 keys a step, but 64 for ``width`` 256,
     whose ring of 128 would not fit shared memory, and 64 where it reads ``quantized`` caches
     (:func:`reads_in_place`), whose consumers each widen their blocks of keys and values into
-    shared memory of their own.
+    shared memory of their own, and 64 for a shared ``latent`` (576 wide: its queries and a
+    ring of two blocks fill shared memory).
     """
-    return ROWS, 64 if width > 128 or quantized else 128
+    return ROWS, 64 if width > 128 or quantized or latent else 128
 
 
 def reads_in_place(key, value) -> bool:
     """Whether the forward kernel reads these caches as they are (where it reads them at all).
 
     Quantized ones (:class:`~jax_sdpa.Quantized`: 8 bits and scales) up to 128 wide: wider
-    heads' blocks, widened, would not fit shared memory beside the rest.
+    heads' blocks, widened, would not fit shared memory beside the rest. A shared latent
+    (``value`` a :class:`~jax_sdpa.LatentValues`) of float keys up to :data:`LATENT_WIDTH`
+    wide, whole multiples of 64, whose values split into two halves of whole 64s up to
+    :data:`MAX_WIDTH`, a consumer's (:func:`forward`).
     """
+    if isinstance(value, LatentValues):
+        width, half = key.shape[-1], value.features // CONSUMERS
+        return (
+            not isinstance(key, Quantized)
+            and width <= LATENT_WIDTH
+            and width % MIN_WIDTH == 0
+            and half * CONSUMERS == value.features
+            and half % MIN_WIDTH == 0
+            and half <= MAX_WIDTH
+        )
     return all(x.shape[-1] <= 128 for x in (key, value) if isinstance(x, Quantized))
 
 
@@ -86,24 +103,41 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
     page)``) are copied as they are, 8 bits and scales; each block is widened in shared memory
     for its product, and the scales meet the scores and the weights in registers
     (:func:`~jax_sdpa._quantized.keys_product`).
+
+    ``value`` a :class:`~jax_sdpa.LatentValues` (MLA's shared latent, FlashMLA's split): only
+    the keys are copied, the values being each block's first features. A program is then
+    ``block_q`` rows that both consumers hold, each computing their scores and weights (the
+    same) and its half of the output's features, from its half of the values: a ``(block_q,
+    V)`` accumulator would not fit one warpgroup's registers. (A block mask's rule then runs
+    on every block of its range: its lists are of consumers' own rows.)
     """
     tiles = plan.tiles
     block_q, block_kv = tiles.block_q, tiles.block_kv
-    (seq_q, heads, width), value_width = query.shape, value.shape[-1]
-    caches, tree = jax.tree.flatten((key, value))
+    (seq_q, heads, width) = query.shape
+    latent = isinstance(value, LatentValues)
+    value_width = value.features if latent else value.shape[-1]
+    part = value_width // CONSUMERS if latent else value_width  # (a consumer's features)
+    caches, tree = jax.tree.flatten((key, value))  # (a shared latent's: the keys alone)
 
     def consumer(ins, outs, own, program: Program):
         q_ref = ins[0]
         out_ref, lse_ref, top_ref = outs
         q_smem, o_smem, stats, loaded, staged, widened = own
         n, c, start = program.n, program.c, program.start
-        q = q_smem.at[c]
-        load([(q_ref.at[pl.ds(start, block_q), n], q)], [loaded], c)
+        rows = pl.ds(start, block_q)
+        if latent:  # (one copy of the rows both hold, made by the first)
+            (q_smem,), (o_smem,) = q_smem  # (the output's in the queries' place, after them)
+            q, features = q_smem, pl.ds(c * part, part)
+            pl.when(c == 0)(lambda: plgpu.copy_gmem_to_smem(q_ref.at[rows, n], q, loaded[0]))
+            plgpu.barrier_wait(loaded[0])
+        else:
+            q, features = q_smem.at[c], slice(None)
+            load([(q_ref.at[rows, n], q)], [loaded], c)
         tiled = program.tiles(staged, widened)
 
         def init(arrays, sink, offsets):
             like = jnp.zeros((), query.dtype)  # (a kernel's state need not vary)
-            return online_softmax.init(like, (block_q,), (block_q, value_width), sink)
+            return online_softmax.init(like, (block_q,), (block_q, part), sink)
 
         def tile(slots, state, arrays, at):
             blocks = jax.tree.unflatten(tree, slots)  # (a quantized block's scales loaded)
@@ -111,27 +145,42 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
                 Quantized(x.values, read_along(x.scale)) if isinstance(x, Quantized) else x
                 for x in blocks
             )
+            v_j = k_j.at[:, features] if latent else v_j
             return tiled.forward_tile(state, q, k_j, v_j, arrays, *at)
 
         state = program.sweep(program.run(init), tile)
         out, lse = tiles.formula.normalizer.finish(state, out_dtype)
-        rows = pl.ds(start, block_q)
-        store(
-            [
-                (out, (q_smem if o_smem is None else o_smem).at[c], out_ref.at[rows, n]),
-                (lse, stats.at[0, c], lse_ref.at[n, rows]),
-                (online_softmax.top_scores(state), stats.at[1, c], top_ref.at[n, rows]),
-            ]
-        )  # (the output may take the queries' place: they are read by now)
+        # (the output may take the queries' place: they are read by now; a latent's, once both
+        # consumers are done with them)
+        o = (q_smem if o_smem is None else o_smem).at[c]
+        if latent:
+            plgpu.barrier_arrive(loaded[1])
+            plgpu.barrier_wait(loaded[1])
+        rows_stats = [
+            (lse, stats.at[0, c], lse_ref.at[n, rows]),
+            (online_softmax.top_scores(state), stats.at[1, c], top_ref.at[n, rows]),
+        ]
+        written = [(out, o, out_ref.at[rows, n, features])]
+        store(written if latent else written + rows_stats)
+        if latent:  # (the same rows' in both consumers)
+            pl.when(c == 0)(lambda: store(rows_stats))
 
     stats = jax.ShapeDtypeStruct((heads, seq_q), jnp.float32)
     own = (
-        plgpu.SMEM((CONSUMERS, block_q, width), query.dtype),
+        plgpu.RefUnion(
+            (plgpu.SMEM((block_q, width), query.dtype),),
+            (plgpu.SMEM((CONSUMERS, block_q, part), out_dtype),),
+        )
+        if latent
+        else plgpu.SMEM((CONSUMERS, block_q, width), query.dtype),
         None
-        if (value_width, out_dtype) == (width, query.dtype)
+        if latent or (value_width, out_dtype) == (width, query.dtype)
         else plgpu.SMEM((CONSUMERS, block_q, value_width), out_dtype),
         plgpu.SMEM((2, CONSUMERS, block_q), jnp.float32),
-        plgpu.Barrier(num_barriers=CONSUMERS),
+        # (a latent's: its queries copied, then both consumers done with them)
+        (plgpu.Barrier(), plgpu.Barrier(num_arrivals=CONSUMERS))
+        if latent
+        else plgpu.Barrier(num_barriers=CONSUMERS),
         staging_memory(plan, query.dtype, always=False),
         {  # (a block of 8-bit keys or values, widened for its product)
             spec: plgpu.SMEM((CONSUMERS, block_kv, x.shape[-1]), query.dtype)
@@ -143,6 +192,7 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
     is_scale = [
         scale
         for x in (key, value)
+        if not isinstance(x, LatentValues)
         for scale in ((False, True) if isinstance(x, Quantized) else (False,))  # (its leaves)
     ]
     slots = [
@@ -160,9 +210,9 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
     out_type = (jax.ShapeDtypeStruct((seq_q, heads, value_width), out_dtype), stats, stats)
     inputs = (query, *caches) if table is None else (query, *caches, table)
     pieces = 1 if table is None else max(1, block_kv // key.shape[1])
-    swept = Swept(slots, sources, STAGES, masked, pieces)
+    swept = Swept(slots, sources, STAGES, None if latent else masked, pieces)
     out, lse, top = warp_specialized(
-        plan, "kv", block_q, inputs, shared, out_type, own, swept, consumer
+        plan, "kv", block_q, inputs, shared, out_type, own, swept, consumer, split=latent
     )
     return out, lse.T, top.T
 

@@ -320,12 +320,13 @@ class Program:
 
 
 def warp_specialized(
-    plan: Plan, axis: str, held: int, inputs, shared, out_type, own, swept, consumer
+    plan: Plan, axis: str, held: int, inputs, shared, out_type, own, swept, consumer, split=False
 ):
     """A warp-specialized kernel: program ``(n, m)`` a producer and :data:`CONSUMERS` consumers.
 
     Each consumer holds ``held`` positions of the axis that is not ``axis``, the program
-    ``CONSUMERS · held`` of them, and sweeps the ``axis`` blocks its positions may meet; the
+    ``CONSUMERS · held`` of them (or, ``split``, the same ``held`` for all: each computes a
+    part of their output), and sweeps the ``axis`` blocks its positions may meet; the
     producer copies the blocks any of them may meet into its ring (:class:`Swept`). ``own``: the
     consumers' scratch (shared-memory types). ``consumer(inputs, outputs, own, program)`` runs
     in each consumer (refs; :class:`Program`). ``inputs``: arrays, the queries first,
@@ -333,7 +334,7 @@ def warp_specialized(
     """
     plan = dataclasses.replace(plan, backend=MOSAIC_GPU)  # (its reads' rules)
     interpret = plan.tunables.interpret or None
-    rows = CONSUMERS * held
+    rows = held if split else CONSUMERS * held
     heads = inputs[0].shape[1]
     count = (plan.seq_q if axis == "kv" else plan.seq_kv) // rows
     size = swept.blocks[0].shape[0]
@@ -349,7 +350,7 @@ def warp_specialized(
         own_refs, ring_refs, full, free = scratch
         n, c, m = lax.axis_index("heads"), lax.axis_index("wg"), lax.axis_index("blocks")
         first = m * rows
-        start = first + jnp.minimum(c, CONSUMERS - 1) * held
+        start = first if split else first + jnp.minimum(c, CONSUMERS - 1) * held
         span, whole = (start, start + held), (first, first + rows)
         if lists_refs is None:
             steps = ranged(plan, shared_refs, n, axis, span, whole)
