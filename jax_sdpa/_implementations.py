@@ -40,7 +40,7 @@ from jax_sdpa._decode import (
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._jax_compat import PALLAS_UNDER_SHARD_MAP, differentiated_twice, under_jvp_of
 from jax_sdpa._latent import LatentValues
-from jax_sdpa._pallas import pallas_paged_sequence, pallas_sequence
+from jax_sdpa._pallas import pallas_paged_sequence, pallas_sequence, reads_latent_pools
 from jax_sdpa._ring import ring_sequence
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tunables import Chunked, Decode, Paged, Pallas, Ring, Selected
@@ -176,6 +176,9 @@ def _selected_unsupported(inputs: Inputs, config: Config) -> str | None:
 
 def _run_paged(inputs: Inputs, config: Config) -> Result:
     kernel = config.tunables.kernel
+    if isinstance(inputs.value, LatentValues) and kernel is not None:
+        pools = (inputs.query, inputs.key, inputs.value)
+        kernel = kernel if reads_latent_pools(kernel, *pools) else None
     if kernel is None:  # one sequence after the other: each gathers its own pages, not the batch's
         sequence = functools.partial(paged_sequence, config.formula, config.tunables)
     else:  # all sequences in one kernel

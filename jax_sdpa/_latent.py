@@ -5,8 +5,9 @@ projections absorbed into the queries and the output, attends every query head t
 key/value head whose key is the latent row :math:`[c; k_\mathrm{rope}]` (576 features) and
 whose value is its first part :math:`c` (512): the cache holds each latent row once, and
 ``value=LatentValues(512)`` says so. The decode and paged paths then read that one array for
-both products (the blend runs over the whole row and keeps its first ``features`` outputs); the
-other paths attend to the slice ``key[..., :features]``.
+both products (the blend runs over the whole row and keeps its first ``features`` outputs), and
+so does the Mosaic GPU kernel (each block of the latent copied once); the other paths attend to
+the slice ``key[..., :features]``.
 """
 
 import dataclasses

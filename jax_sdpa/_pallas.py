@@ -21,6 +21,7 @@ from jax_sdpa._indices import positions
 from jax_sdpa._kernels.caches import Pages, cache_forward, key_value, plain
 from jax_sdpa._kernels.calls import backward
 from jax_sdpa._kernels.fitting import (
+    backward_tiles,
     block_lists,
     fitted,
     for_inputs,
@@ -45,6 +46,8 @@ PACKED_ROWS = 128
 # Keys per chunk where a few queries' keys are split (about: whole multiples of
 # ``CHUNK_MULTIPLE``, the Mosaic GPU kernels' programs of keys).
 SPLIT_KEYS, CHUNK_MULTIPLE = 4096, 128
+# The most rows of a call not packed whose keys are split (one consumer's): more fill programs.
+SPLIT_ROWS = 64
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -75,6 +78,7 @@ def _fused_bwd(tiles: Tiles, tunables: Pallas, residuals: tuple, cotangents: tup
     tunables = for_inputs(tunables, query, key_b, value_b)
     wide = widths(query, value_b, MIN_SIDE)[0]
     query_b, key_b = (heads_padded(x, wide) for x in (query, key_b))
+    tiles = backward_tiles(tiles, tunables, wide)
     grads = backward(tiles, tunables, query_b, key_b, value_b, arrays, rows, offsets, lists=lists)
     d_query, d_key, d_value, d_consts = grads
     d_query, d_key = (d[..., :width] for d in (d_query, d_key))
@@ -133,10 +137,12 @@ def pallas_sequence(
 
     ``(T, N, H)`` queries and ``(S, K, ·)`` keys and values, either quantized
     (:class:`~jax_sdpa.Quantized`: read as they are by the Mosaic GPU kernel, widened first
-    for the others; :func:`~jax_sdpa._kernels.caches.cache_forward`). Decoding (a few queries)
-    is shaped for it: grouped query heads packed, each key/value head's ``G`` into one tile's
-    rows (:func:`packed`: each key is read once for its group), and the keys split
-    (:func:`_split`) where the rows then fit :data:`PACKED_ROWS`.
+    for the others; :func:`~jax_sdpa._kernels.caches.cache_forward`), or the values a shared
+    latent's, the keys' first features (:class:`~jax_sdpa.LatentValues`: read with the keys by
+    the Mosaic GPU kernel, sliced first for the others). Decoding (a few queries) is shaped for
+    it: grouped query heads packed, each key/value head's ``G`` into one tile's rows
+    (:func:`packed`: each key is read once for its group; their keys then split,
+    :func:`_split`), or the keys split where the rows are at most :data:`SPLIT_ROWS`.
     """
     return _decoding(formula, tunables, query, (per_token(key), per_token(value)), arrays)
 
@@ -169,16 +175,24 @@ def _pages_fit(tunables: Pallas, query, pages: Pages) -> bool:
     """Whether the kernels read these pages as they are (the Mosaic GPU kernel's blocks of them).
 
     Pages of a power of two of at least 16 positions, heads 64, 128 or 256 wide, or a shared
-    latent that the Mosaic GPU kernel reads (:func:`~jax_sdpa._kernels.fitting.reads_latent`).
+    latent that the Mosaic GPU kernel reads (:func:`reads_latent_pools`).
     """
     key, value = pages.key, pages.value
     page = key.shape[1]
-    if reads_latent(tunables, key, value):
-        return page >= 16 and page & (page - 1) == 0
+    whole = page >= 16 and page & (page - 1) == 0
     if isinstance(value, LatentValues):
-        return False
-    heads = {query.shape[-1], key.shape[-1], value.shape[-1]}
-    return page >= 16 and page & (page - 1) == 0 and heads <= {64, 128, 256}
+        return whole and reads_latent_pools(tunables, query, key, value)
+    return whole and {query.shape[-1], key.shape[-1], value.shape[-1]} <= {64, 128, 256}
+
+
+def reads_latent_pools(tunables: Pallas, query, key_pages, value_pages) -> bool:
+    """Whether ``value_pages`` is a shared latent's that the Mosaic GPU kernel reads as it is.
+
+    (For these inputs' backend, :func:`~jax_sdpa._kernels.fitting.for_inputs`.) The paged
+    path reads any other latent pool once for both products; the kernels would gather it.
+    """
+    tunables = for_inputs(tunables, query, key_pages, value_pages)
+    return reads_latent(tunables, key_pages, value_pages)
 
 
 def _decoding(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) -> Result:
@@ -186,7 +200,7 @@ def _decoding(formula: Formula, tunables: Pallas, query, keys, arrays: CallArray
     (seq_q, heads, _), kv_heads = query.shape, key_value(keys)[0].shape[-2]
     group = heads // kv_heads
     if not packed(formula, arrays, seq_q, group):
-        call = _split if seq_q <= PACKED_ROWS else _sequence
+        call = _split if seq_q <= SPLIT_ROWS else _sequence
         return call(formula, tunables, query, keys, arrays)
 
     def rows(x):  # (T, N, ·) → (T·G, K, ·): row t·G + g holds head k·G + g at position t
@@ -299,7 +313,7 @@ def _sequence(
 
     Padded to whole tiles (:func:`jax_sdpa._kernels.fitting.padded`), the padding rows masked
     (:func:`_rows_past`): a program, or a Mosaic GPU consumer, whose rows are all padding visits
-    no block (a decoding call's few rows fill one consumer's). An opaque
+    no block (a decoding call's few rows may fill one consumer's). An opaque
     rule is a block mask's classes, made once (or read,
     :func:`jax_sdpa._kernels.fitting.block_lists`), and listed: the kernels visit only the
     blocks it does not exclude. A sequence's pages are padded to whole programs and tiles.

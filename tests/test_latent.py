@@ -1,8 +1,8 @@
 """Shared-latent caches (MLA): ``value=LatentValues(V)`` equals the values given as ``key[..., :V]``.
 
 Against the float64 reference on every implementation that takes the call (the decode and paged
-paths, and the Mosaic GPU kernel, read the one array; the others attend to its slice), gradients to the queries and the
-latent cache, a quantized latent cache, and the paged writer.
+paths, and the Mosaic GPU kernel, read the one array; the others attend to its slice), gradients
+to the queries and the latent cache, a quantized latent cache, and the paged writer.
 """
 
 import jax

@@ -779,6 +779,20 @@ def test_a_shared_latent_read_by_the_kernel_on_the_gpu_simulator_is_the_referenc
     assert ref.rel_err(out, want["out"]) < 2e-2 and ref.rel_err(lse, want["lse"]) < 1e-2
 
 
+def test_a_shared_latent_with_a_block_mask_visits_only_the_listed_blocks():
+    # The consumers hold the same rows: the lists are of the program's rows. NaN in the latent
+    # where no tile is listed: visited, it would reach the output (0 · NaN).
+    rng = np.random.default_rng(21)
+    q = jnp.asarray(rng.normal(size=(1, 200, 2, 192)), jnp.bfloat16)
+    latent = jnp.asarray(rng.normal(size=(1, 200, 1, 192)), jnp.bfloat16)
+    unlisted = jnp.where((jnp.arange(200) >= 128)[None, :, None, None], jnp.nan, latent)
+    out = js.dot_product_attention(
+        q, unlisted, js.LatentValues(128), mask_mod=_listed, implementation=_simulated()
+    )
+    want = ref.attention(q, latent, latent[..., :128], mask_mod=_listed)["out"]
+    assert bool(jnp.isfinite(out).all()) and ref.rel_err(out, want) < 2e-2
+
+
 @SIMULATED_SLOW
 def test_a_shared_latents_gradients_on_the_gpu_simulator(monkeypatch):
     # The backward kernels read the latent's slice as the values (a copy), its gradient added
@@ -819,3 +833,23 @@ def test_a_shared_latent_decoding_call_lowers_for_cuda_reading_the_latent_once(p
     types = operands[0].split(", ")
     cache = "tensor<1024x16x1x576xbf16>" if paged else "tensor<2x2x4096x1x576xbf16>"
     assert [t for t in types if "bf16" in t] == ["tensor<2x128x1x576xbf16>", cache]
+
+
+@pytest.mark.slow
+def test_a_shared_latents_gradients_compile_for_hopper():
+    # MLA's 576-wide heads: the backward kernels are Triton's, heads padded to 1024, on tiles
+    # narrow enough for an sm_90 block's shared memory (compiled, where Triton's wheels are).
+    from tests.lowering import mosaic_gpu_kernels, verified_kernels
+
+    q = jnp.zeros((1, 1, 128, 576), jnp.bfloat16)
+    latent = jnp.zeros((1, 1024, 1, 576), jnp.bfloat16)
+    lengths = jnp.array([1000])
+
+    def loss(q, latent):
+        out, _ = _latent_call(False, js.Pallas(backend="mosaic_gpu"), q, latent, lengths, 512)
+        return out.astype(jnp.float32).sum()
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    assert len(mosaic_gpu_kernels(grad, q, latent)) == 1  # (the forward)
+    names = sorted(kernel.name for kernel in verified_kernels(grad, q, latent, platform="cuda"))
+    assert names == ["jax_sdpa_backward_keys", "jax_sdpa_backward_queries"]

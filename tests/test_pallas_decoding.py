@@ -95,6 +95,15 @@ CASES = {
         False,
         False,
     ),
+    "128 rows (a program's, past a consumer's): packed and split": (
+        16,
+        8,
+        1,
+        dict(mask_mod=js.CausalMask(S - 16)),
+        dict(mask_mod=_ends_causal(16)),
+        True,
+        True,
+    ),
     "more rows than a tile: neither": (
         70,
         8,

@@ -36,11 +36,12 @@ from jax_sdpa._tunables import Pallas
 class Pages:
     """A sequence's keys and values in pages: ``table`` ``(pages,)`` of ``(P, page, K, ·)``.
 
-    The pools are arrays, or :class:`~jax_sdpa.Quantized` with a scale per token.
+    The pools are arrays, or :class:`~jax_sdpa.Quantized` with a scale per token; the values
+    may be a shared latent's, the keys' first features (:class:`~jax_sdpa.LatentValues`).
     """
 
     key: jax.Array | Quantized
-    value: jax.Array | Quantized
+    value: jax.Array | Quantized | LatentValues
     table: jax.Array
 
     @property

@@ -60,6 +60,26 @@ def fitted(formula: Formula, tunables: Pallas, query, key, value=None) -> Tiles:
     return Tiles(formula, block_q, block_kv, (kv_heads, heads // kv_heads), fused=True)
 
 
+# A side times a head's width of the Triton backward kernels' tiles, at most: their blocks'
+# shared memory (compiled for sm_90, whose block has 232,448 bytes: 98,816 at 16 · 1024 and
+# 100,352 at 32 · 512, where 32 · 1024 took 198,656 and 64 · 512 294,912).
+TRITON_BACKWARD_AREA = 16 * 1024
+
+
+def backward_tiles(tiles: Tiles, tunables: Pallas, width: int) -> Tiles:
+    """The backward kernels' tiles for heads ``width`` wide: the forward's, or narrower.
+
+    Narrower for the Triton kernel's on heads so wide that its blocks would not fit shared
+    memory (a shared latent's, 576 padded to 1024: 16 a side).
+    """
+    side = max(MIN_SIDE, TRITON_BACKWARD_AREA // width)
+    if on_mosaic_gpu(tunables) or side >= max(tiles.block_q, tiles.block_kv):
+        return tiles
+    return dataclasses.replace(
+        tiles, block_q=min(tiles.block_q, side), block_kv=min(tiles.block_kv, side)
+    )
+
+
 def for_inputs(tunables: Pallas, query, key, value) -> Pallas:
     """The tunables for these inputs: the Mosaic GPU kernel's products take one 16-bit dtype.
 

@@ -108,8 +108,7 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
     the keys are copied, the values being each block's first features. A program is then
     ``block_q`` rows that both consumers hold, each computing their scores and weights (the
     same) and its half of the output's features, from its half of the values: a ``(block_q,
-    V)`` accumulator would not fit one warpgroup's registers. (A block mask's rule then runs
-    on every block of its range: its lists are of consumers' own rows.)
+    V)`` accumulator would not fit one warpgroup's registers.
     """
     tiles = plan.tiles
     block_q, block_kv = tiles.block_q, tiles.block_kv
@@ -210,7 +209,7 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
     out_type = (jax.ShapeDtypeStruct((seq_q, heads, value_width), out_dtype), stats, stats)
     inputs = (query, *caches) if table is None else (query, *caches, table)
     pieces = 1 if table is None else max(1, block_kv // key.shape[1])
-    swept = Swept(slots, sources, STAGES, None if latent else masked, pieces)
+    swept = Swept(slots, sources, STAGES, masked, pieces)
     out, lse, top = warp_specialized(
         plan, "kv", block_q, inputs, shared, out_type, own, swept, consumer, split=latent
     )

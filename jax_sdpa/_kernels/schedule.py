@@ -98,18 +98,21 @@ class Lists:
     kinds: jax.Array  # (heads or 1, programs, swept blocks, CONSUMERS)
 
     @classmethod
-    def of(cls, arrays, axis: str, held: int, size: int, shape: tuple) -> "Lists":
+    def of(
+        cls, arrays, axis: str, held: int, size: int, shape: tuple, split: bool = False
+    ) -> "Lists":
         """The lists of ``arrays.rule``, an opaque rule (a block mask's classes, read).
 
-        For programs of :data:`CONSUMERS` · ``held`` positions sweeping the ``axis`` blocks of
-        ``size``; ``shape``: ``(programs, swept blocks)``. Both axes from position 0.
+        For programs of :data:`CONSUMERS` · ``held`` positions (or, ``split``, of ``held`` that
+        all consumers hold) sweeping the ``axis`` blocks of ``size``; ``shape``: ``(programs,
+        swept blocks)``. Both axes from position 0.
         """
         rule, (batch, heads) = arrays.rule, arrays.indices()
         heads = jnp.atleast_1d(heads)
         heads = heads if rule.per_head else heads[:1]
 
         def kind(head, program, block, consumer):
-            own = positions((program * CONSUMERS + consumer) * held, held)
+            own = positions((program if split else program * CONSUMERS + consumer) * held, held)
             swept = positions(block * size, size)
             q_idx, kv_idx = (own, swept) if axis == "kv" else (swept, own)
             empty, full = rule.tile_class(q_idx, kv_idx, batch, head[None])

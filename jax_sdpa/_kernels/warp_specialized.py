@@ -340,7 +340,8 @@ def warp_specialized(
     size = swept.blocks[0].shape[0]
     swept_count = (plan.seq_kv if axis == "kv" else plan.seq_q) // size
     masked = swept.masked
-    lists = None if masked is None else Lists.of(masked, axis, held, size, (count, swept_count))
+    counts = (count, swept_count)
+    lists = None if masked is None else Lists.of(masked, axis, held, size, counts, split)
     leaves, tree = jax.tree.flatten((shared, lists))
     arity = len(inputs) + len(leaves)
 
