@@ -28,7 +28,7 @@ import jax_sdpa as js
 from jax_sdpa import mods
 from jax_sdpa._jax_compat import MOSAIC_GPU_KERNEL
 from tests import reference as ref
-from tests.util import enable_x64, paged_pool, qkv
+from tests.util import enable_x64, paged_pool, qkv, run_pytest
 
 pytestmark = pytest.mark.skipif(not MOSAIC_GPU_KERNEL, reason="Mosaic GPU kernel: JAX ≥ 0.11")
 # The backward kernels on the simulator, and the forward's rarer cases: outside the inner loop
@@ -79,6 +79,13 @@ def test_the_forward_kernel_on_the_gpu_simulator_is_the_reference(case, seq, wid
     assert ref.rel_err(out, want["out"]) < 2e-2  # (bfloat16 inputs and weights)
     finite = np.isfinite(want["lse"])
     assert ref.rel_err(np.where(finite, lse, 0), np.where(finite, want["lse"], 0)) < 1e-2
+
+
+def test_the_kernels_run_with_x64_on():
+    # Under jax_enable_x64 a Python int is an int64: the ring's slot keeps its steps' dtype.
+    # (In a process of its own, x64 on from its start, as users set it.)
+    node = "test_the_forward_kernel_on_the_gpu_simulator_is_the_reference and 128-64-causal"
+    run_pytest("tests/test_mosaic_gpu.py", "-k", node, env={"JAX_SDPA_X64": "1"})
 
 
 def test_sigmoid_attention_and_more_keys_than_queries_on_the_gpu_simulator():

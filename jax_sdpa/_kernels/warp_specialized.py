@@ -160,6 +160,11 @@ class Ring:
     def stages(self) -> int:
         return self.slots[0].shape[0]
 
+    def slot(self, step, lo):
+        """The slot of step ``step`` of a loop from ``lo`` (in the steps' dtype, x64 or not)."""
+        offset = step - lo
+        return lax.rem(offset, jnp.asarray(self.stages, offset.dtype))
+
     def fill(self, sources, step, slot) -> None:
         """The producer: the block ``step`` of each source into ``slot``.
 
@@ -186,7 +191,7 @@ class Ring:
 
         @pl.loop(lo + self.stages, jnp.maximum(hi, lo + self.stages))
         def _(step):
-            slot = lax.rem(step - lo, self.stages)
+            slot = self.slot(step, lo)
             plgpu.barrier_wait(self.free.at[slot])
             self.fill(sources, block(step), slot)
 
@@ -205,7 +210,7 @@ class Ring:
         """
 
         def step(kind, n, carry):
-            slot = lax.rem(n - lo, self.stages)
+            slot = self.slot(n, lo)
             for full in self.full:
                 plgpu.barrier_wait(full.at[slot])
             slots = [ring.at[slot] for ring in self.slots]
