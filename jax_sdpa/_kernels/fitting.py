@@ -52,7 +52,7 @@ def fitted(formula: Formula, tunables: Pallas, query, key, value=None) -> Tiles:
     if on_mosaic_gpu(tunables):
         in_place = mosaic_gpu.reads_in_place(key, value)
         quantized = in_place and any(isinstance(x, Quantized) for x in (key, value))
-        latent = reads_latent(tunables, key, value)
+        latent = in_place and isinstance(value, LatentValues)
         block_q, block_kv = mosaic_gpu.sides(width, quantized, latent)
         block_kv = _power_of_two(min(block_kv, seq_kv), mosaic_gpu.MIN_WIDTH)
     else:

@@ -37,6 +37,14 @@ def _static(x):
     return int(x) if isinstance(x, np.generic | np.ndarray) else x
 
 
+def held_start(program, consumer, held: int, split: bool = False):
+    """The first of the ``held`` positions a consumer holds in program ``program``.
+
+    Each consumer its own, one after the other; or (``split``) all the program's same ones.
+    """
+    return (program if split else program * CONSUMERS + consumer) * held
+
+
 @dataclasses.dataclass(frozen=True)
 class Steps:
     """The producer's steps ``lo … hi − 1``, the block of each, and a consumer's runs of them.
@@ -112,7 +120,7 @@ class Lists:
         heads = heads if rule.per_head else heads[:1]
 
         def kind(head, program, block, consumer):
-            own = positions((program if split else program * CONSUMERS + consumer) * held, held)
+            own = positions(held_start(program, consumer, held, split), held)
             swept = positions(block * size, size)
             q_idx, kv_idx = (own, swept) if axis == "kv" else (swept, own)
             empty, full = rule.tile_class(q_idx, kv_idx, batch, head[None])

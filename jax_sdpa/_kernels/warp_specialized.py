@@ -35,7 +35,16 @@ from jax_sdpa._kernels.backend import Backend
 from jax_sdpa._kernels.positions import Vectors, tile_positions
 from jax_sdpa._kernels.programs import Plan, Shared
 from jax_sdpa._kernels.reads import looped_gathers
-from jax_sdpa._kernels.schedule import CONSUMERS, KINDS, RULE, SKIP, Lists, Steps, ranged
+from jax_sdpa._kernels.schedule import (
+    CONSUMERS,
+    KINDS,
+    RULE,
+    SKIP,
+    Lists,
+    Steps,
+    held_start,
+    ranged,
+)
 from jax_sdpa._kernels.values import Lazy
 
 ROWS = 64  # a consumer's positions: one ``wgmma``'s rows
@@ -356,7 +365,7 @@ def warp_specialized(
         own_refs, ring_refs, full, free = scratch
         n, c, m = lax.axis_index("heads"), lax.axis_index("wg"), lax.axis_index("blocks")
         first = m * rows
-        start = first if split else first + jnp.minimum(c, CONSUMERS - 1) * held
+        start = held_start(m, jnp.minimum(c, CONSUMERS - 1), held, split)
         span, whole = (start, start + held), (first, first + rows)
         if lists_refs is None:
             steps = ranged(plan, shared_refs, n, axis, span, whole)
