@@ -10,6 +10,9 @@ Its modules, from the bottom:
   inside a kernel, each at the indices it uses (rule sets of :mod:`jax_sdpa._jaxpr`).
 - ``programs``: the programs every backend runs, written once over named refs: the forward
   pass, the queries' gradients, the keys' and values' gradients.
+- ``schedule``, ``atomics``, ``warp_specialized``, ``mosaic_gpu``: the Mosaic GPU kernels
+  (Hopper): which blocks a program sweeps, the gradients added into memory at points, the
+  producer and consumers, the forward and backward kernels.
 - ``calls``: the programs as functions of arrays: block specs, padding, the backend chosen by
   the platform the program is lowered for.
 """

@@ -21,6 +21,7 @@ from jax_sdpa._formula import CallArrays
 from jax_sdpa._indices import at_start
 from jax_sdpa._jax_compat import GPU_SIMULATOR, shaped_like
 from jax_sdpa._kernels import mosaic_gpu
+from jax_sdpa._kernels.atomics import GradientAtPoints
 from jax_sdpa._kernels.backend import Backend
 from jax_sdpa._kernels.fitting import on_mosaic_gpu
 from jax_sdpa._kernels.interpreter import INTERPRETER, tpu_simulator
@@ -39,7 +40,6 @@ from jax_sdpa._kernels.programs import (
 )
 from jax_sdpa._kernels.scatters import ONE_HOT_MAX
 from jax_sdpa._kernels.triton import TRITON
-from jax_sdpa._kernels.warp_specialized import GradientAtPoints
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import BackwardRows, Tiles, differentiable
 from jax_sdpa._tunables import Pallas
@@ -294,14 +294,18 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list, masked):
     )
     first_sum = len(jax.tree.leaves(inputs)) - len(summed)  # (the sums come last)
     shapes = tuple(c.shape for c in consts)
-    keys_kernel = functools.partial(mosaic_gpu.key_gradients, consts=shapes)
-    keys_kernel = _on_mosaic_gpu_backward(keys_kernel, plan, masked)
 
-    def on_mosaic_gpu(inputs: BackwardIn) -> KeysOut:
-        d_key, d_value, *parts = keys_kernel(inputs)
+    def keys_kernel(in_memory: bool):
+        kernel = functools.partial(mosaic_gpu.key_gradients, consts=shapes, in_memory=in_memory)
+        return _on_mosaic_gpu_backward(kernel, plan, masked)
+
+    in_memory = _in_memory(consts, inputs, keys_kernel) if on_mosaic_gpu(plan.tunables) else None
+
+    def on_mosaic_gpu_keys(inputs: BackwardIn) -> KeysOut:
+        d_key, d_value, *parts = keys_kernel(in_memory)(inputs)
         # Each array's gradient summed, where the Triton programs' first part would be.
         sums = [
-            x.sum(axis=(0, 1, 2))[: c.size].reshape(c.shape)
+            x.reshape(-1, x.shape[-1]).sum(0)[: c.size].reshape(c.shape)
             for x, c in zip(parts, consts, strict=True)
         ]
         d_consts = tuple(
@@ -326,31 +330,30 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list, masked):
         # each sum's zeros become its output (KeysOut's leaves: key, value, then the consts)
         aliases={first_sum + k: 2 + n for k, n in enumerate(summed)},
         name="jax_sdpa_backward_keys",
-        mosaic_gpu=(
-            on_mosaic_gpu if _sums_in_registers(plan, consts, inputs, on_mosaic_gpu) else None
-        ),
+        mosaic_gpu=None if in_memory is None else on_mosaic_gpu_keys,
     )(inputs)
     return outs.key, outs.value, outs.consts
 
 
-def _sums_in_registers(plan: Plan, consts: list, inputs: BackwardIn, keys_kernel) -> bool:
-    """Whether the Mosaic GPU keys' kernel runs: it sums the captured arrays' gradients, if any.
+def _in_memory(consts: list, inputs: BackwardIn, keys_kernel) -> "bool | None":
+    """Where the Mosaic GPU keys' kernel sums the captured arrays' gradients, if it does.
 
-    It does for arrays of up to ``ONE_HOT_MAX`` entries read at one index (``slopes[h]``):
-    tracing ``keys_kernel`` refuses the others, whose gradients (and the keys') are then the
-    Triton programs'.
+    In registers (False) for arrays of up to ``ONE_HOT_MAX`` entries each read at one index
+    (``slopes[h]``); in memory (True) for arrays read at tiles of points (a table at
+    ``q_idx − kv_idx``). Tracing ``keys_kernel(in_memory)`` refuses the others (a vector read
+    along an axis, ``bias[kv_idx]``), whose gradients (and the keys') are the Triton
+    programs' (None).
     """
-    if not on_mosaic_gpu(plan.tunables):
-        return False
     if not consts:
-        return True
-    if any(c.size > ONE_HOT_MAX for c in consts):
         return False
-    try:
-        jax.eval_shape(keys_kernel, inputs)
-    except GradientAtPoints:
-        return False
-    return True
+    small = all(c.size <= ONE_HOT_MAX for c in consts)
+    for in_memory in (False, True) if small else (True,):
+        try:
+            jax.eval_shape(keys_kernel(in_memory), inputs)
+        except GradientAtPoints:
+            continue
+        return in_memory
+    return None
 
 
 # The backend for each platform a program may be lowered for; any other runs the interpreter.

@@ -23,17 +23,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_sdpa import _online_softmax as online_softmax
+from jax_sdpa._kernels.atomics import with_sums
 from jax_sdpa._kernels.programs import Plan, Shared
 from jax_sdpa._kernels.warp_specialized import (
     CONSUMERS,
+    MOSAIC_GPU,
     ROWS,
     STAGES,
     Program,
     Swept,
     head_blocks,
+    in_memory_backend,
     laid_out,
     load,
     read_along,
+    simulated,
     staging_memory,
     store,
     warp_specialized,
@@ -311,7 +315,15 @@ def query_gradients(plan: Plan, query, key, value, rows: BackwardRows, shared: S
 
 
 def key_gradients(
-    plan: Plan, query, key, value, rows: BackwardRows, shared: Shared, masked, consts=()
+    plan: Plan,
+    query,
+    key,
+    value,
+    rows: BackwardRows,
+    shared: Shared,
+    masked,
+    consts=(),
+    in_memory=False,
 ) -> tuple:
     """Each query head's key and value gradients ``(S, N, ·)`` of :func:`forward`'s call.
 
@@ -320,46 +332,58 @@ def key_gradients(
     summed, where the Triton programs sum float32 parts. ``rows`` and ``masked`` as
     :func:`query_gradients` takes them. A program per head and ``CONSUMERS · BACKWARD_SIDE``
     keys, each consumer holding its keys and values and sweeping the queries that saw them.
-    ``consts``: the shapes of the ``score_mod``'s arrays with gradients, each read at one index
-    (``slopes[h]``); after the keys' and values', each one's gradient from each program's
-    consumers, ``(N, programs, CONSUMERS, entries)`` in float32, its entries flat and padded to
-    a multiple of 128 (a vector strided over a warpgroup's threads), for the caller to sum.
+
+    ``consts``: the shapes of the ``score_mod``'s arrays with gradients; after the keys' and
+    values', each one's gradient as ``(parts…, entries)`` float32 parts for the caller to sum,
+    its entries flat. Summed in registers, for arrays each read at one index (``slopes[h]``):
+    a part from each program's consumers, ``(N, programs, CONSUMERS, ·)``, its entries padded
+    to a multiple of 128 (a vector strided over a warpgroup's threads). Or, ``in_memory``, for
+    arrays read at any points (a table at ``q_idx − kv_idx``): added at them into memory
+    (:mod:`~jax_sdpa._kernels.atomics`), one part on a GPU, one a consumer on the simulator.
     """
     plan, side = _backward_plan(plan), BACKWARD_SIDE
     (_, heads, width), value_width = query.shape, value.shape[-1]
-    entries = [-(-math.prod(shape) // 128) * 128 for shape in consts]
+    programs = plan.seq_kv // PROGRAM_ROWS
+    registers = [] if in_memory else [-(-math.prod(shape) // 128) * 128 for shape in consts]
+    # (on the simulator, which runs no atomic add, each consumer adds into its own part)
+    parts = heads * programs * CONSUMERS if simulated(plan) else 1
+    swept_inputs = 3 + len(rows)  # (the queries, keys, values and rows' terms; then the sums)
 
     def consumer(ins, outs, own, program: Program):
-        _, k_ref, v_ref, _, _, _ = ins
+        _, k_ref, v_ref, *_ = ins
         dk_ref, dv_ref, *const_refs = outs
         k_smem, v_smem, loaded, staged = own
         n, c, start = program.n, program.c, program.start
         k, v = k_smem.at[c], v_smem.at[c]
         rows = pl.ds(start, side)
         kv_head = n // plan.group
+        m = lax.axis_index("blocks")
+        part = (n * programs + m) * CONSUMERS + c if parts > 1 else 0
         load([(k_ref.at[rows, kv_head], k), (v_ref.at[rows, kv_head], v)], loaded, c)
         tiled = program.tiles(staged)
 
         def tile(slots, grads, arrays, at):
             q_i, d_out, delta, shift = slots
             grad = tiled.tile_gradient(q_i, k, v, arrays, _terms(d_out, delta, shift), *at)
-            parts = tiled.key_gradients(grad, d_out, (key.dtype, value.dtype))
-            d_consts = [d for d in grad.d_consts if d is not None]
+            keys = tiled.key_gradients(grad, d_out, (key.dtype, value.dtype))
+            d_consts = [d.astype(jnp.float32).ravel() for d in grad.d_consts if d is not None]
+            if in_memory:
+                for ref, d in zip(ins[swept_inputs:], d_consts, strict=True):
+                    plgpu.atomic_add(ref.at[part], d)
+                d_consts = []
             flat = tuple(  # (each at the start of its vector)
-                lax.dynamic_update_slice(
-                    jnp.zeros(size, jnp.float32), d.astype(jnp.float32).ravel(), (0,)
-                )
-                for d, size in zip(d_consts, entries, strict=True)
+                lax.dynamic_update_slice(jnp.zeros(size, jnp.float32), d, (0,))
+                for d, size in zip(d_consts, registers, strict=True)
             )
-            return jax.tree.map(jnp.add, grads, (*parts, flat))
+            return jax.tree.map(jnp.add, grads, (*keys, flat))
 
         zeros = tuple(jnp.zeros((side, w), jnp.float32) for w in (width, value_width))
         d_k, d_v, d_consts = program.sweep(
-            (*zeros, tuple(jnp.zeros(size, jnp.float32) for size in entries)), tile
+            (*zeros, tuple(jnp.zeros(size, jnp.float32) for size in registers)), tile
         )
         store([(d_k, k, dk_ref.at[rows, n]), (d_v, v, dv_ref.at[rows, n])])
         for ref, d in zip(const_refs, d_consts, strict=True):
-            ref[n, lax.axis_index("blocks"), c] = d
+            ref[n, m, c] = d
 
     own = (
         plgpu.SMEM((CONSUMERS, side, width), key.dtype),
@@ -374,18 +398,26 @@ def key_gradients(
     ]
 
     def sources(ins, n):
-        q_ref, _, _, do_ref, delta_ref, shift_ref = ins
+        q_ref, _, _, do_ref, delta_ref, shift_ref = ins[:swept_inputs]
         vectors = [lambda m, r=r: r.at[n, pl.ds(m * side, side)] for r in (delta_ref, shift_ref)]
         return [head_blocks(q_ref, side, n), head_blocks(do_ref, side, n), *vectors]
 
-    inputs = (query, key, value, *rows)
-    programs = plan.seq_kv // PROGRAM_ROWS
     out_type = (
         *(jax.ShapeDtypeStruct((plan.seq_kv, heads, x.shape[-1]), x.dtype) for x in (key, value)),
         *(
             jax.ShapeDtypeStruct((heads, programs, CONSUMERS, size), jnp.float32)
-            for size in entries
+            for size in registers
         ),
     )
-    swept = Swept(slots, sources, _backward_stages(width), masked)
-    return warp_specialized(plan, "q", side, inputs, shared, out_type, own, swept, consumer)
+    backend = in_memory_backend(plan) if in_memory else MOSAIC_GPU
+
+    def kernel(arrays, sums):
+        inputs, shared, masked = arrays
+        swept = Swept(slots, sources, _backward_stages(width), masked)
+        inputs = (*inputs, *sums)
+        return warp_specialized(
+            plan, "q", side, inputs, shared, out_type, own, swept, consumer, backend=backend
+        )
+
+    arrays = ((query, key, value, *rows), shared, masked)
+    return with_sums(kernel, consts if in_memory else [], parts, arrays)

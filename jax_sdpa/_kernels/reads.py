@@ -295,23 +295,24 @@ def _looped(operand: Unread, points, laid_out):
 def looped_gathers(laid_out) -> dict:
     """The rules of a backend that loads no vector of points (Mosaic GPU).
 
-    A 1-D part read at a tile of points one entry at a time (:func:`_looped`); the tile's
-    points, given as the gather's ``(..., 1)`` indices, kept as they are (an integer tile with
-    an axis of 1 added after its own: :class:`Expanded`).
+    A 1-D part read at a tile of points one entry at a time (:func:`_looped`); a tile with
+    axes of 1 added after its own kept as it is (:class:`Expanded`): the points, given as the
+    gather's ``(..., 1)`` indices, and a scatter's updates at them (no 3-D tile in a register
+    layout on the way).
     """
 
-    def indices(eqn, operands):
+    def trailing_ones(eqn, operands):
         first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
-        if isinstance(first, Lazy) or not jnp.issubdtype(jnp.result_type(first), jnp.integer):
+        if isinstance(first, Lazy):
             return None
         rank = jnp.ndim(first)
+        ones = len(shape) - rank
         kept = tuple(eqn.params["broadcast_dimensions"]) == tuple(range(rank))
-        return (
-            Expanded(first, 1) if rank >= 2 and kept and shape == jnp.shape(first) + (1,) else None
-        )
+        tile = rank >= 2 and kept and ones and shape == jnp.shape(first) + (1,) * ones
+        return Expanded(first, ones) if tile else None
 
     return {
-        "broadcast_in_dim": (_one_entry, indices),
+        "broadcast_in_dim": (_one_entry, trailing_ones),
         "reshape": (_one_entry,),
         "gather": (functools.partial(_point_gather_rule, laid_out=laid_out),),
     }

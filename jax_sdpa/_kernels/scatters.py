@@ -156,7 +156,7 @@ def scatter_add(eqn, operands: list):
     points = index_arrays(indices, rank)
     # (one update at one point a scalar: never an array of one entry on the way)
     one = size == 1 and not jnp.ndim(points[0])
-    updates = _one(updates) if one else value(updates).reshape(points[0].shape)
+    updates = _one(updates) if one else _shaped(updates, points[0].shape)
     if eqn.params["mode"] != lax.GatherScatterMode.CLIP:  # XLA drops what is out of bounds
         updates = jnp.where(in_bounds(points, shape), updates, 0)
     points = [jnp.clip(p, 0, n - 1) for p, n in zip(points, shape, strict=True)]
@@ -221,6 +221,21 @@ def _one(update):
         return update.value
     update = value(update)
     return update.reshape(()) if jnp.ndim(update) else update
+
+
+def _shaped(updates, shape: tuple):
+    """Updates as an array of ``shape`` (a tile with axes of 1 added, :class:`Expanded`: the tile).
+
+    Updates with the same entries in fewer axes (a vector for a tile's row) get the axes of 1
+    added by a broadcast (no reshape: Mosaic GPU lowers none that adds axes under a mesh).
+    """
+    if isinstance(updates, Expanded) and jnp.shape(updates.value) == shape:
+        return updates.value
+    updates = value(updates)
+    kept = tuple(axis for axis, n in enumerate(shape) if n != 1)
+    if jnp.shape(updates) == tuple(shape[axis] for axis in kept):
+        return lax.broadcast_in_dim(updates, shape, kept)
+    return updates.reshape(shape)
 
 
 def _widened(eqn, operands):

@@ -31,6 +31,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_sdpa._formula import CallArrays
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jaxpr import table
+from jax_sdpa._kernels import atomics
+from jax_sdpa._kernels.atomics import GradientAtPoints
 from jax_sdpa._kernels.backend import Backend
 from jax_sdpa._kernels.positions import Vectors, tile_positions
 from jax_sdpa._kernels.programs import Plan, Shared
@@ -70,23 +72,15 @@ def read_along(ref, axis: int = 1):
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1 - axis), optimized=False)
 
 
-class GradientAtPoints(NotImplementedError):
-    """The gradient of an array read at more than one point, which the kernels do not sum."""
-
-
 def _one_point(eqn, operands):
     """A scatter-add (a read's gradient) at more than one point: an error (None at one).
 
     The kernels sum the gradient of an array read at one index (``slopes[h]``) in registers;
-    the keys' gradients of a call that reads one at more are the Triton programs'.
+    a call that reads one at more adds the gradients into memory (:func:`in_memory_backend`).
     """
     if eqn.invars[2].aval.size <= 1:
         return None
-    raise GradientAtPoints(
-        "`Pallas(backend='mosaic_gpu')` sums the gradient of an array a mod reads at one index "
-        f"(`slopes[h]`), and this call reads a {eqn.invars[0].aval} array at more points: "
-        "use `Pallas(backend='triton')`."
-    )
+    raise GradientAtPoints(f"a {eqn.invars[0].aval} array's gradient at more than one point")
 
 
 def _by_rows(eqn, operands):
@@ -100,16 +94,19 @@ def _by_rows(eqn, operands):
 
 # Its programs' own rules: a tile's positions, and values read at them, in the products'
 # (``wgmma``'s) register layouts; gathers at a tile of points looped, at other points refused;
-# gradients at one point; a tile reduced to a scalar by rows.
-MOSAIC_GPU = Backend(
-    lambda tunables: None,
-    rules=table(
-        tile_positions(_tile, _along),
-        looped_gathers(_tile),
-        {"scatter-add": (_one_point,)},
-        dict.fromkeys(("reduce_sum", "reduce_max", "reduce_min"), (_by_rows,)),
-    ),
+# a tile reduced to a scalar by rows.
+_RULES = (
+    tile_positions(_tile, _along),
+    looped_gathers(_tile),
+    dict.fromkeys(("reduce_sum", "reduce_max", "reduce_min"), (_by_rows,)),
 )
+# Gradients summed in registers: of arrays read at one point.
+MOSAIC_GPU = Backend(lambda tunables: None, rules=table({"scatter-add": (_one_point,)}, *_RULES))
+
+
+def in_memory_backend(plan: Plan) -> Backend:
+    """Its rules where gradients are added into memory at their points (:mod:`.atomics`)."""
+    return Backend(lambda tunables: None, rules=table(atomics.rules(simulated(plan)), *_RULES))
 
 
 def product(staging, simulated: bool, widened=None):
@@ -334,7 +331,17 @@ class Program:
 
 
 def warp_specialized(
-    plan: Plan, axis: str, held: int, inputs, shared, out_type, own, swept, consumer, split=False
+    plan: Plan,
+    axis: str,
+    held: int,
+    inputs,
+    shared,
+    out_type,
+    own,
+    swept,
+    consumer,
+    split=False,
+    backend=MOSAIC_GPU,
 ):
     """A warp-specialized kernel: program ``(n, m)`` a producer and :data:`CONSUMERS` consumers.
 
@@ -344,9 +351,9 @@ def warp_specialized(
     producer copies the blocks any of them may meet into its ring (:class:`Swept`). ``own``: the
     consumers' scratch (shared-memory types). ``consumer(inputs, outputs, own, program)`` runs
     in each consumer (refs; :class:`Program`). ``inputs``: arrays, the queries first,
-    ``(T, N, ·)``.
+    ``(T, N, ·)``. ``backend``: the rules its programs' bodies are read with.
     """
-    plan = dataclasses.replace(plan, backend=MOSAIC_GPU)  # (its reads' rules)
+    plan = dataclasses.replace(plan, backend=backend)
     interpret = plan.tunables.interpret or None
     rows = held if split else CONSUMERS * held
     heads = inputs[0].shape[1]
