@@ -298,6 +298,10 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         jnp.linspace(0.5, 1.5, 16, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score * t[(i - j) % 16],
     ),
+    "a temperature and a relative table": (  # (a 0-d array's gradient added at 0)
+        (jnp.array(0.7, jnp.float32), jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32)),
+        lambda t, score, b, h, i, j: score * t[0] + t[1][i - j + 150],
+    ),
     "slopes and a relative table": (  # (one point and many, all added into memory)
         (jnp.array([0.1, 0.2, 0.05, 0.3]), jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32)),
         lambda t, score, b, h, i, j: (
@@ -311,6 +315,7 @@ AT_POINTS = {
     "a relative table",
     "a table per head at q_idx − kv_idx",
     "a small table at many points",
+    "a temperature and a relative table",
     "slopes and a relative table",
 }
 
@@ -365,6 +370,29 @@ def test_a_captured_arrays_gradient_lowers_for_cuda_in_the_keys_kernel(case):
     # (0.11's module check reads op names only: ``red`` up to its type's first digit)
     adds = sum("red.relaxed.gpu.global.add.f" in kernel for kernel in kernels)
     assert adds == (case in AT_POINTS)  # the keys' kernel's atomic reductions, or none
+
+
+def test_a_float64_tables_gradient_under_x64_is_the_triton_programs():
+    """(Atomic adds of float32 only: the keys' gradients go where the table's are summed.)"""
+    from tests.lowering import mosaic_gpu_kernels
+
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    pallas = js.Pallas(backend="mosaic_gpu")
+
+    def loss(q, table):
+        out = js.dot_product_attention(
+            q,
+            q,
+            q,
+            score_mod=lambda s, b, h, i, j: s + table[i - j + 256].astype(s.dtype),
+            implementation=pallas,
+        )
+        return out.astype(jnp.float32).sum()
+
+    with enable_x64():
+        table = jnp.linspace(-1.0, 1.0, 512, dtype=jnp.float64)
+        kernels = mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1)), q, table)
+    assert len(kernels) == 2  # (the forward's and the queries' gradients')
 
 
 @SIMULATED_SLOW

@@ -299,10 +299,11 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list, masked):
         kernel = functools.partial(mosaic_gpu.key_gradients, consts=shapes, in_memory=in_memory)
         return _on_mosaic_gpu_backward(kernel, plan, masked)
 
-    in_memory = _in_memory(consts, inputs, keys_kernel) if on_mosaic_gpu(plan.tunables) else None
+    # (where the Mosaic GPU keys' kernel sums the arrays' gradients, if it runs)
+    sums_at = _in_memory(consts, inputs, keys_kernel) if on_mosaic_gpu(plan.tunables) else None
 
     def on_mosaic_gpu_keys(inputs: BackwardIn) -> KeysOut:
-        d_key, d_value, *parts = keys_kernel(in_memory)(inputs)
+        d_key, d_value, *parts = keys_kernel(sums_at)(inputs)
         # Each array's gradient summed, where the Triton programs' first part would be.
         sums = [
             x.reshape(-1, x.shape[-1]).sum(0)[: c.size].reshape(c.shape)
@@ -330,7 +331,7 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list, masked):
         # each sum's zeros become its output (KeysOut's leaves: key, value, then the consts)
         aliases={first_sum + k: 2 + n for k, n in enumerate(summed)},
         name="jax_sdpa_backward_keys",
-        mosaic_gpu=None if in_memory is None else on_mosaic_gpu_keys,
+        mosaic_gpu=None if sums_at is None else on_mosaic_gpu_keys,
     )(inputs)
     return outs.key, outs.value, outs.consts
 
@@ -341,8 +342,8 @@ def _in_memory(consts: list, inputs: BackwardIn, keys_kernel) -> "bool | None":
     In registers (False) for arrays of up to ``ONE_HOT_MAX`` entries each read at one index
     (``slopes[h]``); in memory (True) for arrays read at tiles of points (a table at
     ``q_idx − kv_idx``). Tracing ``keys_kernel(in_memory)`` refuses the others (a vector read
-    along an axis, ``bias[kv_idx]``), whose gradients (and the keys') are the Triton
-    programs' (None).
+    along an axis, ``bias[kv_idx]``; a float64 array's, under x64, whose scatter is not kept in
+    the kernel's float32), whose gradients (and the keys') are the Triton programs' (None).
     """
     if not consts:
         return False

@@ -156,7 +156,7 @@ def scatter_add(eqn, operands: list):
     points = index_arrays(indices, rank)
     # (one update at one point a scalar: never an array of one entry on the way)
     one = size == 1 and not jnp.ndim(points[0])
-    updates = _one(updates) if one else _shaped(updates, points[0].shape)
+    updates = one_entry(updates) if one else _shaped(updates, points[0].shape)
     if eqn.params["mode"] != lax.GatherScatterMode.CLIP:  # XLA drops what is out of bounds
         updates = jnp.where(in_bounds(points, shape), updates, 0)
     points = [jnp.clip(p, 0, n - 1) for p, n in zip(points, shape, strict=True)]
@@ -208,14 +208,14 @@ def _placed(eqn, operands):
         return update.placed(zeros.shape, starts)
     if math.prod(eqn.invars[1].aval.shape) != 1:
         return None
-    one = _one(update)
+    one = one_entry(update)
     points = [
         jnp.clip(value(s), 0, n - 1).astype(INDEX) for s, n in zip(starts, zeros.shape, strict=True)
     ]
     return Scatter(zeros.shape, zeros.dtype, None, ((points, one),))
 
 
-def _one(update):
+def one_entry(update):
     """An array of one entry as a scalar (where a backend holds it as one: :class:`Expanded`)."""
     if isinstance(update, Expanded) and not jnp.ndim(update.value):
         return update.value
