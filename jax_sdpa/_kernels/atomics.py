@@ -22,6 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import llvm, vector
 
+from jax_sdpa._indices import INDEX
 from jax_sdpa._kernels.scatters import Scatter, one_entry
 from jax_sdpa._kernels.values import value
 
@@ -103,7 +104,7 @@ def _parts(added, size: int) -> list:
     if isinstance(added, Scatter) and added.base is None:
         parts = [(points, updates) for (points,), updates in added.parts]
     elif not isinstance(added, Scatter) and size == 1:
-        parts = [(jnp.zeros((), jnp.int32), one_entry(added))]
+        parts = [(jnp.zeros((), INDEX), one_entry(added))]
     else:
         raise GradientAtPoints("a gradient added into memory that is not a scatter")
     for _, updates in parts:

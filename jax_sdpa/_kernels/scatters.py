@@ -224,18 +224,10 @@ def one_entry(update):
 
 
 def _shaped(updates, shape: tuple):
-    """Updates as an array of ``shape`` (a tile with axes of 1 added, :class:`Expanded`: the tile).
-
-    Updates with the same entries in fewer axes (a vector for a tile's row) get the axes of 1
-    added by a broadcast (no reshape: Mosaic GPU lowers none that adds axes under a mesh).
-    """
+    """Updates as an array of ``shape`` (a tile with axes of 1 added, :class:`Expanded`: itself)."""
     if isinstance(updates, Expanded) and jnp.shape(updates.value) == shape:
         return updates.value
-    updates = value(updates)
-    kept = tuple(axis for axis, n in enumerate(shape) if n != 1)
-    if jnp.shape(updates) == tuple(shape[axis] for axis in kept):
-        return lax.broadcast_in_dim(updates, shape, kept)
-    return updates.reshape(shape)
+    return value(updates).reshape(shape)
 
 
 def _widened(eqn, operands):
