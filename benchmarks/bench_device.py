@@ -101,6 +101,10 @@ def correctness_cases(seq: int, heads: int) -> dict:
             ),
             (jnp.asarray(gen.normal(size=(heads, 2 * seq)), jnp.float32),),
         ),
+        "bias per key": (  # (its gradient summed over each tile's rows)
+            lambda bias: dict(is_causal=True, score_mod=lambda s, b, h, i, j: s + bias[j]),
+            (jnp.asarray(gen.normal(size=(seq,)), jnp.float32),),
+        ),
         "sigmoid causal + max scores": (
             lambda: dict(is_causal=True, normalizer="sigmoid", return_max_scores=True),
             (),
@@ -198,6 +202,12 @@ def timed_calls(kernel) -> dict:
     def relative(s, b, h, i, j):
         return s + table[h, i - j + T].astype(s.dtype)
 
+    # A learned bias per key (its gradient each tile's sums over its rows, added at the keys).
+    key_bias = jnp.linspace(-1.0, 1.0, T, dtype=jnp.float32)
+
+    def per_key(s, b, h, i, j):
+        return s + key_bias[j].astype(s.dtype)
+
     nn = functools.partial(jax.nn.dot_product_attention, is_causal=True)
     # In the order they matter, should the deadline stop the run: the kernel against cuDNN and
     # our own chunked path first.
@@ -218,6 +228,10 @@ def timed_calls(kernel) -> dict:
         ),
         "mosaic_gpu causal relative table": (
             functools.partial(mosaic, is_causal=True, score_mod=relative),
+            True,
+        ),
+        "mosaic_gpu causal bias per key": (
+            functools.partial(mosaic, is_causal=True, score_mod=per_key),
             True,
         ),
         "mosaic_gpu 16 documents (segment ids)": (

@@ -7,8 +7,8 @@
   0 gradients), key and query lengths, lengths no tile divides, heads that are not a power of
   two, a block mask (only its listed blocks visited); arrays read along positions and at tiles
   of points; the gradient of a ``score_mod``'s array read at one index (summed in the keys'
-  kernel's registers) or at a tile of points (added into memory there; of a vector read along
-  an axis, the Triton programs'), under ``vmap`` too. Decoding: query heads packed, keys split,
+  kernel's registers), at a tile of points or along an axis (added into memory there), under
+  ``vmap`` too. Decoding: query heads packed, keys split,
   sinks met once; paged caches and 8-bit caches (int8, float8) read as they are, with the
   gradients of the queries and the scales.
 - Lowering for ``cuda`` on this CPU (Mosaic GPU's layout inference and its shared-memory check
@@ -302,6 +302,14 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         (jnp.array(0.7, jnp.float32), jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32)),
         lambda t, score, b, h, i, j: score * t[0] + t[1][i - j + 150],
     ),
+    "a bias per key": (  # (read along one axis: each tile's sums over its rows added)
+        jnp.linspace(-1.0, 1.0, 128, dtype=jnp.float32),
+        lambda t, score, b, h, i, j: score + t[j],
+    ),
+    "a temperature per query, wrapped": (  # (a bias per query's gradient is 0: the rows')
+        jnp.linspace(0.5, 1.5, 128, dtype=jnp.float32),
+        lambda t, score, b, h, i, j: score * t[i - 128],
+    ),
     "slopes and a relative table": (  # (one point and many, all added into memory)
         (jnp.array([0.1, 0.2, 0.05, 0.3]), jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32)),
         lambda t, score, b, h, i, j: (
@@ -313,6 +321,8 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
 
 AT_POINTS = {
     "a relative table",
+    "a bias per key",
+    "a temperature per query, wrapped",
     "a table per head at q_idx − kv_idx",
     "a small table at many points",
     "a temperature and a relative table",
@@ -504,8 +514,10 @@ def test_arrays_read_along_positions_lower_for_cuda(case):
         return js.dot_product_attention(q, k, v, implementation=pallas, **ours).sum()
 
     kernels = mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
-    # (a captured float array's gradient too, but one read along the keys: the Triton programs')
-    assert len(kernels) == (2 if "bias" in case else 3)
+    # (a captured float array's gradient too, added into memory by the keys' kernel)
+    assert len(kernels) == 3
+    adds = sum("red.relaxed.gpu.global.add.f" in kernel for kernel in kernels)
+    assert adds == ("bias" in case)
 
 
 CLASSES, IDS = jnp.zeros((7, 5)), jnp.arange(256) % 3

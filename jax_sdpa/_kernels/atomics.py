@@ -7,24 +7,31 @@ the array's entries that all its programs share, ``plgpu.atomic_add(ref, scatter
 :func:`rules` spell that add. On a GPU each entry of the tile is added at its point by an
 atomic reduction (PTX ``red``), as the Triton programs' atomic adds do. The GPU simulator runs
 no inline Mosaic GPU: there each consumer reads, adds to and writes back a vector of its own
-(``ref`` the consumer's row), so no two of its threads add into one place. Both refuse what a
-GPU would not add (:class:`GradientAtPoints`): a vector read along one axis of a tile (its
-register layouts hold each entry in several threads), any value but a scatter or a scalar.
+(``ref`` the consumer's row), so no two of its threads add into one place.
+
+An array read along one axis of a tile (``bias[kv_idx]``) has for gradient its tile's sums
+along the other axis, a vector whose register layout holds each entry in several threads.
+Kept as the tile (:class:`Folded`) until its scatter, it is added as a tile too: the sums in
+its first row (or column), zeros elsewhere, each entry one thread's. Both paths refuse what a
+GPU would not add (:class:`GradientAtPoints`): any value but a scatter of tiles or a scalar.
 """
 
+import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import custom_batching
+from jax import custom_batching, lax
 from jax.experimental.mosaic.gpu import utils as mosaic_gpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import llvm, vector
 
 from jax_sdpa._indices import INDEX
-from jax_sdpa._kernels.scatters import Scatter, one_entry
-from jax_sdpa._kernels.values import value
+from jax_sdpa._kernels.positions import Run
+from jax_sdpa._kernels.scatters import Scatter, one_entry, scatter_add
+from jax_sdpa._kernels.values import Expanded, Lazy, value
 
 
 def with_sums(kernel, shapes: list, parts: int, args) -> tuple:
@@ -89,6 +96,62 @@ def add_at(ref, points, updates) -> None:
     added(ref, points, updates)
 
 
+@dataclasses.dataclass(frozen=True)
+class Folded(Lazy):
+    """A 2-D ``tile`` summed along ``axis``, as ``shape`` (the sums, with axes of 1 added).
+
+    The gradient of an array read along the tile's other axis, kept as the tile so that its
+    scatter (:func:`_scatter_along`) knows that axis, which its points lie along.
+    """
+
+    tile: Any
+    axis: int
+    shape: tuple
+
+    def read(self):
+        return self.tile.sum(self.axis).reshape(self.shape)
+
+    def reshaped(self, shape: tuple) -> "Folded | None":
+        """The sums as ``shape``, if that only adds or drops axes of 1 (else None)."""
+        sizes = lambda shape: [n for n in shape if n != 1]  # noqa: E731
+        return dataclasses.replace(self, shape=shape) if sizes(shape) == sizes(self.shape) else None
+
+
+def _folded(eqn, operands):
+    """``reduce_sum`` of a tile along one axis kept :class:`Folded` (of axes of 1: still it)."""
+    x, axes, shape = operands[0], tuple(eqn.params["axes"]), tuple(eqn.outvars[0].aval.shape)
+    if isinstance(x, Folded):
+        return x.reshaped(shape) if all(x.shape[a] == 1 for a in axes) else None
+    if isinstance(x, Lazy) or jnp.ndim(x) != 2 or len(axes) != 1:
+        return None
+    return Folded(x, axes[0], shape)
+
+
+def _refolded(eqn, operands):
+    """A :class:`Folded`'s axes of 1 added or dropped (``reshape``, ``broadcast_in_dim``)."""
+    x = operands[0]
+    return x.reshaped(tuple(eqn.outvars[0].aval.shape)) if isinstance(x, Folded) else None
+
+
+def _scatter_along(eqn, operands):
+    """A :class:`Folded`'s scatter at positions along the tile's other axis, made a tile's.
+
+    Its points, the positions over the whole tile; its updates, the sums in the tile's first
+    row (column), zeros elsewhere: added at each point once.
+    """
+    operand, points, updates = operands
+    if not isinstance(updates, Folded) or not isinstance(points, Run):
+        return None
+    tile, axis = updates.tile, updates.axis
+    shape, along = jnp.shape(tile), 1 - axis
+    if points.size != shape[along]:
+        return None
+    iota = lambda axis: plgpu.broadcasted_iota(INDEX, shape, axis, layout=plgpu.Layout.WGMMA)  # noqa: E731
+    sums = lax.broadcast_in_dim(tile.sum(axis), shape, (along,))
+    first = jnp.where(iota(axis) == 0, sums, jnp.zeros_like(sums))
+    return scatter_add(eqn, [operand, Expanded(points.at(iota(along)), 1), first])
+
+
 class GradientAtPoints(NotImplementedError):
     """The gradient of an array read at points a kernel does not sum at."""
 
@@ -98,8 +161,8 @@ def _parts(added, size: int) -> list:
 
     A scatter's parts, at tiles of points or one (a vector's refused: a register layout holds
     each of its entries in several threads, along a tile's rows or its columns, which one its
-    shape does not say); a scalar's, at 0 (``size`` 1: the gradient of a 0-d array); nothing
-    else.
+    shape does not say; :class:`Folded` keeps the tile where it is known); a scalar's, at 0
+    (``size`` 1: the gradient of a 0-d array); nothing else.
     """
     if isinstance(added, Scatter) and added.base is None:
         parts = [(points, updates) for (points,), updates in added.parts]
@@ -142,7 +205,8 @@ def rules(simulated: bool) -> dict:
     """The rule of ``plgpu.atomic_add(ref, value)``: ``value``'s parts added at their points.
 
     On a GPU (``simulated`` False) by :func:`add_at`; on the simulator read, added and written
-    back (``ref`` is the adding consumer's own). Both refuse what :func:`_parts` refuses.
+    back (``ref`` is the adding consumer's own). Both refuse what :func:`_parts` refuses. With
+    them the rules that keep a tile's sums along one axis :class:`Folded` to their scatter.
     """
 
     def atomic_add(eqn, operands):
@@ -158,4 +222,11 @@ def rules(simulated: bool) -> dict:
                 add_at(ref, points, updates)
         return []
 
-    return {"mgpu_atomic_store": (atomic_add,)}
+    return {
+        "mgpu_atomic_store": (atomic_add,),
+        "reduce_sum": (_folded,),
+        "reshape": (_refolded,),
+        "broadcast_in_dim": (_refolded,),
+        "squeeze": (_refolded,),
+        "scatter-add": (_scatter_along,),
+    }
