@@ -62,7 +62,7 @@ def rng():
 
 # One worker per core, handed tests in this order (a file whose fixtures are shared goes whole to
 # one worker, its xdist_group): the longest first.
-LONGEST = ("test_x64.py", "test_ring.py", "test_docs.py", "test_multihost.py")
+LONGEST = ("test_ring.py", "test_docs.py", "test_multihost.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -148,7 +148,7 @@ ROWS = (
 )
 
 
-# The rows the inner loop (-m "not slow") and the x64 pass run every behaviour test on: the
+# The rows the inner loop (-m "not slow", with x64 off and on) runs every behaviour test on: the
 # reference and the tiled path. The others (decode, paged, the kernel) have test files of their
 # own in both, and columns in the random sweep; CI runs every behaviour test on them with x64 off.
 INNER_LOOP = ("xla", "chunked")

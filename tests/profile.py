@@ -29,9 +29,6 @@ def examples(name: str) -> int:
     return PROFILES[PROFILE][name]
 
 
-# The second pass with x64 on (tests/test_x64.py, and the ring's) repeats every behaviour test:
-# the first pass's sweep already draws x64 on for half its structures, so CI's has fewer draws.
-X64_PASS_PROFILE = {"quick": "quick", "ci": "quick", "thorough": "thorough"}[PROFILE]
 DRAWS = examples("draws")
 _cases = os.environ.get("JAX_SDPA_SWEEP_CASES")
 STRUCTURES = examples("structures") if _cases is None else math.ceil(int(_cases) / DRAWS)

@@ -116,7 +116,7 @@ CASES = {
 }
 
 
-# The inner loop (`-m "not slow"`: the x64 pass, tests/test_x64.py, and the newest JAX's) runs
+# The inner loop (`-m "not slow"`, as CI runs it with x64 off and under the newest JAX on) runs
 # the first two cases, and the paged and ragged ones below are sampled the same way; the whole
 # suite runs them all.
 SAMPLED = pytest.mark.slow

@@ -1,8 +1,8 @@
 """The settings users run: x64 on or off gives the same results, and forward-mode derivatives.
 
 With ``jax_enable_x64`` on, float32 inputs stay float32 and every feature gives what it gives
-with x64 off, to float32 rounding (the whole behaviour suite also runs with x64 on:
-``tests/test_x64.py``). ``jax.jvp`` and ``jax.jacfwd`` work on the default implementation; the
+with x64 off, to float32 rounding (the inner loop's behaviour tests also run with x64 on:
+CI's pass under the newest JAX, ``.ci/run``). ``jax.jvp`` and ``jax.jacfwd`` work on the default implementation; the
 implementations with their own backward pass have reverse mode only, and say so.
 """
 

@@ -22,8 +22,6 @@ from tests.util import abstract_mesh
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
 
-# A case of a matrix whose other cases the x64 run (tests/test_ring.py) runs: not in that run.
-SAMPLED = pytest.mark.x64_sampled
 # The ring's steps by the kernel: refused before JAX 0.7 (the last test says so).
 KERNEL = pytest.mark.skipif(not PALLAS_UNDER_SHARD_MAP, reason="JAX 0.7+: refused before")
 
@@ -153,9 +151,7 @@ def test_keys_and_values_travel_by_collective_permute_never_all_gather():
         assert "all-gather" not in text and "all-reduce" not in text
 
 
-@pytest.mark.parametrize(
-    "layout, block_mask", [pytest.param("contiguous", False, marks=SAMPLED), ("striped", True)]
-)
+@pytest.mark.parametrize("layout, block_mask", [("contiguous", False), ("striped", True)])
 def test_ring_attention_in_a_user_shard_map_with_its_default_checks(layout, block_mask):
     # shard_map's defaults (check_vma=True) with everything the trace of a mod meets: a
     # score_mod over a captured array, a mask_mod (or a BlockMask of it), sinks, and their
@@ -221,7 +217,6 @@ def _temp_mib(shards: int, seq: int) -> float:
     )
 
 
-@SAMPLED  # sizes, whatever x64 says
 def test_per_device_memory_falls_as_one_over_the_ring_size():
     seq = 65536
     temps = {p: _temp_mib(p, seq) for p in (2, 4, 8)}
@@ -276,8 +271,8 @@ WHOLE_BATCH_RULES = js.SegmentMask(DOCUMENTS, DOCUMENTS) & js.CausalMask()
 @pytest.mark.parametrize(
     "shape, names, layout, mask_mod",
     [
-        pytest.param((2, 4), ("batch", "seq"), "contiguous", _by_batch_and_head, marks=SAMPLED),
-        pytest.param((4, 2), ("seq", "heads"), "striped", _by_batch_and_head, marks=SAMPLED),
+        ((2, 4), ("batch", "seq"), "contiguous", _by_batch_and_head),
+        ((4, 2), ("seq", "heads"), "striped", _by_batch_and_head),
         ((2, 2, 2), ("batch", "seq", "heads"), "striped", BY_BATCH_AND_HEAD),
         ((2, 4), ("batch", "seq"), "striped", WHOLE_BATCH_RULES),
     ],
@@ -327,14 +322,12 @@ def test_mods_and_sinks_see_the_whole_batch_and_all_heads_when_both_are_split(
 @pytest.mark.parametrize(
     "layout, implementation",
     [
-        pytest.param("contiguous", js.Ring(block_q=4, block_kv=4), marks=SAMPLED),
+        ("contiguous", js.Ring(block_q=4, block_kv=4)),
         ("striped", js.Ring(block_q=4, block_kv=4)),
         pytest.param(
             "contiguous", js.Pallas(block_q=16, block_kv=16, interpret=True), marks=KERNEL
         ),
-        pytest.param(
-            "striped", js.Pallas(block_q=16, block_kv=16, interpret=True), marks=(SAMPLED, KERNEL)
-        ),
+        pytest.param("striped", js.Pallas(block_q=16, block_kv=16, interpret=True), marks=KERNEL),
     ],
     ids=["ring-contiguous", "ring-striped", "kernel-contiguous", "kernel-striped"],
 )
@@ -386,7 +379,7 @@ def _kernel_options(slopes, sinks, documents):
 
 
 @KERNEL
-@pytest.mark.parametrize("layout", ["contiguous", pytest.param("striped", marks=SAMPLED)])
+@pytest.mark.parametrize("layout", ["contiguous", "striped"])
 def test_ring_steps_computed_by_the_kernel_match_single_device(layout):
     # Each step's tiles by the fused kernel (in the Pallas interpreter): ALiBi over a captured
     # slope array, a document mask, sinks, GQA, and all their gradients. The interpreter of
@@ -445,7 +438,6 @@ def test_ring_steps_by_the_kernel_lower_for_a_gpu_under_shard_maps_default_check
 
 
 @KERNEL
-@SAMPLED  # the lowering under x64: the test before
 def test_a_large_tables_gradient_on_the_rings_kernel_lowers_for_a_gpu():
     # The table's gradient is one output all programs add into (atomics), starting as zeros.
     m = abstract_mesh("cuda", (4,), ("seq",))  # a GPU's, to lower on a CPU
