@@ -285,6 +285,10 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         lambda w, score, b, h, i, j: score * w[h, 0] + w[h, 1],
     ),
     "a temperature": (jnp.array(0.7, jnp.float32), lambda t, score, b, h, i, j: score * t),
+    "a temperature where i >= j": (  # (the score read twice: its cotangents summed, add_any)
+        jnp.array(0.7, jnp.float32),
+        lambda t, score, b, h, i, j: jnp.where(i >= j, score * t, score),
+    ),
     "three entries, taken with a fill": (  # (not a power of two; a gather's transpose)
         jnp.array([0.9, 1.1, 0.6], jnp.float32),
         lambda t, score, b, h, i, j: score * jnp.take(t, h % 3, mode="fill"),
@@ -314,6 +318,10 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         jnp.linspace(0.5, 1.5, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score * t[i - 128],
     ),
+    "a relative table where i >= j": (
+        jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32),
+        lambda t, score, b, h, i, j: jnp.where(i >= j, score + t[i - j + 150], score),
+    ),
     "slopes and a relative table": (  # (one point and many, all added into memory)
         (jnp.array([0.1, 0.2, 0.05, 0.3]), jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32)),
         lambda t, score, b, h, i, j: (
@@ -327,6 +335,7 @@ AT_POINTS = {
     "a relative table",
     "a bias per key",
     "a temperature per query, wrapped",
+    "a relative table where i >= j",
     "a table per head at q_idx − kv_idx",
     "a small table at many points",
     "a temperature and a relative table",

@@ -196,6 +196,14 @@ def _plus(eqn, operands):
     return first.plus(second) if isinstance(first, Scatter) else None
 
 
+def _sum(eqn, operands):
+    """``add_any`` (a transpose's sum of two cotangents) of arrays as an ``add``.
+
+    The same sum, which every backend lowers (Mosaic GPU lowers no ``add_any``).
+    """
+    return lax.add(*(value(x) for x in operands))
+
+
 def _placed(eqn, operands):
     """``dynamic_update_slice`` of a scatter, or of one entry, into zeros.
 
@@ -278,7 +286,7 @@ def _zeros(eqn, operands: list):
 # Then broadcast zeros, and the scatter-adds themselves.
 SCATTERS = {
     "add": (_plus,),
-    "add_any": (_plus,),
+    "add_any": (_plus, _sum),
     "atomic_rmw": (_atomic_add,),
     "dynamic_update_slice": (_placed,),
     "convert_element_type": (_widened,),
