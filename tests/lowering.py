@@ -189,19 +189,19 @@ def _hopper_shared_bytes(asm: str, num_warps: int, num_stages: int) -> int:
     return compiled.metadata.shared
 
 
-def mosaic_gpu_kernels(program, *args, operands: list | None = None) -> list[str]:
+def mosaic_gpu_kernels(program, *args, operands: list | None = None, mesh=None) -> list[str]:
     """Every Mosaic GPU kernel module of ``program`` exported for ``cuda``, parsed (Mosaic GPU's
     dialect registered), deserialized and verified, printed.
 
     What XLA does next on a GPU (its C++ passes to NVVM, PTX and a cubin) a CPU jaxlib cannot:
     the lowering has already run Mosaic GPU's layout inference and its shared-memory check.
     ``operands``: a list to append each kernel call's operand types to (printed, one string a
-    call), as the program passes them.
+    call), as the program passes them. ``mesh``: as :func:`exported` takes it.
     """
     from jax._src.lib import mosaic_gpu_dialect
     from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
-    with abstract_devices(abstract_mesh("cuda")):
+    with abstract_devices(mesh or abstract_mesh("cuda")):
         program = export.export(jax.jit(program), platforms=["cuda"], disabled_checks=UNCHECKED)
         stablehlo = program(*args).mlir_module()
     context = jax_mlir.make_ir_context()

@@ -29,7 +29,7 @@ import jax_sdpa as js
 from jax_sdpa import mods
 from jax_sdpa._jax_compat import MOSAIC_GPU_KERNEL
 from tests import reference as ref
-from tests.util import enable_x64, paged_pool, qkv, run_pytest
+from tests.util import abstract_mesh, enable_x64, paged_pool, qkv, run_pytest
 
 # x64 off in the x64 pass too: x64 on is test_the_kernels_run_with_x64_on's subject.
 pytestmark = [
@@ -676,6 +676,31 @@ def test_a_decoding_call_lowers_for_cuda_as_one_kernel_of_packed_heads():
         return call(q, k, v).astype(jnp.float32).sum()
 
     assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)) == 3
+
+
+@pytest.mark.parametrize("seq_q", [256, 1], ids=["training", "decoding"])
+def test_calls_in_shard_map_with_its_default_checks_lower_for_cuda(seq_q):
+    # check_vma=True types each value by the mesh axes it varies over: a kernel's outputs, as
+    # its inputs (JAX types a pallas_call's so, not a plgpu.kernel's: the branches of
+    # platform_dependent then differed, and tracing failed).
+    from jax.sharding import PartitionSpec as P
+
+    from tests.lowering import mosaic_gpu_kernels
+
+    mesh = abstract_mesh("cuda", (2,), ("batch",))
+    q = jnp.zeros((2, seq_q, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((2, 256, 2, 64), jnp.bfloat16)
+    pallas = js.Pallas(backend="mosaic_gpu")
+
+    def call(q, k, v):
+        return js.dot_product_attention(q, k, v, is_causal=seq_q > 1, implementation=pallas)
+
+    sharded = jax.shard_map(call, mesh=mesh, in_specs=P("batch"), out_specs=P("batch"))
+
+    def loss(q, k, v):
+        return sharded(q, k, v).astype(jnp.float32).sum()
+
+    assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, mesh=mesh)) == 3
 
 
 @pytest.mark.parametrize(

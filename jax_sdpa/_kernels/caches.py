@@ -22,7 +22,7 @@ from jax import lax
 from jax_sdpa._formula import CallArrays
 from jax_sdpa._jax_compat import GPU_SIMULATOR
 from jax_sdpa._kernels import mosaic_gpu
-from jax_sdpa._kernels.calls import block_mask_arrays, forward, plan_for
+from jax_sdpa._kernels.calls import block_mask_arrays, forward, plan_for, varying_as_inputs
 from jax_sdpa._kernels.fitting import on_mosaic_gpu
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized
@@ -134,4 +134,4 @@ def cache_forward(
 
     if isinstance(tunables.interpret, GPU_SIMULATOR):
         return kernel((query, keys))
-    return lax.platform_dependent((query, keys), cuda=kernel, default=elsewhere)
+    return lax.platform_dependent((query, keys), cuda=varying_as_inputs(kernel), default=elsewhere)

@@ -43,6 +43,7 @@ from jax_sdpa._kernels.triton import TRITON
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import BackwardRows, Tiles, differentiable
 from jax_sdpa._tunables import Pallas
+from jax_sdpa._user_functions import vary, varying_axes
 
 
 def _whole(x):
@@ -411,8 +412,23 @@ def _compiled(
         return on(INTERPRETER)
     calls = {platform: on(backend) for platform, backend in PLATFORMS.items()}
     if mosaic_gpu is not None and on_mosaic_gpu(plan.tunables):
-        calls["cuda"] = mosaic_gpu
+        calls["cuda"] = varying_as_inputs(mosaic_gpu)
     return lambda inputs: lax.platform_dependent(inputs, **calls, default=on(INTERPRETER))
+
+
+def varying_as_inputs(kernel):
+    """``kernel`` (a Mosaic GPU kernel's call), its outputs varying as its inputs do.
+
+    Inside ``jax.shard_map`` (its default ``check_vma=True``), over the mesh axes its inputs
+    vary over. A ``pallas_call``'s outputs are typed so, a ``plgpu.kernel``'s not: the branches of
+    :func:`jax.lax.platform_dependent` must agree.
+    """
+
+    def typed(inputs):
+        axes = varying_axes(inputs)
+        return jax.tree.map(lambda x: vary(x, axes), kernel(inputs))
+
+    return typed
 
 
 def plan_for(tiles: Tiles, tunables: Pallas, query, seq_kv: int, arrays: CallArrays, lists) -> Plan:
