@@ -314,6 +314,10 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         jnp.linspace(-1.0, 1.0, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score + t[j],
     ),
+    "a bfloat16 bias per key, doubled": (  # (the sums times 2, cast: kept with the tile)
+        jnp.linspace(-1.0, 1.0, 128, dtype=jnp.bfloat16),
+        lambda t, score, b, h, i, j: score + 2.0 * t[j].astype(score.dtype),
+    ),
     "a temperature per query, wrapped": (  # (a bias per query's gradient is 0: the rows')
         jnp.linspace(0.5, 1.5, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score * t[i - 128],
@@ -334,6 +338,7 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
 AT_POINTS = {
     "a relative table",
     "a bias per key",
+    "a bfloat16 bias per key, doubled",
     "a temperature per query, wrapped",
     "a relative table where i >= j",
     "a table per head at q_idx − kv_idx",

@@ -98,18 +98,28 @@ def add_at(ref, points, updates) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Folded(Lazy):
-    """A 2-D ``tile`` summed along ``axis``, as ``shape`` (the sums, with axes of 1 added).
+    """A 2-D ``tile`` summed along ``axis``, then ``ops``, as ``shape`` (axes of 1 added).
 
     The gradient of an array read along the tile's other axis, kept as the tile so that its
-    scatter (:func:`_scatter_along`) knows that axis, which its points lie along.
+    scatter (:func:`_scatter_along`) knows that axis, which its points lie along. ``ops``:
+    elementwise operations of the sums with scalars on the way (``2 * bias[kv_idx]``'s
+    product, a cast to a bfloat16 bias's dtype).
     """
 
     tile: Any
     axis: int
     shape: tuple
+    ops: tuple = ()
+
+    def sums(self):
+        """The sums (a vector), ``ops`` applied."""
+        x = lax.reduce_sum(self.tile, (self.axis,))
+        for op in self.ops:
+            x = op(x)
+        return x
 
     def read(self):
-        return self.tile.sum(self.axis).reshape(self.shape)
+        return self.sums().reshape(self.shape)
 
     def reshaped(self, shape: tuple) -> "Folded | None":
         """The sums as ``shape``, if that only adds or drops axes of 1 (else None)."""
@@ -133,6 +143,20 @@ def _refolded(eqn, operands):
     return x.reshaped(tuple(eqn.outvars[0].aval.shape)) if isinstance(x, Folded) else None
 
 
+def _with_scalars(eqn, operands):
+    """An elementwise operation of a :class:`Folded` (first) and scalars, kept in its ``ops``."""
+    first, *rest = operands
+    if not isinstance(first, Folded) or any(isinstance(x, Lazy) or jnp.ndim(x) for x in rest):
+        return None
+    op = lambda x: eqn.primitive.bind(x, *rest, **eqn.params)  # noqa: E731
+    return dataclasses.replace(first, ops=(*first.ops, op))
+
+
+def _scalar_first(eqn, operands):
+    """A product of a scalar and a :class:`Folded`, kept in its ``ops``."""
+    return _with_scalars(eqn, operands[::-1]) if len(operands) == 2 else None
+
+
 def _scatter_along(eqn, operands):
     """A :class:`Folded`'s scatter at positions along the tile's other axis, made a tile's.
 
@@ -142,12 +166,12 @@ def _scatter_along(eqn, operands):
     operand, points, updates = operands
     if not isinstance(updates, Folded) or not isinstance(points, Run):
         return None
-    tile, axis = updates.tile, updates.axis
-    shape, along = jnp.shape(tile), 1 - axis
+    axis = updates.axis
+    shape, along = jnp.shape(updates.tile), 1 - axis
     if points.size != shape[along]:
         return None
     iota = lambda axis: plgpu.broadcasted_iota(INDEX, shape, axis, layout=plgpu.Layout.WGMMA)  # noqa: E731
-    sums = lax.broadcast_in_dim(tile.sum(axis), shape, (along,))
+    sums = lax.broadcast_in_dim(updates.sums(), shape, (along,))
     first = jnp.where(iota(axis) == 0, sums, jnp.zeros_like(sums))
     return scatter_add(eqn, [operand, Expanded(points.at(iota(along)), 1), first])
 
@@ -225,6 +249,10 @@ def rules(simulated: bool) -> dict:
     return {
         "mgpu_atomic_store": (atomic_add,),
         "reduce_sum": (_folded,),
+        "mul": (_with_scalars, _scalar_first),
+        "div": (_with_scalars,),
+        "neg": (_with_scalars,),
+        "convert_element_type": (_with_scalars,),
         "reshape": (_refolded,),
         "broadcast_in_dim": (_refolded,),
         "squeeze": (_refolded,),
