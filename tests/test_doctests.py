@@ -8,7 +8,7 @@ import pytest
 
 import jax_sdpa
 
-# The examples show what a default session prints (x64 off): no x64 pass (tests/profile.py).
+# The examples show what a default session prints (x64 off): not in the x64 pass (.ci/run).
 pytestmark = pytest.mark.x64_off
 
 # Subpackages too (the demo's parts are modules of jax_sdpa.demo).

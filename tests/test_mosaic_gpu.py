@@ -683,8 +683,10 @@ def test_a_decoding_call_lowers_for_cuda_as_one_kernel_of_packed_heads():
     assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)) == 3
 
 
-@pytest.mark.parametrize("seq_q", [256, 1], ids=["training", "decoding"])
-def test_calls_in_shard_map_with_its_default_checks_lower_for_cuda(seq_q):
+@pytest.mark.parametrize(
+    "seq_q, table", [(256, False), (256, True), (1, False)], ids=["training", "a table", "decoding"]
+)
+def test_calls_in_shard_map_with_its_default_checks_lower_for_cuda(seq_q, table):
     # check_vma=True types each value by the mesh axes it varies over: a kernel's outputs, as
     # its inputs (JAX types a pallas_call's so, not a plgpu.kernel's: the branches of
     # platform_dependent then differed, and tracing failed).
@@ -697,8 +699,16 @@ def test_calls_in_shard_map_with_its_default_checks_lower_for_cuda(seq_q):
     k = jnp.zeros((2, 256, 2, 64), jnp.bfloat16)
     pallas = js.Pallas(backend="mosaic_gpu")
 
+    relative = jnp.linspace(-1.0, 1.0, 512, dtype=jnp.float32)
+
+    def mod(s, b, h, i, j):  # (its gradient added into memory: zeros made in the shard_map)
+        return s + relative[i - j + 256].astype(s.dtype)
+
     def call(q, k, v):
-        return js.dot_product_attention(q, k, v, is_causal=seq_q > 1, implementation=pallas)
+        keywords = dict(score_mod=mod) if table else {}
+        return js.dot_product_attention(
+            q, k, v, is_causal=seq_q > 1, implementation=pallas, **keywords
+        )
 
     sharded = jax.shard_map(call, mesh=mesh, in_specs=P("batch"), out_specs=P("batch"))
 

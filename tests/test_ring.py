@@ -1,6 +1,6 @@
 """Ring attention's tests need 8 devices, which XLA simulates on the CPU only if told before JAX
 starts: they run in a process of their own, and this test fails if any of them fails. (x64 on:
-the ring's random sweep draws it for half its structures.)"""
+the ring's random sweep draws it at random, for some of its structures.)"""
 
 import pytest
 

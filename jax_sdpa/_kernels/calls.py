@@ -282,8 +282,11 @@ def _key_gradients(plan: Plan, inputs: BackwardIn, consts: list, masked):
         for c, one in zip(consts, in_memory, strict=True)
     )
     summed = [n for n, one in enumerate(in_memory) if one]
+    # (inside shard_map, varying as the inputs do: their outputs, aliased to them, must)
+    axes = varying_axes(inputs)
     inputs = dataclasses.replace(
-        inputs, sums=tuple(jnp.zeros(d_shapes[n].shape, d_shapes[n].dtype) for n in summed)
+        inputs,
+        sums=tuple(vary(jnp.zeros(d_shapes[n].shape, d_shapes[n].dtype), axes) for n in summed),
     )
     specs = BackwardIn(
         _Rows(seq_q, width, block=False),

@@ -326,10 +326,10 @@ def keys_program(plan: Plan, refs: BackwardIn, outs: KeysOut):
                     plan.backend.atomic_add(ref, (0, 0), d.astype(ref.dtype))
                 else:
                     ref[0, 0] += d.astype(ref.dtype)
-            # (each in its accumulator's dtype: a bfloat16 array's gradient summed in float32)
-            return jax.tree.map(
-                lambda g, d: g + d.astype(g.dtype), grads, (dk, dv, split(d_consts, False))
-            )
+            # (an array's in its accumulator's dtype: a bfloat16 array's summed in float32)
+            registers = split(d_consts, False)
+            d_consts = [d.astype(g.dtype) for g, d in zip(grads[2], registers, strict=True)]
+            return jax.tree.map(jnp.add, grads, (dk, dv, d_consts))
 
         consts = [jnp.zeros(r.shape[2:], r.dtype) for r in split(outs.consts, False)]
         return sweep(step, "q", j, (_zeros(k), _zeros(v), consts))
