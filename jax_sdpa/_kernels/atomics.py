@@ -31,7 +31,7 @@ from jaxlib.mlir.dialects import llvm, vector
 from jax_sdpa._indices import INDEX
 from jax_sdpa._kernels.positions import Run
 from jax_sdpa._kernels.scatters import Scatter, one_entry, scatter_add
-from jax_sdpa._kernels.values import Expanded, Lazy, value
+from jax_sdpa._kernels.values import Expanded, Lazy, Pending, value
 
 
 def with_sums(kernel, shapes: list, parts: int, args) -> tuple:
@@ -97,7 +97,7 @@ def add_at(ref, points, updates) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Folded(Lazy):
+class Folded(Pending):
     """A 2-D ``tile`` summed along ``axis``, then ``ops``, as ``shape`` (axes of 1 added).
 
     The gradient of an array read along the tile's other axis, kept as the tile so that its
@@ -113,10 +113,7 @@ class Folded(Lazy):
 
     def sums(self):
         """The sums (a vector), ``ops`` applied."""
-        x = lax.reduce_sum(self.tile, (self.axis,))
-        for op in self.ops:
-            x = op(x)
-        return x
+        return self.applied(lax.reduce_sum(self.tile, (self.axis,)))
 
     def read(self):
         return self.sums().reshape(self.shape)
@@ -148,8 +145,7 @@ def _with_scalars(eqn, operands):
     first, *rest = operands
     if not isinstance(first, Folded) or any(isinstance(x, Lazy) or jnp.ndim(x) for x in rest):
         return None
-    op = lambda x: eqn.primitive.bind(x, *rest, **eqn.params)  # noqa: E731
-    return dataclasses.replace(first, ops=(*first.ops, op))
+    return first.then(lambda x: eqn.primitive.bind(x, *rest, **eqn.params))
 
 
 def _scalar_first(eqn, operands):

@@ -21,6 +21,7 @@ from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import bind
 from jax_sdpa._kernels.values import (
     Lazy,
+    Pending,
     Unread,
     fill_value,
     in_bounds,
@@ -169,7 +170,7 @@ class Vectors:
 
 
 @dataclasses.dataclass(frozen=True)
-class Window(Lazy):
+class Window(Pending):
     """``part[run]`` of a 1-D part of a ref, not read yet, then ``ops`` on it: values at positions.
 
     ``params``: the gather's (its mode and fill). Read whole where the program needs it; a
@@ -189,10 +190,7 @@ class Window(Lazy):
 
     def values(self, vectors: Vectors | None = None):
         """The values as a vector (in ``vectors``' layout if given), ``ops`` applied."""
-        x = read_run(self.part, self.run, self.params, vectors)
-        for op in self.ops:
-            x = op(x)
-        return x
+        return self.applied(read_run(self.part, self.run, self.params, vectors))
 
     def read(self):
         return self.values().reshape(self.shape)
@@ -200,10 +198,6 @@ class Window(Lazy):
     def reshaped(self, shape: tuple) -> "Window | None":
         run = self.run.reshaped(shape)
         return None if run is None else dataclasses.replace(self, run=run)
-
-    def then(self, op) -> "Window":
-        """The window with the elementwise ``op`` applied to its values."""
-        return dataclasses.replace(self, ops=(*self.ops, op))
 
 
 def read_run(operand: Unread, run: Run, params, vectors: Vectors | None = None):

@@ -25,6 +25,20 @@ class Lazy:
         raise NotImplementedError
 
 
+class Pending(Lazy):
+    """A lazy vector with elementwise operations (its dataclass field ``ops``) still to apply."""
+
+    def then(self, op):
+        """The value with the elementwise ``op`` applied after its ``ops``."""
+        return dataclasses.replace(self, ops=(*self.ops, op))
+
+    def applied(self, x):
+        """``x`` (the vector) with ``ops`` applied."""
+        for op in self.ops:
+            x = op(x)
+        return x
+
+
 @dataclasses.dataclass(frozen=True)
 class Expanded(Lazy):
     """``value`` with ``ones`` trailing axes of size 1 still to add.
