@@ -413,7 +413,10 @@ def _compiled(
         return on(tpu_simulator(interpret))
     if interpret:
         return on(INTERPRETER)
-    calls = {platform: on(backend) for platform, backend in PLATFORMS.items()}
+    # One branch a backend: lax.platform_dependent traces each distinct branch once (Triton's
+    # for cuda and rocm alike).
+    branches = {id(backend): on(backend) for backend in PLATFORMS.values()}
+    calls = {platform: branches[id(backend)] for platform, backend in PLATFORMS.items()}
     if mosaic_gpu is not None and on_mosaic_gpu(plan.tunables):
         calls["cuda"] = varying_as_inputs(mosaic_gpu)
     return lambda inputs: lax.platform_dependent(inputs, **calls, default=on(INTERPRETER))
