@@ -21,6 +21,7 @@ import jax_sdpa as js
 from tests.lowering import exported, verified_kernels
 from tests.matrix import CASES, TPU_CANNOT, call, gradients
 from tests.profile import PROFILE
+from tests.util import abstract_devices, abstract_mesh
 
 pytestmark = pytest.mark.x64_sampled  # lowering is the same program under x64
 
@@ -108,3 +109,19 @@ def test_on_a_gpu_the_kernels_read_and_write_the_callers_layout_in_place(causal)
         assert gpu["custom_call"] >= 1 and gpu["transpose"] == gpu["pad"] == 0, gpu
         # (a TPU's blocks end in two whole axes: there the heads go first, around the call)
         assert ops(program, "tpu")["transpose"] > 0
+
+
+def test_a_tpu_kernel_is_traced_only_where_a_tpu_can_lower_it():
+    # Mosaic lowers for the TPU of the trace's abstract mesh or the default device, and fails
+    # anywhere else: outside a TPU mesh on this CPU, each call holds one kernel fewer (tracing
+    # the TPU's was a third of a kernel's trace time), and Triton's is one for cuda and rocm.
+    q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+
+    def kernels():
+        call = lambda q: js.dot_product_attention(q, q, q, implementation="pallas")  # noqa: E731
+        return str(jax.make_jaxpr(call)(q)).count("pallas_call[")
+
+    here = kernels()
+    with abstract_devices(abstract_mesh("tpu")):
+        assert kernels() == here + 1
+    assert here == 2  # Triton's, the interpreter's
