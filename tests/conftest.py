@@ -22,6 +22,13 @@ if not NEW_JAXLIB:
 # run on one Eigen thread.)
 if NEW_JAXLIB:
     FAST_COMPILE["xla_cpu_multi_thread_eigen"] = "false"
+# JAX's GPU simulator runs each warpgroup (and a warpgroup's warps) in a thread of its own, which
+# blocks, inside a host callback, until the threads it waits for run: where those run on XLA:CPU's
+# pool of one thread per core, two blocked callbacks took a 2-core machine's whole pool and the
+# simulation deadlocked (CI's newest-JAX pass hung so, in a quantized decoding test). A pool of 16
+# threads (PJRT_NPROC, read when the CPU client is made) leaves room for every level's callbacks.
+if NEW_JAXLIB:
+    os.environ.setdefault("PJRT_NPROC", "16")
 _flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
     [_flags, *(f"--{name}={value}" for name, value in FAST_COMPILE.items() if name not in _flags)]
