@@ -50,6 +50,18 @@ def cast_to_varying(x, axes: tuple):
     return lax.pvary(x, axes)
 
 
+def as_computed(x):
+    """``x`` typed as the values a kernel computes are, inside ``jax.shard_map``.
+
+    Pallas traces a kernel's body with ``shard_map``'s checks off, so what it computes varies
+    over no mesh axis, but a Mosaic GPU load keeps its ref's axes (JAX 0.11 and 0.12): the
+    branches of a ``lax.cond`` that loads in one and computes in the other then differ. ``x``
+    chosen from two copies of itself is computed (a no-op on the device; the choice is one
+    of ``x``'s shape, which Mosaic GPU's warpgroups take where they broadcast no scalar).
+    """
+    return lax.select_n(lax.eq(x, x), x, x)
+
+
 def shaped_like(shape: tuple, dtype, like) -> jax.ShapeDtypeStruct:
     """A ``pallas_call`` output's type, varying over the mesh axes ``like`` varies over.
 

@@ -683,10 +683,19 @@ def test_a_decoding_call_lowers_for_cuda_as_one_kernel_of_packed_heads():
     assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)) == 3
 
 
+RELATIVE, PER_KEY = jnp.linspace(-1.0, 1.0, 512), jnp.linspace(-1.0, 1.0, 256)
+SHARDED_MODS = {  # (each array's gradient added into memory: zeros made in the shard_map)
+    "a table": lambda s, b, h, i, j: s + RELATIVE[i - j + 256].astype(s.dtype),
+    "a bias per key": lambda s, b, h, i, j: s + PER_KEY[j].astype(s.dtype),  # (read along j)
+}
+
+
 @pytest.mark.parametrize(
-    "seq_q, table", [(256, False), (256, True), (1, False)], ids=["training", "a table", "decoding"]
+    "seq_q, mod",
+    [(256, None), (256, "a table"), (256, "a bias per key"), (1, None)],
+    ids=["training", "a table", "a bias per key", "decoding"],
 )
-def test_calls_in_shard_map_with_its_default_checks_lower_for_cuda(seq_q, table):
+def test_calls_in_shard_map_with_its_default_checks_lower_for_cuda(seq_q, mod):
     # check_vma=True types each value by the mesh axes it varies over: a kernel's outputs, as
     # its inputs (JAX types a pallas_call's so, not a plgpu.kernel's: the branches of
     # platform_dependent then differed, and tracing failed).
@@ -699,13 +708,8 @@ def test_calls_in_shard_map_with_its_default_checks_lower_for_cuda(seq_q, table)
     k = jnp.zeros((2, 256, 2, 64), jnp.bfloat16)
     pallas = js.Pallas(backend="mosaic_gpu")
 
-    relative = jnp.linspace(-1.0, 1.0, 512, dtype=jnp.float32)
-
-    def mod(s, b, h, i, j):  # (its gradient added into memory: zeros made in the shard_map)
-        return s + relative[i - j + 256].astype(s.dtype)
-
     def call(q, k, v):
-        keywords = dict(score_mod=mod) if table else {}
+        keywords = dict(score_mod=SHARDED_MODS[mod]) if mod else {}
         return js.dot_product_attention(
             q, k, v, is_causal=seq_q > 1, implementation=pallas, **keywords
         )
@@ -716,6 +720,27 @@ def test_calls_in_shard_map_with_its_default_checks_lower_for_cuda(seq_q, table)
         return sharded(q, k, v).astype(jnp.float32).sum()
 
     assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, mesh=mesh)) == 3
+
+
+def test_a_decoding_call_on_an_int8_cache_in_shard_map_lowers_for_cuda():
+    # The 8-bit cache's kernel (read as it lies, not dequantized first) under check_vma=True.
+    from jax.sharding import PartitionSpec as P
+
+    from tests.lowering import mosaic_gpu_kernels
+
+    mesh = abstract_mesh("cuda", (2,), ("batch",))
+    q = jnp.zeros((2, 1, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((2, 256, 2, 64), jnp.bfloat16)
+    pallas = js.Pallas(backend="mosaic_gpu")
+
+    def call(q, k, v):
+        k, v = (js.quantize(x, "int8") for x in (k, v))
+        return js.dot_product_attention(q, k, v, implementation=pallas)
+
+    sharded = jax.shard_map(call, mesh=mesh, in_specs=P("batch"), out_specs=P("batch"))
+    operands = []
+    assert len(mosaic_gpu_kernels(sharded, q, k, k, operands=operands, mesh=mesh)) == 1
+    assert "x64xi8>" in operands[0]  # (the 8 bits, as they lie)
 
 
 @pytest.mark.parametrize(

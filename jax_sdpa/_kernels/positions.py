@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_sdpa._indices import INDEX
-from jax_sdpa._jax_compat import bind
+from jax_sdpa._jax_compat import as_computed, bind
 from jax_sdpa._kernels.values import (
     Lazy,
     Pending,
@@ -230,9 +230,9 @@ def read_run(operand: Unread, run: Run, params, vectors: Vectors | None = None):
             value = jnp.where(in_bounds([points], operand.shape), value, fill)
         return value
 
-    def window():
+    def window():  # (typed as computed values are, as the other branch's: a load keeps vma)
         part = operand.narrowed([start], [count])
-        return part.read() if vectors is None else vectors.load(part)
+        return part.read() if vectors is None else as_computed(vectors.load(part))
 
     if count > length:  # (no window of the run fits in the part)
         return outside()
