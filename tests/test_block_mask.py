@@ -117,11 +117,11 @@ def test_a_block_mask_with_the_calls_tiles_is_read_not_classified_again(
         _block_mask, "classify_blocks", lambda *args: classified.append(1) or real(*args)
     )
 
-    def loss(mask_mod, q, k, v):
+    def loss(mask_mod, q, k, v, implementation=implementation):
         out = js.dot_product_attention(q, k, v, mask_mod=mask_mod, implementation=implementation)
         return jnp.sum(out * jnp.sin(out))
 
-    want = jax.value_and_grad(loss, argnums=(1, 2, 3))(mask_mod, q, k, v)
+    want = jax.value_and_grad(loss, argnums=(1, 2, 3))(mask_mod, q, k, v, "xla")
     for block_mask, reclassified in ((own, False), (other, True)):
         classified.clear()
         given = jax.value_and_grad(loss, argnums=(1, 2, 3))(block_mask, q, k, v)
