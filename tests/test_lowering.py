@@ -1,6 +1,6 @@
 """The fused kernel lowers, and its kernel modules verify (and compile for a GPU), for the shapes
-and options users have: a matrix, each case lowered for ``cuda`` (Triton) and ``tpu`` (Mosaic),
-forward and forward+backward (every gradient: queries, keys, values and the floating-point
+and options users have: a matrix, each case lowered for ``cuda`` (Triton) and ``tpu`` (Mosaic;
+in CI a few only through a sibling, :data:`TPU_AS`), forward and forward+backward (every gradient: queries, keys, values and the floating-point
 arrays a call closes over), each kernel module inside checked by
 :func:`tests.lowering.verified_kernels`.
 
