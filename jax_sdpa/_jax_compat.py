@@ -20,7 +20,6 @@ from jax._src.interpreters import ad as _ad  # (reverse mode's LinearizeTrace is
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe  # (JAX before 0.7: reverse mode's tracers)
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 # --- shard_map's types ------------------------------------------------------------------------
@@ -154,17 +153,6 @@ if MOSAIC_GPU_KERNEL:
     GPU_SIMULATOR: tuple = (_plgpu.InterpretGPUParams,)
 else:
     GPU_SIMULATOR = ()
-
-
-def lowers_for_tpu() -> bool:
-    """Whether a program traced here can hold a Mosaic TPU kernel.
-
-    Mosaic lowers a kernel for the TPU it reads from the trace's abstract mesh, or the default
-    device: anywhere else (a CPU or a GPU, no TPU mesh) it fails, so a TPU branch need not be
-    traced. ``pallas.tpu.is_tpu_device`` asks as Mosaic does (JAX 0.10 and later; earlier, True).
-    """
-    is_tpu_device = getattr(pltpu, "is_tpu_device", None)
-    return is_tpu_device is None or is_tpu_device()
 
 
 def triton_atomic_add(ref, index, value) -> None:

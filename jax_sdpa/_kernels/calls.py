@@ -19,7 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax_sdpa._block_mask import BlockMask
 from jax_sdpa._formula import CallArrays
 from jax_sdpa._indices import at_start
-from jax_sdpa._jax_compat import GPU_SIMULATOR, lowers_for_tpu, shaped_like
+from jax_sdpa._jax_compat import GPU_SIMULATOR, shaped_like
 from jax_sdpa._kernels import mosaic_gpu
 from jax_sdpa._kernels.atomics import GradientAtPoints
 from jax_sdpa._kernels.backend import Backend
@@ -414,10 +414,9 @@ def _compiled(
     if interpret:
         return on(INTERPRETER)
     # One branch a backend: lax.platform_dependent traces each distinct branch once (Triton's
-    # for cuda and rocm alike), and a TPU's only where one can be lowered for.
-    platforms = {p: b for p, b in PLATFORMS.items() if p != "tpu" or lowers_for_tpu()}
-    branches = {id(backend): on(backend) for backend in platforms.values()}
-    calls = {platform: branches[id(backend)] for platform, backend in platforms.items()}
+    # for cuda and rocm alike).
+    branches = {id(backend): on(backend) for backend in PLATFORMS.values()}
+    calls = {platform: branches[id(backend)] for platform, backend in PLATFORMS.items()}
     if mosaic_gpu is not None and on_mosaic_gpu(plan.tunables):
         calls["cuda"] = varying_as_inputs(mosaic_gpu)
     return lambda inputs: lax.platform_dependent(inputs, **calls, default=on(INTERPRETER))
