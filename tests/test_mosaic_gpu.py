@@ -460,6 +460,7 @@ def test_a_tables_gradient_under_vmap_is_each_examples():
 DOCUMENTS = np.arange(200)[None] // 50 + np.array([[0], [7]])  # (2, 200): 4 documents each
 BIAS = np.linspace(-1.0, 1.0, 256, dtype=np.float32)
 TABLE = np.linspace(-1.0, 1.0, 400, dtype=np.float32)  # (a table at q_idx − kv_idx: looped)
+KEEP = np.cos(np.arange(256, dtype=np.float32))  # (key 0 kept: no row without a key)
 T5 = mods.relative_position_bias(
     np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(32, 2), 32, 128
 )
@@ -485,11 +486,18 @@ POSITIONAL = {
         dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(BIAS)[j - 256].astype(s.dtype)),
         dict(score_mod=lambda s, b, h, i, j: s + BIAS[j]),
     ),
+    "keys kept where a vector is positive": (  # (compared: jnp.where's broadcast, NumPy axes)
+        dict(mask_mod=lambda b, h, i, j: jnp.asarray(KEEP)[j] > 0),
+        dict(mask_mod=lambda b, h, i, j: KEEP[j] > 0),
+    ),
     "a bias shorter than a tile": (  # (100 entries: read one at a time, clamped as jnp reads)
         dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(BIAS[:100])[j].astype(s.dtype)),
         dict(score_mod=lambda s, b, h, i, j: s + BIAS[np.minimum(j, 99)]),
     ),
 }
+
+
+SIMULATED = ("segment ids", "keys kept where a vector is positive")
 
 
 def _positional(case):
@@ -501,7 +509,7 @@ def _positional(case):
 @pytest.mark.parametrize(  # (the inner loop simulates one)
     "case",
     [
-        case if case == "segment ids" else pytest.param(case, marks=SIMULATED_SLOW)
+        case if case in SIMULATED else pytest.param(case, marks=SIMULATED_SLOW)
         for case in POSITIONAL
     ],
 )
@@ -535,7 +543,7 @@ def test_arrays_read_along_positions_lower_for_cuda(case):
     # (a captured float array's gradient too, added into memory by the keys' kernel)
     assert len(kernels) == 3
     adds = sum("red.relaxed.gpu.global.add.f" in kernel for kernel in kernels)
-    assert adds == (case not in ("segment ids", "document_mask and causal"))  # (integers)
+    assert adds == (case not in (*SIMULATED, "document_mask and causal"))  # (no float's gradient)
 
 
 CLASSES, IDS = jnp.zeros((7, 5)), jnp.arange(256) % 3

@@ -383,7 +383,8 @@ def tile_positions(laid_out, along) -> dict:
         first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
         if not isinstance(first, Run | Compared | Window):
             return None
-        return spread(first, shape, eqn.params["broadcast_dimensions"][run_of(first).axis])
+        axis = eqn.params["broadcast_dimensions"][run_of(first).axis]
+        return spread(first, shape, int(axis))  # (a NumPy integer in some jaxprs)
 
     def elementwise(eqn, operands):
         shape = tuple(eqn.outvars[0].aval.shape)
