@@ -1,8 +1,8 @@
 """The fused kernel lowers, and its kernel modules verify (and compile for a GPU), for the shapes
 and options users have: a matrix, each case lowered for ``cuda`` (Triton) and ``tpu`` (Mosaic;
-in CI a few only through a sibling, :data:`TPU_AS`), forward and forward+backward (every gradient: queries, keys, values and the floating-point
-arrays a call closes over), each kernel module inside checked by
-:func:`tests.lowering.verified_kernels`.
+in CI a few only through a sibling, :data:`TPU_AS`), forward and forward+backward (every
+gradient: queries, keys, values and the floating-point arrays a call closes over), each kernel
+module inside checked by :func:`tests.lowering.verified_kernels`.
 
 No device runs here: that the modules verify (and, for a GPU, compile to a cubin) is not that
 they run correctly; the interpreter's values are checked against the float64 reference in

@@ -383,8 +383,7 @@ def tile_positions(laid_out, along) -> dict:
         first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
         if not isinstance(first, Run | Compared | Window):
             return None
-        axis = eqn.params["broadcast_dimensions"][run_of(first).axis]
-        return spread(first, shape, int(axis))  # (a NumPy integer in some jaxprs)
+        return spread(first, shape, eqn.params["broadcast_dimensions"][run_of(first).axis])
 
     def elementwise(eqn, operands):
         shape = tuple(eqn.outvars[0].aval.shape)

@@ -59,7 +59,11 @@ def _tile(x):
 
 
 def _along(axis: int) -> Vectors:
-    """Vectors along a tile's ``axis`` (0: its rows, 1: its columns) in ``wgmma``'s layout."""
+    """Vectors along a tile's ``axis`` (0: its rows, 1: its columns) in ``wgmma``'s layout.
+
+    (A jaxpr's axes may be NumPy integers, which Mosaic GPU's layouts take for sequences.)
+    """
+    axis = int(axis)
     layout = plgpu.Layout.WGMMA.reduce(1 - axis)
     return Vectors(
         load=lambda part: read_along(part.ref.at[part.index], axis),
