@@ -461,6 +461,7 @@ DOCUMENTS = np.arange(200)[None] // 50 + np.array([[0], [7]])  # (2, 200): 4 doc
 BIAS = np.linspace(-1.0, 1.0, 256, dtype=np.float32)
 TABLE = np.linspace(-1.0, 1.0, 400, dtype=np.float32)  # (a table at q_idx − kv_idx: looped)
 KEEP = np.cos(np.arange(256, dtype=np.float32))  # (key 0 kept: no row without a key)
+VALID = np.stack([KEEP > 0, KEEP < 0.5])  # (2, 256): a key padding mask per sequence
 T5 = mods.relative_position_bias(
     np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(32, 2), 32, 128
 )
@@ -490,6 +491,10 @@ POSITIONAL = {
         dict(mask_mod=lambda b, h, i, j: jnp.asarray(KEEP)[j] > 0),
         dict(mask_mod=lambda b, h, i, j: KEEP[j] > 0),
     ),
+    "keys kept where a boolean array says": (  # (int32 in the kernel's memory, read as bool)
+        dict(mask_mod=lambda b, h, i, j: jnp.asarray(VALID)[b, j]),
+        dict(mask_mod=lambda b, h, i, j: VALID[b, j]),
+    ),
     "a bias shorter than a tile": (  # (100 entries: read one at a time, clamped as jnp reads)
         dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(BIAS[:100])[j].astype(s.dtype)),
         dict(score_mod=lambda s, b, h, i, j: s + BIAS[np.minimum(j, 99)]),
@@ -497,11 +502,12 @@ POSITIONAL = {
 }
 
 
-SIMULATED = ("segment ids", "keys kept where a vector is positive")  # (in the inner loop)
+SIMULATED = ("segment ids", "keys kept where a boolean array says")  # (in the inner loop)
 NO_FLOAT_GRADIENT = (
     "segment ids",
     "document_mask and causal",
     "keys kept where a vector is positive",
+    "keys kept where a boolean array says",
 )
 
 
@@ -573,6 +579,21 @@ def test_an_array_read_at_points_the_kernel_has_no_load_for_is_refused_by_name(r
     with pytest.raises(NotImplementedError, match=r"at other points.*backend=.triton."):
         jax.jit(
             lambda q: js.dot_product_attention(q, q, q, score_mod=score_mod, implementation=pallas)
+        ).trace(q)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8])
+def test_an_8_bit_array_read_along_positions_is_refused_by_name(dtype):
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    ids = jnp.arange(256).astype(dtype)
+    pallas = js.Pallas(backend="mosaic_gpu")
+    with pytest.raises(
+        NotImplementedError, match=rf"8-bit.*array of {jnp.dtype(dtype).name}.*int32.*triton"
+    ):
+        jax.jit(
+            lambda q: js.dot_product_attention(
+                q, q, q, mask_mod=lambda b, h, i, j: ids[j] > 3, implementation=pallas
+            )
         ).trace(q)
 
 

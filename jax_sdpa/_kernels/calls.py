@@ -446,6 +446,7 @@ def plan_for(tiles: Tiles, tunables: Pallas, query, seq_kv: int, arrays: CallArr
         seq_kv,
         shared,
         tuple(jnp.shape(x) for x in leaves),
+        tuple(jnp.result_type(x) for x in leaves),
         tuple(not _one_hot(c) for c in differentiable(arrays.score_consts) if c is not None),
     )
 

@@ -224,7 +224,7 @@ def read_run(operand: Unread, run: Run, params, vectors: Vectors | None = None):
             def load(n):  # (its point clamped into the part, as the other reads are)
                 return operand.at_points([run.at(n.astype(run.base.dtype))])
 
-            value = placed(iota, (INDEX(0), INDEX(count)), load, operand.ref.dtype)
+            value = placed(iota, (INDEX(0), INDEX(count)), load, operand.dtype)
         if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
             fill = fill_value(params["fill_value"], value.dtype)
             value = jnp.where(in_bounds([points], operand.shape), value, fill)
@@ -248,7 +248,7 @@ def _windowed(operand: Unread, points):
     """
     (length,), count = operand.shape, points.size
     size = min(count, length)  # a window's (one window of a part shorter than the points)
-    wide = jnp.int32 if operand.ref.dtype == jnp.bool_ else operand.ref.dtype
+    wide = jnp.int32 if operand.dtype == jnp.bool_ else operand.dtype
     floating = jnp.issubdtype(wide, jnp.floating)
     least = jnp.asarray(-jnp.inf if floating else jnp.iinfo(wide).min, wide)
 
@@ -263,7 +263,7 @@ def _windowed(operand: Unread, points):
 
     windows = INDEX(-(-length // size))  # int32 under x64 too: Mosaic has no int64
     value = lax.fori_loop(INDEX(0), windows, window, jnp.full(count, least))
-    return value.astype(operand.ref.dtype)
+    return value.astype(operand.dtype)
 
 
 # Rules (:mod:`jax_sdpa._jaxpr`) for the equations that keep positions a :class:`Run`: an

@@ -117,7 +117,8 @@ class KeysOut:
 class Plan:
     """What the programs of one call share (static): tiles, tunables, layout, backend.
 
-    ``shared``, ``shapes``: the treedef of :func:`shared_arrays` and its leaves' shapes.
+    ``shared``, ``shapes``, ``dtypes``: the treedef of :func:`shared_arrays` and its leaves'
+    shapes and dtypes.
     ``in_memory``: for each of the ``score_mod``'s arrays with a gradient (floating point),
     whether it is summed in memory (an array too large to hold as one-hot sums: a table per
     position).
@@ -129,6 +130,7 @@ class Plan:
     seq_kv: int
     shared: Any
     shapes: tuple
+    dtypes: tuple
     in_memory: tuple[bool, ...]
     backend: Backend = INTERPRETER
 
@@ -168,7 +170,9 @@ class Plan:
             sweep = functools.partial(self.sweep, arrays, offsets=offsets, head_lists=(n, lists))
             return body(arrays, sink, offsets, sweep)
 
-        return evaluate(with_values, list(shared.arrays), rules=self.backend.rules)
+        return evaluate(
+            with_values, list(shared.arrays), dtypes=self.dtypes, rules=self.backend.rules
+        )
 
     def sweep(self, arrays: CallArrays, step, axis: str, block, carry, *, offsets, head_lists):
         """``carry = step(m, carry, rule)`` over the ``axis`` blocks ``m`` the rule may allow.

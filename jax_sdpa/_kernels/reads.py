@@ -51,14 +51,19 @@ from jax_sdpa._kernels.values import (
 from jax_sdpa._masks import all_of
 
 
-def evaluate(fn, refs: list, *args, rules=None):
+def evaluate(fn, refs: list, *args, dtypes=None, rules=None):
     """``fn(*values of refs, *args)``, each ref read only where and as ``fn`` reads it.
 
-    ``rules``: a backend's own rules (:mod:`jax_sdpa._jaxpr`), tried before the others.
+    ``dtypes``: the dtype of each ref's values, where one holds booleans widened
+    (:func:`~jax_sdpa._kernels.values.widened`); by default the refs'. ``rules``: a backend's
+    own rules (:mod:`jax_sdpa._jaxpr`), tried before the others.
     """
-    avals = [jax.ShapeDtypeStruct(ref.shape, ref.dtype) for ref in refs]
+    unread = [
+        Unread(ref, tuple(pl.ds(0, n) for n in ref.shape), widened=ref.dtype != jnp.bool_ == dtype)
+        for ref, dtype in zip(refs, dtypes or [ref.dtype for ref in refs], strict=True)
+    ]
+    avals = [jax.ShapeDtypeStruct(part.ref.shape, part.dtype) for part in unread]
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*avals, *args)
-    unread = [Unread(ref, tuple(pl.ds(0, n) for n in ref.shape)) for ref in refs]
     rules = Rules(table=table(rules or {}, KERNEL_RULES), array=value)
     jaxpr, inputs = live(closed, [*unread, *jax.tree.leaves(args)])  # (a kernel lowers all)
     outs = interpret(jaxpr, [], inputs, rules)
@@ -273,7 +278,7 @@ def _refuse(operand: Unread):
         "`Pallas(backend='mosaic_gpu')` reads an array at one index, along a run of positions or "
         "at a tile of points along one axis (`slopes[h]`, `documents[q_idx]`, "
         f"`table[q_idx - kv_idx, h]`), and this call reads a {operand.shape} "
-        f"{jnp.dtype(operand.ref.dtype).name} array at other points (along several axes, at a "
+        f"{jnp.dtype(operand.dtype).name} array at other points (along several axes, at a "
         "vector of them, at values read from another array: `classes[i % 7, j % 5]`, "
         "`bias[i // 64]`, `table[ids[i]]`), which it has no load for: use "
         "`Pallas(backend='triton')`."
@@ -289,7 +294,7 @@ def _looped(operand: Unread, points, laid_out):
     """
     points = laid_out(jnp.clip(points, 0, operand.shape[0] - 1).astype(INDEX))
     bounds = points.min(axis=1).min(), points.max(axis=1).max() + 1
-    return placed(points, bounds, lambda e: operand.at_points([e]), operand.ref.dtype, laid_out)
+    return placed(points, bounds, lambda e: operand.at_points([e]), operand.dtype, laid_out)
 
 
 def looped_gathers(laid_out) -> dict:

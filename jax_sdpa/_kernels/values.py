@@ -56,6 +56,11 @@ class Expanded(Lazy):
         return jnp.reshape(self.value, jnp.shape(self.value) + (1,) * self.ones)
 
 
+def widened(x):
+    """``x``, or an array of booleans as ``int32``: as a ``widened`` :class:`Unread`'s ref."""
+    return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+
+
 def value(x):
     """``x`` as an array: read if it is :class:`Lazy`."""
     return x.read() if isinstance(x, Lazy) else x
@@ -63,17 +68,31 @@ def value(x):
 
 @dataclasses.dataclass(frozen=True)
 class Unread(Lazy):
-    """Part of a ref not yet read: one index per axis, a ``pl.ds`` or a scalar (dropped axis)."""
+    """Part of a ref not yet read: one index per axis, a ``pl.ds`` or a scalar (dropped axis).
+
+    ``widened``: the program's values are booleans that the ref holds as ``int32`` (Mosaic GPU
+    loads no vector of bits: :func:`widened`); each read gives them back (:meth:`loaded`).
+    """
 
     ref: Any
     index: tuple
+    widened: bool = False
 
     @property
     def shape(self) -> tuple:
         return tuple(i.size for i in self.index if isinstance(i, pl.Slice))
 
+    @property
+    def dtype(self):
+        """The dtype of the values the program reads."""
+        return jnp.dtype(jnp.bool_) if self.widened else self.ref.dtype
+
+    def loaded(self, x):
+        """``x``, loaded from the ref, as the program's values."""
+        return x != 0 if self.widened else x
+
     def read(self):
-        return self.ref[self.index]
+        return self.loaded(self.ref[self.index])
 
     def kept(self) -> list[int]:
         """The ref's axes this part still has, in order."""
@@ -85,7 +104,7 @@ class Unread(Lazy):
         for axis, start, size, length in zip(self.kept(), starts, sizes, self.shape, strict=True):
             start = jnp.clip(value(start), 0, length - size)
             index[axis] = pl.ds(index[axis].start + start, size)
-        return Unread(self.ref, tuple(index))
+        return dataclasses.replace(self, index=tuple(index))
 
     def dropped(self, dimensions) -> "Unread":
         """This part without its axes ``dimensions`` (each of size 1): they become scalars."""
@@ -93,7 +112,7 @@ class Unread(Lazy):
         for position in dimensions:
             axis = self.kept()[position]
             index[axis] = index[axis].start
-        return Unread(self.ref, tuple(index))
+        return dataclasses.replace(self, index=tuple(index))
 
     def taken(self, scalars: dict):
         """This part with its kept axes ``scalars`` (positions among them) read at one index.
@@ -104,7 +123,7 @@ class Unread(Lazy):
         for position, scalar in scalars.items():
             axis, length = kept[position], self.shape[position]
             index[axis] = index[axis].start + jnp.clip(scalar, 0, length - 1)
-        return Unread(self.ref, tuple(index))
+        return dataclasses.replace(self, index=tuple(index))
 
     def at_points(self, points: list):
         """``part[points[0], points[1], …]`` of equal-shape index arrays, one per kept axis.
@@ -114,7 +133,7 @@ class Unread(Lazy):
         index = list(self.index)
         for axis, point, length in zip(self.kept(), points, self.shape, strict=True):
             index[axis] = index[axis].start + jnp.clip(point, 0, length - 1)
-        return self.ref[tuple(index)]
+        return self.loaded(self.ref[tuple(index)])
 
 
 @dataclasses.dataclass(frozen=True)

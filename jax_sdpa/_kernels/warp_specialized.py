@@ -47,7 +47,7 @@ from jax_sdpa._kernels.schedule import (
     held_start,
     ranged,
 )
-from jax_sdpa._kernels.values import Lazy
+from jax_sdpa._kernels.values import Lazy, widened
 
 ROWS = 64  # a consumer's positions: one ``wgmma``'s rows
 STAGES = 2  # shared-memory slots of the producer's ring
@@ -65,9 +65,20 @@ def _along(axis: int) -> Vectors:
     """
     axis = int(axis)
     layout = plgpu.Layout.WGMMA.reduce(1 - axis)
+
+    def load(part):
+        if jnp.dtype(part.ref.dtype).itemsize == 1:  # (booleans are widened: values.widened)
+            raise NotImplementedError(
+                "`Pallas(backend='mosaic_gpu')` reads no 8-bit array along positions (Mosaic "
+                "GPU computes nothing on a vector of 8-bit values, not even a conversion), and "
+                f"this call reads an array of {jnp.dtype(part.ref.dtype).name} so: pass it as "
+                "int32 (`ids.astype(jnp.int32)`, outside the function) or use "
+                "`Pallas(backend='triton')`."
+            )
+        return part.loaded(read_along(part.ref.at[part.index], axis))
+
     return Vectors(
-        load=lambda part: read_along(part.ref.at[part.index], axis),
-        iota=lambda count: plgpu.broadcasted_iota(INDEX, (count,), 0, layout=layout),
+        load=load, iota=lambda count: plgpu.broadcasted_iota(INDEX, (count,), 0, layout=layout)
     )
 
 
@@ -367,6 +378,7 @@ def warp_specialized(
     masked = swept.masked
     counts = (count, swept_count)
     lists = None if masked is None else Lists.of(masked, axis, held, size, counts, split)
+    shared = dataclasses.replace(shared, arrays=tuple(widened(x) for x in shared.arrays))
     leaves, tree = jax.tree.flatten((shared, lists))
     arity = len(inputs) + len(leaves)
 
