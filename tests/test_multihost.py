@@ -66,12 +66,9 @@ def each_process(checks, name):
 
 # Name: whether the program also sums gradients over devices (closed-over slopes and sinks).
 RING_CHECKS = {
-    "ring_dot_product_attention contiguous causal, batch over devices, lengths": False,
     "ring_dot_product_attention striped causal, batch over devices, key lengths": False,
-    "ring_attention in shard_map, striped causal": False,
     "ring_attention in shard_map, contiguous": False,
     "score_mod, mask_mod and sinks": True,
-    "score_mod, mask_mod and sinks, striped": True,
 }
 
 
