@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 from importlib.metadata import version
@@ -38,6 +39,12 @@ os.environ["XLA_FLAGS"] = " ".join(
 # named (tests/profile.py); the workers pytest-xdist starts inherit the choice.
 if "not slow" in " ".join(sys.argv):
     os.environ.setdefault("JAX_SDPA_PROFILE", "quick")
+
+# Python's cyclic garbage collector, at its default thresholds, ran 3,592 times in a 65 s run of
+# three test files (tracing makes many short-lived objects, which reference counting frees), for
+# 4.7 s; at these, 75 times for 1.4 s, the peak memory unchanged (1.76 GB). The tests' own
+# processes only (xdist's workers, tests/multidevice's), not the library's.
+gc.set_threshold(20_000, 10, 10)
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
