@@ -5,8 +5,7 @@ site's notebooks, the multihost launches, the examples' runs, tests/multidevice;
 shadows any other ``sitecustomize``, such as Debian's crash reporter's hook.) Python's
 cyclic garbage collector, at its default thresholds, ran 3,592 times in a 65 s run of three test
 files, for 4.7 s (tracing makes many objects that reference counting frees); at these, 75 times
-for 1.4 s, the peak memory unchanged (1.76 GB). The newest JAX's two CI passes took 377 and 247
-test-seconds where they took 480 and 299.
+for 1.4 s, the peak memory unchanged (1.76 GB).
 """
 
 import gc
