@@ -541,13 +541,17 @@ def test_the_default_on_a_gpu_hands_cudnn_the_calls_whose_result_is_ours(rng, mo
     window = dict(local_window_size=(2, 1))  # (cuDNN's window is left; causal gives the right)
 
     def handed_to_cudnn(q=q, k=k, v=v, *args, **kwargs) -> bool:
+        # (traced, and run where handed: a call kept is computed by paths other tests check)
         before = len(handed)
-        out = jax.jit(lambda *a: js.dot_product_attention(*a, **kwargs))(q, k, v, *args)
+        traced = jax.jit(lambda *a: js.dot_product_attention(*a, **kwargs)).trace(q, k, v, *args)
+        if len(handed) == before:
+            return False
+        out = traced.lower().compile()(q, k, v, *args)
         want = js.dot_product_attention(q, k, v, *args, implementation="xla", **kwargs)
         want = want[0] if kwargs.get("return_residual") else want
         got = out[0] if kwargs.get("return_residual") else out
         np.testing.assert_allclose(*(np.asarray(x, np.float32) for x in (got, want)), atol=2e-2)
-        return len(handed) > before
+        return True
 
     assert handed_to_cudnn()  # GQA, bfloat16
     assert handed_to_cudnn(is_causal=True)

@@ -61,6 +61,11 @@ TPU_AS = {
     "sigmoid": "sigmoid, max scores",
     "ALiBi, a small captured array": "ALiBi, documents and sinks",
     "block mask of documents": "block mask of a band",
+    "T = S = 1": "T = S = 1000",
+    "query lengths": "both lengths, causal",
+    "segment ids": "documents over a (B, T) array",
+    "softmax, max scores": "sigmoid, max scores",
+    "a band": "block mask of a band",
 }
 ON_TPU = set(CASES) - TPU_CANNOT - (set() if PROFILE == "thorough" else set(TPU_AS))
 MATRIX = [

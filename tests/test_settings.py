@@ -220,6 +220,7 @@ def test_forward_over_reverse_and_reverse_over_reverse_work_on_the_custom_vjp_pa
             out = js.dot_product_attention(q, k, v, implementation=tiles[implementation])
         return jnp.sum(out * jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
 
+    @functools.partial(jax.jit, static_argnums=0)  # (one program each: compiled once)
     def second_orders(impl):
         hessian = jax.hessian(total)(q, k, impl)
         mixed = jax.jvp(lambda k: jax.grad(total)(q, k, impl), (k,), (tangent,))[1]
