@@ -15,8 +15,11 @@ The normaliser is an object a formula holds (``Formula.normalizer``): :data:`SOF
 weights :math:`\sigma(s + b)` need no normalisation, so a block's weighted values and weights
 just add (:math:`\ell` is then the row's total weight, and the max stays at the fill, which
 makes every correction :math:`e^{0} = 1`); it finishes as :math:`(\tilde o, \log \ell)`. Each
-has the same methods (``update``, ``recompute``, ``score_gradient``, ``delta``, ``finish``,
-``from_result``), so no caller asks which it has.
+has the same methods (``block``, ``update``, ``recompute``, ``score_gradient``, ``delta``,
+``finish``, ``from_result``), so no caller asks which it has. An update is two halves: a
+block's weights on the rows' new max (``block``, a :class:`Block`), then their sum and product
+with the values added to the shifted state (:func:`add`); a kernel whose consumers share one
+block's weights (each for its own part of the values) runs them apart.
 
 Two states over disjoint sets of keys :func:`merge` into the state over their union, and a
 finished ``(out, lse)`` is itself a state (max ``lse``, denominator 1, output ``out``), so
@@ -94,7 +97,64 @@ def init(query: Array, shape: tuple, output: tuple, sink: Array | None = None) -
     return State(zeros + jnp.broadcast_to(sink.astype(dtype), shape), zeros + 1, output, fill)
 
 
-class Softmax:
+class Block(NamedTuple):
+    """One block of keys as a state meets it (a normaliser's ``block``).
+
+    ``row_max``: the rows' running max with the block (the shift of its weights); ``weights``:
+    the block's, ``(..., r, kv)``, un-normalised (a kernel's may be a tile in its shared
+    memory); ``total``: their sum per row; ``top``: the rows' largest scores with the block's.
+    """
+
+    row_max: Array
+    weights: Any
+    total: Array
+    top: Array
+
+
+def add(
+    state: State,
+    block: Block,
+    value: Any,
+    *,
+    precision=None,
+    drop=lambda p: p,
+    product=weighted_sum,
+) -> State:
+    """The state after ``block``: its sums shifted to the block's max, its weights meet ``value``.
+
+    ``drop`` is applied to the block's weights before they meet the values (dropout: the
+    denominator counts every weight, as the dense softmax does); ``product`` is how they meet
+    them, :func:`~jax_sdpa._steps.weighted_sum` or the same sum formed otherwise (``value`` is
+    what ``product`` reads: an array, or a :class:`~jax_sdpa.Quantized` cache).
+    """
+    denom, acc = _shifted(state, block.row_max)
+    weighted = product(drop(block.weights), value, precision=precision)
+    return State(block.row_max, denom + block.total, acc + weighted, block.top)
+
+
+class Normalizer:
+    """What :data:`SOFTMAX` and :data:`SIGMOID` share: a block's update, from its ``block``."""
+
+    def update(
+        self,
+        state: State,
+        scores: Float[Array, "*q kv"],
+        allowed: Bool[Array, "*#q #kv"] | None,
+        value: Any,
+        *,
+        bias=None,
+        top_first: bool = False,
+        **adding,
+    ) -> State:
+        """The state of ``(..., q)`` rows after one more block of keys: their scores and values.
+
+        ``bias`` and ``top_first`` are the sigmoid's (``block``); ``adding``, :func:`add`'s.
+        """
+        block = self.block(state, scores, allowed, bias=bias, top_first=top_first)
+        return add(state, block, value, **adding)
+
+
+class Softmax(Normalizer):
     r"""The softmax normaliser: each row's weights :math:`e^{s}` over their sum, the online way.
 
     The state keeps a running max, by which every block's weights are shifted, and a running
@@ -108,27 +168,16 @@ class Softmax:
         """A dense block's ``(weights, lse)``, every key of its rows at once."""
         return softmax_with_logsumexp(scores, allowed, sinks)
 
-    def update(
+    def block(
         self,
         state: State,
         scores: Float[Array, "*q kv"],
         allowed: Bool[Array, "*#q #kv"] | None,
-        value: Any,
         *,
         bias=None,
-        precision=None,
-        drop=lambda p: p,
-        product=weighted_sum,
         top_first: bool = False,
-    ) -> State:
-        """The state of ``(..., q)`` rows after one more block of keys: their scores and values.
-
-        ``drop`` is applied to the block's un-normalised weights before they meet the values
-        (dropout: the denominator counts every weight, as the dense softmax does); ``product``
-        is how they meet them, :func:`~jax_sdpa._steps.weighted_sum` or the same sum formed
-        otherwise (``value`` is what ``product`` reads: an array, or a
-        :class:`~jax_sdpa.Quantized` cache). ``bias`` and ``top_first`` are the sigmoid's.
-        """
+    ) -> Block:
+        """One more block of keys for ``(..., q)`` rows: its weights on the rows' new max."""
         masked = masked_scores(scores, allowed)
         tile_max = masked.max(axis=-1)
         top = jnp.maximum(state.top, tile_max)  # dead, and dropped by XLA, unless it is returned
@@ -138,13 +187,7 @@ class Softmax:
         # Until a row meets its first allowed key, its max stays at the fill and p counts masked
         # entries as 1; the correction e^{fill − real max} = 0 erases them when it does.
         p = exp_scores(masked, new_max)
-        denom, acc = _shifted(state, new_max)
-        return State(
-            new_max,
-            denom + p.sum(axis=-1),
-            acc + product(drop(p), value, precision=precision),
-            top,
-        )
+        return Block(new_max, p, p.sum(axis=-1), top)
 
     def recompute(self, scores, allowed, lse, bias) -> Array:
         """A block's normalised weights from its rows' final log-sum-exp: :math:`P = e^{S - lse}`.
@@ -190,7 +233,7 @@ class Softmax:
         return State(row_max, jnp.ones_like(lse), out.astype(dtype), top)
 
 
-class Sigmoid:
+class Sigmoid(Normalizer):
     r"""The sigmoid normaliser: each weight :math:`\sigma(s + b)` on its own, rows not normalised.
 
     The state keeps no running max (it stays at the fill, so every correction is
@@ -207,20 +250,16 @@ class Sigmoid:
         weights = sigmoid_parts(scores, allowed, bias)
         return weights, log_total(weights)
 
-    def update(
+    def block(
         self,
         state: State,
         scores: Float[Array, "*q kv"],
         allowed: Bool[Array, "*#q #kv"] | None,
-        value: Any,
         *,
         bias,
-        precision=None,
-        drop=lambda p: p,
-        product=weighted_sum,
         top_first: bool = False,
-    ) -> State:
-        r"""As :meth:`Softmax.update`, the weights :math:`\sigma(s + b)` added as they are.
+    ) -> Block:
+        r"""As :meth:`Softmax.block`, the weights :math:`\sigma(s + b)` on no max.
 
         With ``top_first``, XLA takes the block's largest score (if it is used) before the
         weights.
@@ -232,12 +271,7 @@ class Sigmoid:
         if top_first:  # not in a Pallas kernel, which has no barrier
             scores, tile_max = lax.optimization_barrier((scores, tile_max))
         w = sigmoid_parts(scores, allowed, bias)
-        return State(
-            state.row_max,
-            state.denom + w.sum(axis=-1),
-            state.acc + product(drop(w), value, precision=precision),
-            jnp.maximum(state.top, tile_max),
-        )
+        return Block(state.row_max, w, w.sum(axis=-1), jnp.maximum(state.top, tile_max))
 
     def recompute(self, scores, allowed, lse, bias) -> Array:
         """A block's weights, which need no row statistic."""

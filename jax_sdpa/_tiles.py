@@ -34,7 +34,7 @@ from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import over_heads
 from jax_sdpa._indices import INDEX, Index, at_start, indices, listed, positions
 from jax_sdpa._masks import LengthMask, MaskRule
-from jax_sdpa._online_softmax import State
+from jax_sdpa._online_softmax import Block, State, add
 from jax_sdpa._quantized import keys_product, values_product
 from jax_sdpa._steps import accumulation_dtype, cast_product, raw_scores, weighted_sum
 
@@ -115,18 +115,22 @@ class Tiles:
 
     def forward_tile(self, state: State, q_i, k_j, v_j, arrays: CallArrays, q_offset, kv_offset):
         """One online-softmax update of one head's state by one tile."""
+        block = self.forward_block(state, q_i, k_j, arrays, q_offset, kv_offset)
+        return self.add_block(state, block, v_j, arrays, q_offset, kv_offset)
+
+    def forward_block(self, state: State, q_i, k_j, arrays: CallArrays, q_offset, kv_offset):
+        """A tile's block of weights as one head's state meets it (:class:`Block`)."""
         scores, allowed = self.scores(q_i, k_j, arrays, q_offset, kv_offset)
+        normalizer = self.formula.normalizer
+        return normalizer.block(
+            state, scores, allowed, bias=arrays.sigmoid_bias, top_first=not self.fused
+        )
+
+    def add_block(self, state: State, block: Block, v_j, arrays: CallArrays, q_offset, kv_offset):
+        """One head's state after a tile's ``block`` of weights meets the values ``v_j``."""
         drop = self.drop_at(arrays, q_offset, kv_offset)
-        return self.formula.normalizer.update(
-            state,
-            scores,
-            allowed,
-            v_j,
-            precision=self.formula.precision,
-            drop=drop,
-            bias=arrays.sigmoid_bias,
-            top_first=not self.fused,
-            product=self._weighted,
+        return add(
+            state, block, v_j, precision=self.formula.precision, drop=drop, product=self._weighted
         )
 
     def _weighted(self, weights, value, precision=None):

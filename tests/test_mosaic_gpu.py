@@ -20,6 +20,9 @@
 JAX 0.11 and later (the kernel's Warpgroup semantics): skipped before.
 """
 
+import collections
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -1064,10 +1067,15 @@ def test_a_shared_latent_decoding_call_lowers_for_cuda_reading_the_latent_once(p
         return _latent_call(paged, pallas, q, latent, lengths, 512)[0]
 
     operands = []
-    assert len(mosaic_gpu_kernels(call, q, latent, operands=operands)) == 1
+    [kernel] = mosaic_gpu_kernels(call, q, latent, operands=operands)
     types = operands[0].split(", ")
     cache = "tensor<1024x16x1x576xbf16>" if paged else "tensor<2x2x4096x1x576xbf16>"
     assert [t for t in types if "bf16" in t] == ["tensor<2x128x1x576xbf16>", cache]
+    # The scores once, in the first consumer (576 / 16 steps of a 64 × 64 product, in each of
+    # a tile's bodies), the weights' product in both (64 / 16 steps of 64 × 256: each's half).
+    steps = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+)\.", kernel))
+    assert set(steps) == {"m64n64k16", "m64n256k16"}
+    assert steps["m64n64k16"] / 36 == steps["m64n256k16"] / (2 * 4)
 
 
 @pytest.mark.slow

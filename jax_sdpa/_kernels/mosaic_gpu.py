@@ -30,6 +30,7 @@ from jax_sdpa._kernels.warp_specialized import (
     MOSAIC_GPU,
     ROWS,
     STAGES,
+    InSmem,
     Program,
     Swept,
     head_blocks,
@@ -110,9 +111,12 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
 
     ``value`` a :class:`~jax_sdpa.LatentValues` (MLA's shared latent, FlashMLA's split): only
     the keys are copied, the values being each block's first features. A program is then
-    ``block_q`` rows that both consumers hold, each computing their scores and weights (the
-    same) and its half of the output's features, from its half of the values: a ``(block_q,
-    V)`` accumulator would not fit one warpgroup's registers.
+    ``block_q`` rows that both consumers hold, each computing its half of the output's
+    features, from its half of the values (a ``(block_q, V)`` accumulator would not fit one
+    warpgroup's registers); the first computes the block's scores and weights, once, and shares
+    them with the second through shared memory, with their rows' max, and its denominators at
+    the end (:func:`_lead`, :func:`_follow`: FlashMLA's split, the scores' product not made
+    twice).
     """
     tiles = plan.tiles
     block_q, block_kv = tiles.block_q, tiles.block_kv
@@ -125,11 +129,12 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
     def consumer(ins, outs, own, program: Program):
         q_ref = ins[0]
         out_ref, lse_ref, top_ref = outs
-        q_smem, o_smem, stats, loaded, staged, widened = own
+        q_smem, o_smem, stats, shared, loaded, staged, widened = own
         n, c, start = program.n, program.c, program.start
         rows = pl.ds(start, block_q)
         if latent:  # (one copy of the rows both hold, made by the first)
-            (q_smem,), (o_smem,) = q_smem  # (the output's in the queries' place, after them)
+            # (the output and its rows' statistics in the queries' place, after them)
+            (q_smem,), (o_smem, stats) = q_smem
             q, features = q_smem, pl.ds(c * part, part)
             pl.when(c == 0)(lambda: plgpu.copy_gmem_to_smem(q_ref.at[rows, n], q, loaded[0]))
             plgpu.barrier_wait(loaded[0])
@@ -148,17 +153,20 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
                 Quantized(x.values, read_along(x.scale)) if isinstance(x, Quantized) else x
                 for x in blocks
             )
-            v_j = k_j.at[:, features] if latent else v_j
-            return tiled.forward_tile(state, q, k_j, v_j, arrays, *at)
+            if not latent:
+                return tiled.forward_tile(state, q, k_j, v_j, arrays, *at)
+            if c == 0:  # (the scores and weights, computed once: FlashMLA's split)
+                return _lead(tiled, shared, state, q, k_j, k_j.at[:, features], arrays, at)
+            return _follow(tiled, shared, state, k_j.at[:, features], arrays, at)
 
+        if latent and c == 1:
+            plgpu.barrier_arrive(shared[-1])  # (no weights to be done with yet)
         state = program.sweep(program.run(init), tile)
+        if latent:  # (the first's denominators; the queries' place free once both are done)
+            state = _shared_denominators(state, shared, loaded[1], c)
         out, lse = tiles.formula.normalizer.finish(state, out_dtype)
-        # (the output may take the queries' place: they are read by now; a latent's, once both
-        # consumers are done with them)
+        # (the output may take the queries' place: they are read by now)
         o = (q_smem if o_smem is None else o_smem).at[c]
-        if latent:
-            plgpu.barrier_arrive(loaded[1])
-            plgpu.barrier_wait(loaded[1])
         rows_stats = [
             (lse, stats.at[0, c], lse_ref.at[n, rows]),
             (online_softmax.top_scores(state), stats.at[1, c], top_ref.at[n, rows]),
@@ -169,17 +177,28 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
             pl.when(c == 0)(lambda: store(rows_stats))
 
     stats = jax.ShapeDtypeStruct((heads, seq_q), jnp.float32)
+    rows_stats = plgpu.SMEM((2, CONSUMERS, block_q), jnp.float32)  # (the rows' lse and top)
     own = (
         plgpu.RefUnion(
             (plgpu.SMEM((block_q, width), query.dtype),),
-            (plgpu.SMEM((CONSUMERS, block_q, part), out_dtype),),
+            (plgpu.SMEM((CONSUMERS, block_q, part), out_dtype), rows_stats),
         )
         if latent
         else plgpu.SMEM((CONSUMERS, block_q, width), query.dtype),
         None
         if latent or (value_width, out_dtype) == (width, query.dtype)
         else plgpu.SMEM((CONSUMERS, block_q, value_width), out_dtype),
-        plgpu.SMEM((2, CONSUMERS, block_q), jnp.float32),
+        None if latent else rows_stats,
+        # (a latent's: a block's weights and rows' max, shared; ready, and done with; beside
+        # the queries, the small buffers after them: each swizzled one aligned to 1 KiB)
+        (
+            plgpu.SMEM((block_q, block_kv), query.dtype),
+            plgpu.SMEM((block_q,), jnp.float32),
+            plgpu.Barrier(),
+            plgpu.Barrier(),
+        )
+        if latent
+        else None,
         # (a latent's: its queries copied, then both consumers done with them)
         (plgpu.Barrier(), plgpu.Barrier(num_arrivals=CONSUMERS))
         if latent
@@ -214,10 +233,52 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
     inputs = (query, *caches) if table is None else (query, *caches, table)
     pieces = 1 if table is None else max(1, block_kv // key.shape[1])
     swept = Swept(slots, sources, STAGES, masked, pieces)
+    # (A latent's kernel: 1 KiB of the 2 KiB Mosaic GPU reserves for reductions across warps,
+    # which a tile's rows make none of, to fit the shared weights' rows' max.)
+    split = dict(split=True, reduction_scratch=1024) if latent else {}
     out, lse, top = warp_specialized(
-        plan, "kv", block_q, inputs, shared, out_type, own, swept, consumer, split=latent
+        plan, "kv", block_q, inputs, shared, out_type, own, swept, consumer, **split
     )
     return out, lse.T, top.T
+
+
+def _lead(tiled, shared, state, q, k_j, v_j, arrays, at):
+    """A shared latent's tile in the first consumer: the block's weights, shared; its part."""
+    weights, row_max, ready, done = shared
+    block = tiled.forward_block(state, q, k_j, arrays, *at)
+    plgpu.barrier_wait(done)  # (the other consumer is done with the last block's)
+    weights[...] = block.weights.astype(weights.dtype)
+    row_max[...] = block.row_max
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(ready)
+    return tiled.add_block(state, block, v_j, arrays, *at)  # (its own from registers)
+
+
+def _follow(tiled, shared, state, v_j, arrays, at):
+    """A shared latent's tile in the second consumer: the first's weights, for its part.
+
+    Its denominators are not its own (the weights' sums, which the first consumer has:
+    :func:`_shared_denominators`), nor its largest scores (which it does not store).
+    """
+    weights, row_max, ready, done = shared
+    plgpu.barrier_wait(ready)
+    block = online_softmax.Block(
+        read_along(row_max, 0), InSmem(weights), jnp.zeros_like(state.denom), state.top
+    )
+    state = tiled.add_block(state, block, v_j, arrays, *at)
+    plgpu.barrier_arrive(done)
+    return state
+
+
+def _shared_denominators(state, shared, both, c: int):
+    """A shared latent's consumers' states with the first's denominators; both then done."""
+    _, row_max, _, done = shared
+    if c == 0:
+        plgpu.barrier_wait(done)  # (the other's last block)
+        row_max[...] = state.denom
+    plgpu.barrier_arrive(both)
+    plgpu.barrier_wait(both)
+    return state if c == 0 else state._replace(denom=read_along(row_max, 0))
 
 
 def _blocks(ref, size: int, head, table, scale: bool):

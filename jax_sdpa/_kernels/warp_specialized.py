@@ -124,13 +124,24 @@ def in_memory_backend(plan: Plan) -> Backend:
     return Backend(lambda tunables: None, rules=table(atomics.rules(simulated(plan)), *_RULES))
 
 
+@dataclasses.dataclass(frozen=True)
+class InSmem:
+    """A tile already in shared memory (``ref``, in the product's dtype), read there by ``wgmma``.
+
+    (Weights a consumer shares with the other: :func:`~jax_sdpa._kernels.mosaic_gpu.forward`.)
+    """
+
+    ref: object
+
+
 def product(staging, simulated: bool, widened=None):
     """The tiles' :func:`~jax_sdpa._steps.cast_product` as ``wgmma``.
 
     ``td,sd->ts`` (the raw scores ``q · kᵀ``, the weights' gradient ``dO · vᵀ``) of two refs in
     shared memory; ``ts,sd->td`` (``p · v``, ``dS · k``) of a tile (an array) and a ref, the
     tile from registers, or through ``staging`` (shared memory) under the simulator
-    (``simulated``), which has no ``wgmma`` from registers; ``ts,td->sd`` (``Pᵀ · dO``,
+    (``simulated``), which has no ``wgmma`` from registers, or where it is (:class:`InSmem`);
+    ``ts,td->sd`` (``Pᵀ · dO``,
     ``dSᵀ · q``) of a tile and a ref, the tile through ``staging``, read transposed. A ref of
     8-bit numbers (a quantized cache's block) is first widened to ``dtype``, into shared memory:
     ``widened[spec]``, the product's own.
@@ -155,8 +166,11 @@ def product(staging, simulated: bool, widened=None):
         if spec == "td,sd->ts":
             shape, b = (a.shape[0], b.shape[0]), b.transpose((1, 0))
         elif spec == "ts,sd->td":
+            if isinstance(a, InSmem):
+                a = a.ref
+            else:
+                a = stage(a, b.dtype) if simulated else a.astype(b.dtype)
             shape = (a.shape[0], b.shape[1])
-            a = stage(a, b.dtype) if simulated else a.astype(b.dtype)
         else:  # "ts,td->sd"
             shape, a = (a.shape[1], b.shape[1]), stage(a, b.dtype).transpose((1, 0))
 
@@ -298,7 +312,7 @@ class Program:
     plan: Plan
     axis: str
     n: jax.Array  # the query head
-    c: jax.Array  # the consumer
+    c: jax.Array | int  # the consumer (an int in a split program: :func:`warp_specialized`)
     start: jax.Array
     shared: Shared  # refs
     steps: Steps
@@ -357,16 +371,19 @@ def warp_specialized(
     consumer,
     split=False,
     backend=MOSAIC_GPU,
+    reduction_scratch=None,
 ):
     """A warp-specialized kernel: program ``(n, m)`` a producer and :data:`CONSUMERS` consumers.
 
     Each consumer holds ``held`` positions of the axis that is not ``axis``, the program
     ``CONSUMERS · held`` of them (or, ``split``, the same ``held`` for all: each computes a
-    part of their output), and sweeps the ``axis`` blocks its positions may meet; the
-    producer copies the blocks any of them may meet into its ring (:class:`Swept`). ``own``: the
-    consumers' scratch (shared-memory types). ``consumer(inputs, outputs, own, program)`` runs
-    in each consumer (refs; :class:`Program`). ``inputs``: arrays, the queries first,
-    ``(T, N, ·)``. ``backend``: the rules its programs' bodies are read with.
+    part of their output, and ``program.c`` is a Python int), and sweeps the ``axis`` blocks
+    its positions may meet; the producer copies the blocks any of them may meet into its ring
+    (:class:`Swept`). ``own``: the consumers' scratch (shared-memory types).
+    ``consumer(inputs, outputs, own, program)`` runs in each consumer (refs; :class:`Program`).
+    ``inputs``: arrays, the queries first, ``(T, N, ·)``. ``backend``: the rules its programs'
+    bodies are read with. ``reduction_scratch``: the shared memory's bytes Mosaic GPU reserves
+    for reductions across warps (by default its own 2 KiB).
     """
     plan = dataclasses.replace(plan, backend=backend)
     interpret = plan.tunables.interpret or None
@@ -401,11 +418,16 @@ def warp_specialized(
             plgpu.set_max_registers(40, action="decrease")
             ring.produce(swept.sources(ins, n), steps.lo, steps.hi, steps.block)
 
-        @pl.when(c < CONSUMERS)
-        def _consumer():
+        def run_consumer(c):
             plgpu.set_max_registers(232, action="increase")
             program = Program(plan, axis, n, c, start, shared_refs, steps, ring)
             consumer(ins, outs, own_refs, program)
+
+        if split:  # (each consumer its own code: which one it is, a Python int)
+            for each in range(CONSUMERS):
+                pl.when(c == each)(functools.partial(run_consumer, each))
+        else:
+            pl.when(c < CONSUMERS)(functools.partial(run_consumer, c))
 
     scratch = (
         own,
@@ -425,7 +447,11 @@ def warp_specialized(
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+            approx_math=True,
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+            **(
+                {} if reduction_scratch is None else dict(reduction_scratch_bytes=reduction_scratch)
+            ),
         ),
         interpret=interpret,
     )(*inputs, *leaves)
