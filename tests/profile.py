@@ -15,7 +15,7 @@ import os
 # data drawn for each (a structure is compiled once: its draws reuse the program).
 PROFILES = {
     "quick": dict(vmapped=2, ranges=8, rows=5, structures=1, draws=2),
-    "ci": dict(vmapped=3, ranges=10, rows=8, structures=3, draws=4),
+    "ci": dict(vmapped=3, ranges=10, rows=8, structures=2, draws=4),
     "thorough": dict(vmapped=100, ranges=1000, rows=500, structures=200, draws=10),
 }
 X64 = os.environ.get("JAX_SDPA_X64", "0") == "1"
