@@ -102,7 +102,7 @@ def test_the_forward_kernel_on_the_gpu_simulator_is_the_reference(case, seq, wid
 def test_the_kernels_run_with_x64_on():
     # Under jax_enable_x64 a Python int is an int64: the ring's slot keeps its steps' dtype.
     # (In a process of its own, x64 on from its start, as users set it.)
-    node = "test_the_forward_kernel_on_the_gpu_simulator_is_the_reference and 128-64-causal"
+    node = "test_the_forward_kernel_on_the_gpu_simulator_is_the_reference and causal-128-64"
     run_pytest("tests/test_mosaic_gpu.py", "-k", node, env={"JAX_SDPA_X64": "1"})
 
 
