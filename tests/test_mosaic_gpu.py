@@ -581,6 +581,30 @@ def test_arrays_read_along_positions_lower_for_cuda(case):
     assert adds == (case not in NO_FLOAT_GRADIENT)
 
 
+def test_arrays_read_at_the_same_positions_combine_as_vectors():
+    # ``a[kv_idx] * b[kv_idx]``: the two vectors multiplied as they are read, along the keys
+    # (before, as (1, 64) arrays, which Mosaic GPU lays out no way: its layout inference failed).
+    def score_mod(s, b, h, i, j):
+        return s + (jnp.asarray(BIAS)[j] * jnp.asarray(KEEP)[j]).astype(s.dtype)
+
+    q, k, v = qkv(np.random.default_rng(8), 2, 200, 200, 2, 1, 64, dtype=jnp.bfloat16)
+    out = js.dot_product_attention(q, k, v, score_mod=score_mod, implementation=_simulated())
+    want = ref.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + BIAS[j] * KEEP[j])["out"]
+    assert ref.rel_err(out, want) < 2e-2
+    from tests.lowering import mosaic_gpu_kernels
+
+    pallas = js.Pallas(backend="mosaic_gpu")
+
+    def loss(q, k, v):
+        out = js.dot_product_attention(q, k, v, score_mod=score_mod, implementation=pallas)
+        return out.astype(jnp.float32).sum()
+
+    assert len(mosaic_gpu_kernels(loss, q, k, v)) == 1
+    # (the forward's and the queries' kernels; the keys', which would sum the arrays' gradients
+    # times each other's values, is still the Triton programs')
+    assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)) == 2
+
+
 CLASSES, IDS = jnp.zeros((7, 5)), jnp.arange(256) % 3
 
 

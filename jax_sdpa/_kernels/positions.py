@@ -61,6 +61,13 @@ class Run(Lazy):
         run = self.start + iota
         return run if self.wrap is None else jnp.where(run < 0, run + self.wrap, run)
 
+    def same(self, other: "Run") -> bool:
+        """Whether ``other`` is this run: the same traced base, and the rest equal."""
+        fields = ("shift", "shape", "axis", "wrap")
+        return other.base is self.base and all(
+            getattr(other, f) == getattr(self, f) for f in fields
+        )
+
     def reshaped(self, shape: tuple) -> "Run | None":
         """The run as ``shape`` (axes of 1 added or dropped), or None if that is not all."""
         if math.prod(shape) != self.size or self.size not in shape:
@@ -189,8 +196,14 @@ class Window(Pending):
         return self.run.shape
 
     def values(self, vectors: Vectors | None = None):
-        """The values as a vector (in ``vectors``' layout if given), ``ops`` applied."""
-        return self.applied(read_run(self.part, self.run, self.params, vectors))
+        """The values as a vector (in ``vectors``' layout if given), ``ops`` applied.
+
+        (Each op is ``op(values, vectors)``: an op that reads other windows reads them so.)
+        """
+        values = read_run(self.part, self.run, self.params, vectors)
+        for op in self.ops:
+            values = op(values, vectors)
+        return values
 
     def read(self):
         return self.values().reshape(self.shape)
@@ -409,14 +422,22 @@ def tile_positions(laid_out, along) -> dict:
         return Compared(eqn, tuple(operands)) if single and not wrap else None
 
     def of_a_window(eqn, operands):
-        """A window and scalars (``ids == 0``, ``ids.astype(f32)``): the operation kept for it."""
+        """Windows at one run and scalars (``ids == 0``, ``a[kv_idx] * b[kv_idx]``).
+
+        The operation kept for the first window, the others read at its positions.
+        """
         window = next((x for x in operands if isinstance(x, Window)), None)
-        if window is None or not all(x is window or is_scalar(x) for x in operands):
+        at_its_run = lambda x: isinstance(x, Window) and x.run.same(window.run)  # noqa: E731
+        if window is None or not all(at_its_run(x) or is_scalar(x) for x in operands):
             return None
 
-        def operation(values):
+        def operation(values, vectors):
             def operand(x):
-                return values if x is window else jnp.broadcast_to(_scalar(x), values.shape)
+                if x is window:
+                    return values
+                if isinstance(x, Window):
+                    return x.values(vectors)
+                return jnp.broadcast_to(_scalar(x), values.shape)
 
             return bind(eqn, [operand(x) for x in operands])
 

@@ -213,7 +213,10 @@ def _gather(operand: Unread, indices, params, laid_out=None):
         def filled(x):
             return jnp.where(inside, x, fill_value(params["fill_value"], x.dtype))
 
-        value = value.then(filled) if isinstance(value, Window) else filled(value)
+        if isinstance(value, Window):
+            value = value.then(lambda x, vectors: filled(x))
+        else:
+            value = filled(value)
     if isinstance(value, Window):  # (kept unread: a backend may read it where it meets a tile)
         return value.reshaped(value.shape + (1,) * ones)
     return Expanded(value, ones)
