@@ -339,6 +339,14 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32),
         lambda t, score, b, h, i, j: jnp.where(i >= j, score + t[i - j + 150], score),
     ),
+    "a bias per key through tanh": (  # (the sums times 1 − tanh², read at the keys)
+        jnp.linspace(-1.0, 1.0, 128, dtype=jnp.float32),
+        lambda t, score, b, h, i, j: score + jnp.tanh(t[j]),
+    ),
+    "a bias per key squared": (  # (the sums times 2 t, read at the keys)
+        jnp.linspace(-1.0, 1.0, 128, dtype=jnp.float32),
+        lambda t, score, b, h, i, j: score + t[j] * t[j],
+    ),
     "slopes and a relative table": (  # (one point and many, all added into memory)
         (jnp.array([0.1, 0.2, 0.05, 0.3]), jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32)),
         lambda t, score, b, h, i, j: (
@@ -351,6 +359,8 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
 AT_POINTS = {
     "a relative table",
     "a bias per key",
+    "a bias per key through tanh",
+    "a bias per key squared",
     "a bfloat16 bias per key, doubled",
     "a temperature per query, wrapped",
     "a relative table where i >= j",
@@ -600,9 +610,7 @@ def test_arrays_read_at_the_same_positions_combine_as_vectors():
         return out.astype(jnp.float32).sum()
 
     assert len(mosaic_gpu_kernels(loss, q, k, v)) == 1
-    # (the forward's and the queries' kernels; the keys', which would sum the arrays' gradients
-    # times each other's values, is still the Triton programs')
-    assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)) == 2
+    assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)) == 3
 
 
 CLASSES, IDS = jnp.zeros((7, 5)), jnp.arange(256) % 3

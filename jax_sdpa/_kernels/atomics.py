@@ -29,7 +29,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import llvm, vector
 
 from jax_sdpa._indices import INDEX
-from jax_sdpa._kernels.positions import Run
+from jax_sdpa._kernels.positions import Run, Window
 from jax_sdpa._kernels.scatters import Scatter, one_entry, scatter_add
 from jax_sdpa._kernels.values import Expanded, Lazy, Pending, value
 
@@ -221,13 +221,27 @@ def _reduce(pointer, entries) -> None:
         )
 
 
-def rules(simulated: bool) -> dict:
+def rules(simulated: bool, along) -> dict:
     """The rule of ``plgpu.atomic_add(ref, value)``: ``value``'s parts added at their points.
 
     On a GPU (``simulated`` False) by :func:`add_at`; on the simulator read, added and written
     back (``ref`` is the adding consumer's own). Both refuse what :func:`_parts` refuses. With
-    them the rules that keep a tile's sums along one axis :class:`Folded` to their scatter.
+    them the rules that keep a tile's sums along one axis :class:`Folded` to their scatter;
+    ``along(axis)``: the backend's vectors along a tile's axis, in which a window that
+    multiplies the sums is read.
     """
+
+    def times_window(eqn, operands):
+        """A :class:`Folded`'s sums times a window at their positions, read in their layout.
+
+        (The gradient through a function of an array read along one axis:
+        ``jnp.tanh(bias[kv_idx])``'s is the sums times ``1 − tanh²``.)
+        """
+        folded, window = operands if isinstance(operands[0], Folded) else operands[::-1]
+        if not isinstance(folded, Folded) or not isinstance(window, Window):
+            return None
+        vectors = along(1 - folded.axis)
+        return folded.then(lambda sums: sums * window.values(vectors).reshape(sums.shape))
 
     def atomic_add(eqn, operands):
         tree = eqn.params["args_tree"]
@@ -245,7 +259,7 @@ def rules(simulated: bool) -> dict:
     return {
         "mgpu_atomic_store": (atomic_add,),
         "reduce_sum": (_folded,),
-        "mul": (_with_scalars, _scalar_first),
+        "mul": (_with_scalars, _scalar_first, times_window),
         "div": (_with_scalars,),
         "neg": (_with_scalars,),
         "convert_element_type": (_with_scalars,),

@@ -446,7 +446,8 @@ def tile_positions(laid_out, along) -> dict:
     comparisons = ("eq", "ne", "lt", "le", "gt", "ge")
     binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor")
     unary = ("convert_element_type", "neg", "not", "abs", "sign", "floor", "ceil", "integer_pow")
-    unary += ("exp", "exp2", "log", "log1p", "sqrt", "rsqrt", "tanh", "logistic")
+    unary += ("exp", "exp2", "log", "log1p", "sqrt", "rsqrt", "tanh", "logistic", "square")
+    unary += ("one_minus_square",)  # (tanh's derivative, from JAX 0.12)
     return {
         "broadcast_in_dim": (tiled,),
         **{name: (elementwise, of_a_window) for name in binary},

@@ -121,7 +121,8 @@ MOSAIC_GPU = Backend(lambda tunables: None, rules=table({"scatter-add": (_one_po
 
 def in_memory_backend(plan: Plan) -> Backend:
     """Its rules where gradients are added into memory at their points (:mod:`.atomics`)."""
-    return Backend(lambda tunables: None, rules=table(atomics.rules(simulated(plan)), *_RULES))
+    rules = atomics.rules(simulated(plan), _along)
+    return Backend(lambda tunables: None, rules=table(rules, *_RULES))
 
 
 @dataclasses.dataclass(frozen=True)
