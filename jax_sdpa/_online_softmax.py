@@ -127,7 +127,10 @@ def add(
     them, :func:`~jax_sdpa._steps.weighted_sum` or the same sum formed otherwise (``value`` is
     what ``product`` reads: an array, or a :class:`~jax_sdpa.Quantized` cache).
     """
-    denom, acc = _shifted(state, block.row_max)
+    if block.row_max is state.row_max:  # (the sigmoid's: no shift)
+        denom, acc = state.denom, state.acc
+    else:
+        denom, acc = _shifted(state, block.row_max)
     weighted = product(drop(block.weights), value, precision=precision)
     return State(block.row_max, denom + block.total, acc + weighted, block.top)
 

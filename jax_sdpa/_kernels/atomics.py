@@ -103,7 +103,8 @@ class Folded(Pending):
     The gradient of an array read along the tile's other axis, kept as the tile so that its
     scatter (:func:`_scatter_along`) knows that axis, which its points lie along. ``ops``:
     elementwise operations of the sums with scalars on the way (``2 * bias[kv_idx]``'s
-    product, a cast to a bfloat16 bias's dtype).
+    product, a cast to a bfloat16 bias's dtype), or with a window at their positions (a
+    function's derivative: ``rules``' ``times_window``).
     """
 
     tile: Any

@@ -129,7 +129,7 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
     def consumer(ins, outs, own, program: Program):
         q_ref = ins[0]
         out_ref, lse_ref, top_ref = outs
-        q_smem, o_smem, stats, shared, loaded, staged, widened = own
+        q_smem, o_smem, stats, handoff, loaded, staged, widened = own
         n, c, start = program.n, program.c, program.start
         rows = pl.ds(start, block_q)
         if latent:  # (one copy of the rows both hold, made by the first)
@@ -156,14 +156,14 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
             if not latent:
                 return tiled.forward_tile(state, q, k_j, v_j, arrays, *at)
             if c == 0:  # (the scores and weights, computed once: FlashMLA's split)
-                return _lead(tiled, shared, state, q, k_j, k_j.at[:, features], arrays, at)
-            return _follow(tiled, shared, state, k_j.at[:, features], arrays, at)
+                return _lead(tiled, handoff, state, q, k_j, k_j.at[:, features], arrays, at)
+            return _follow(tiled, handoff, state, k_j.at[:, features], arrays, at)
 
         if latent and c == 1:
-            plgpu.barrier_arrive(shared[-1])  # (no weights to be done with yet)
+            plgpu.barrier_arrive(handoff[-1])  # (no weights to be done with yet)
         state = program.sweep(program.run(init), tile)
         if latent:  # (the first's denominators; the queries' place free once both are done)
-            state = _shared_denominators(state, shared, loaded[1], c)
+            state = _shared_denominators(state, handoff, loaded[1], c)
         out, lse = tiles.formula.normalizer.finish(state, out_dtype)
         # (the output may take the queries' place: they are read by now)
         o = (q_smem if o_smem is None else o_smem).at[c]
@@ -234,7 +234,8 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
     pieces = 1 if table is None else max(1, block_kv // key.shape[1])
     swept = Swept(slots, sources, STAGES, masked, pieces)
     # (A latent's kernel: 1 KiB of the 2 KiB Mosaic GPU reserves for reductions across warps,
-    # which a tile's rows make none of, to fit the shared weights' rows' max.)
+    # to fit the shared weights' rows' max: a tile's rows reduce within warps, and a whole
+    # tile to a scalar takes at most 1 KiB.)
     split = dict(split=True, reduction_scratch=1024) if latent else {}
     out, lse, top = warp_specialized(
         plan, "kv", block_q, inputs, shared, out_type, own, swept, consumer, **split
@@ -242,9 +243,9 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
     return out, lse.T, top.T
 
 
-def _lead(tiled, shared, state, q, k_j, v_j, arrays, at):
+def _lead(tiled, handoff, state, q, k_j, v_j, arrays, at):
     """A shared latent's tile in the first consumer: the block's weights, shared; its part."""
-    weights, row_max, ready, done = shared
+    weights, row_max, ready, done = handoff
     block = tiled.forward_block(state, q, k_j, arrays, *at)
     plgpu.barrier_wait(done)  # (the other consumer is done with the last block's)
     weights[...] = block.weights.astype(weights.dtype)
@@ -254,13 +255,13 @@ def _lead(tiled, shared, state, q, k_j, v_j, arrays, at):
     return tiled.add_block(state, block, v_j, arrays, *at)  # (its own from registers)
 
 
-def _follow(tiled, shared, state, v_j, arrays, at):
+def _follow(tiled, handoff, state, v_j, arrays, at):
     """A shared latent's tile in the second consumer: the first's weights, for its part.
 
     Its denominators are not its own (the weights' sums, which the first consumer has:
     :func:`_shared_denominators`), nor its largest scores (which it does not store).
     """
-    weights, row_max, ready, done = shared
+    weights, row_max, ready, done = handoff
     plgpu.barrier_wait(ready)
     block = online_softmax.Block(
         read_along(row_max, 0), InSmem(weights), jnp.zeros_like(state.denom), state.top
@@ -270,9 +271,9 @@ def _follow(tiled, shared, state, v_j, arrays, at):
     return state
 
 
-def _shared_denominators(state, shared, both, c: int):
+def _shared_denominators(state, handoff, both, c: int):
     """A shared latent's consumers' states with the first's denominators; both then done."""
-    _, row_max, _, done = shared
+    _, row_max, _, done = handoff
     if c == 0:
         plgpu.barrier_wait(done)  # (the other's last block)
         row_max[...] = state.denom

@@ -182,8 +182,8 @@ class Window(Pending):
 
     ``params``: the gather's (its mode and fill). Read whole where the program needs it; a
     backend whose tiles' axes have their own layouts reads it where it meets a tile, along the
-    axis it lies on (:func:`tile_positions`), the elementwise ``ops`` (with scalars) on the
-    way kept until then.
+    axis it lies on (:func:`tile_positions`), the elementwise ``ops`` (with scalars, or other
+    windows at the same run) on the way kept until then.
     """
 
     part: Unread
@@ -200,7 +200,10 @@ class Window(Pending):
 
         (Each op is ``op(values, vectors)``: an op that reads other windows reads them so.)
         """
-        values = read_run(self.part, self.run, self.params, vectors)
+        return self.applied(read_run(self.part, self.run, self.params, vectors), vectors)
+
+    def applied(self, values, vectors: Vectors | None = None):
+        """``values`` with ``ops`` applied, each ``op(values, vectors)``."""
         for op in self.ops:
             values = op(values, vectors)
         return values
