@@ -127,10 +127,7 @@ def add(
     them, :func:`~jax_sdpa._steps.weighted_sum` or the same sum formed otherwise (``value`` is
     what ``product`` reads: an array, or a :class:`~jax_sdpa.Quantized` cache).
     """
-    if block.row_max is state.row_max:  # (the sigmoid's: no shift)
-        denom, acc = state.denom, state.acc
-    else:
-        denom, acc = _shifted(state, block.row_max)
+    denom, acc = _shifted(state, block.row_max)
     weighted = product(drop(block.weights), value, precision=precision)
     return State(block.row_max, denom + block.total, acc + weighted, block.top)
 
@@ -310,7 +307,12 @@ Normalization = Softmax | Sigmoid
 
 
 def _shifted(state: State, row_max: Array) -> tuple[Array, Array]:
-    r"""The denominator and output of ``state`` re-based on a larger max: :math:`e^{m - m'}`."""
+    r"""The denominator and output of ``state`` re-based on a larger max: :math:`e^{m - m'}`.
+
+    As they are where the max is the state's own (the sigmoid's, which keeps none).
+    """
+    if row_max is state.row_max:
+        return state.denom, state.acc
     correction = jnp.exp(state.row_max - row_max)
     return correction * state.denom, correction[..., None] * state.acc
 

@@ -594,6 +594,8 @@ def test_arrays_read_along_positions_lower_for_cuda(case):
 def test_arrays_read_at_the_same_positions_combine_as_vectors():
     # ``a[kv_idx] * b[kv_idx]``: the two vectors multiplied as they are read, along the keys
     # (before, as (1, 64) arrays, which Mosaic GPU lays out no way: its layout inference failed).
+    from tests.lowering import mosaic_gpu_kernels
+
     def score_mod(s, b, h, i, j):
         return s + (jnp.asarray(BIAS)[j] * jnp.asarray(KEEP)[j]).astype(s.dtype)
 
@@ -601,8 +603,6 @@ def test_arrays_read_at_the_same_positions_combine_as_vectors():
     out = js.dot_product_attention(q, k, v, score_mod=score_mod, implementation=_simulated())
     want = ref.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + BIAS[j] * KEEP[j])["out"]
     assert ref.rel_err(out, want) < 2e-2
-    from tests.lowering import mosaic_gpu_kernels
-
     pallas = js.Pallas(backend="mosaic_gpu")
 
     def loss(q, k, v):

@@ -372,7 +372,7 @@ def warp_specialized(
     consumer,
     split=False,
     backend=MOSAIC_GPU,
-    reduction_scratch=None,
+    reduction_scratch=plgpu.CompilerParams.reduction_scratch_bytes,
 ):
     """A warp-specialized kernel: program ``(n, m)`` a producer and :data:`CONSUMERS` consumers.
 
@@ -384,7 +384,7 @@ def warp_specialized(
     ``consumer(inputs, outputs, own, program)`` runs in each consumer (refs; :class:`Program`).
     ``inputs``: arrays, the queries first, ``(T, N, ·)``. ``backend``: the rules its programs'
     bodies are read with. ``reduction_scratch``: the shared memory's bytes Mosaic GPU reserves
-    for reductions across warps (by default its own 2 KiB).
+    for reductions across warps (by default its own).
     """
     plan = dataclasses.replace(plan, backend=backend)
     interpret = plan.tunables.interpret or None
@@ -450,9 +450,7 @@ def warp_specialized(
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-            **(
-                {} if reduction_scratch is None else dict(reduction_scratch_bytes=reduction_scratch)
-            ),
+            reduction_scratch_bytes=reduction_scratch,
         ),
         interpret=interpret,
     )(*inputs, *leaves)
