@@ -79,8 +79,31 @@ def rng():
 LONGEST = ("test_ring.py", "test_docs.py", "test_multihost.py")
 
 
-def pytest_collection_modifyitems(items):
-    """The end-to-end tests first, the longest of them first (the rest in their own order)."""
+def pytest_addoption(parser):
+    parser.addoption(
+        "--each-choice",
+        action="store_true",
+        help="of a parametrized test, only the cases that take a value of a parameter no case "
+        "before took: each value once, not every combination (CI's x64 pass)",
+    )
+
+
+@pytest.hookimpl(trylast=True)  # (after -m and -k have deselected)
+def pytest_collection_modifyitems(config, items):
+    """The end-to-end tests first, the longest of them first (the rest in their own order);
+    under ``--each-choice``, of each parametrized test the cases that bring a new value."""
+    if config.getoption("each_choice"):
+        taken, kept, left = set(), [], []
+        for item in items:
+            spec = getattr(item, "callspec", None)
+            values = {
+                (item.originalname, item.path, name, repr(value))
+                for name, value in (spec.params.items() if spec else [])
+            }
+            (kept if spec is None or values - taken else left).append(item)
+            taken |= values
+        items[:] = kept
+        config.hook.pytest_deselected(items=left)
 
     def rank(item):
         name = item.path.name
