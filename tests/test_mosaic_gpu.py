@@ -347,6 +347,18 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         jnp.linspace(-1.0, 1.0, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score + t[j] * t[j],
     ),
+    "a bias per key read once, squared": (  # (two products of the sums, added: add_any)
+        jnp.linspace(-1.0, 1.0, 128, dtype=jnp.float32),
+        lambda t, score, b, h, i, j: (lambda w: score + w * w)(t[j]),
+    ),
+    "a bias per key through log": (  # (the sums divided by the bias, read at the keys)
+        jnp.linspace(0.5, 2.0, 128, dtype=jnp.float32),
+        lambda t, score, b, h, i, j: score + jnp.log(t[j]),
+    ),
+    "a bias per key through sqrt": (  # (the sums times 0.5 / sqrt, read at the keys)
+        jnp.linspace(0.5, 2.0, 128, dtype=jnp.float32),
+        lambda t, score, b, h, i, j: score + jnp.sqrt(t[j]),
+    ),
     "slopes and a relative table": (  # (one point and many, all added into memory)
         (jnp.array([0.1, 0.2, 0.05, 0.3]), jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32)),
         lambda t, score, b, h, i, j: (
@@ -361,6 +373,9 @@ AT_POINTS = {
     "a bias per key",
     "a bias per key through tanh",
     "a bias per key squared",
+    "a bias per key read once, squared",
+    "a bias per key through log",
+    "a bias per key through sqrt",
     "a bfloat16 bias per key, doubled",
     "a temperature per query, wrapped",
     "a relative table where i >= j",

@@ -104,7 +104,7 @@ class Folded(Pending):
     scatter (:func:`_scatter_along`) knows that axis, which its points lie along. ``ops``:
     elementwise operations of the sums with scalars on the way (``2 * bias[kv_idx]``'s
     product, a cast to a bfloat16 bias's dtype), or with a window at their positions (a
-    function's derivative: ``rules``' ``times_window``).
+    function's derivative: ``rules``' ``by_window``).
     """
 
     tile: Any
@@ -152,6 +152,18 @@ def _with_scalars(eqn, operands):
 def _scalar_first(eqn, operands):
     """A product of a scalar and a :class:`Folded`, kept in its ``ops``."""
     return _with_scalars(eqn, operands[::-1]) if len(operands) == 2 else None
+
+
+def _added(eqn, operands):
+    """Two :class:`Folded` of one tile's sums added: the sums once, each's ``ops`` on them.
+
+    (``w = bias[kv_idx]; s + w * w``: the cotangents of the two factors, ``add_any``.)
+    """
+    a, b = operands
+    same = lambda: a.tile is b.tile and (a.axis, a.shape) == (b.axis, b.shape)  # noqa: E731
+    if not (isinstance(a, Folded) and isinstance(b, Folded) and same()):
+        return None
+    return dataclasses.replace(a, ops=(lambda sums: a.applied(sums) + b.applied(sums),))
 
 
 def _scatter_along(eqn, operands):
@@ -232,17 +244,21 @@ def rules(simulated: bool, along) -> dict:
     multiplies the sums is read.
     """
 
-    def times_window(eqn, operands):
-        """A :class:`Folded`'s sums times a window at their positions, read in their layout.
+    def by_window(eqn, operands):
+        """A :class:`Folded`'s sums times, or over, a window at their positions, as they lie.
 
         (The gradient through a function of an array read along one axis:
-        ``jnp.tanh(bias[kv_idx])``'s is the sums times ``1 − tanh²``.)
+        ``jnp.tanh(bias[kv_idx])``'s is the sums times ``1 − tanh²``, ``jnp.log``'s the sums
+        divided by the array.)
         """
         folded, window = operands if isinstance(operands[0], Folded) else operands[::-1]
         if not isinstance(folded, Folded) or not isinstance(window, Window):
             return None
+        if eqn.primitive.name == "div" and folded is not operands[0]:
+            return None  # (a window divided by sums: not a sum of the tile's)
         vectors = along(1 - folded.axis)
-        return folded.then(lambda sums: sums * window.values(vectors).reshape(sums.shape))
+        at = lambda sums: window.values(vectors).reshape(sums.shape)  # noqa: E731
+        return folded.then(lambda sums: eqn.primitive.bind(sums, at(sums), **eqn.params))
 
     def atomic_add(eqn, operands):
         tree = eqn.params["args_tree"]
@@ -260,8 +276,9 @@ def rules(simulated: bool, along) -> dict:
     return {
         "mgpu_atomic_store": (atomic_add,),
         "reduce_sum": (_folded,),
-        "mul": (_with_scalars, _scalar_first, times_window),
-        "div": (_with_scalars,),
+        "add_any": (_added,),
+        "mul": (_with_scalars, _scalar_first, by_window),
+        "div": (_with_scalars, by_window),
         "neg": (_with_scalars,),
         "convert_element_type": (_with_scalars,),
         "reshape": (_refolded,),
