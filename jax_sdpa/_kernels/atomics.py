@@ -104,7 +104,8 @@ class Folded(Pending):
     scatter (:func:`_scatter_along`) knows that axis, which its points lie along. ``ops``:
     elementwise operations of the sums with scalars on the way (``2 * bias[kv_idx]``'s
     product, a cast to a bfloat16 bias's dtype), or with a window at their positions (a
-    function's derivative: ``rules``' ``by_window``).
+    function's derivative: ``rules``' ``by_window``), or two such chains' results added
+    (``_added``).
     """
 
     tile: Any
@@ -160,8 +161,9 @@ def _added(eqn, operands):
     (``w = bias[kv_idx]; s + w * w``: the cotangents of the two factors, ``add_any``.)
     """
     a, b = operands
-    same = lambda: a.tile is b.tile and (a.axis, a.shape) == (b.axis, b.shape)  # noqa: E731
-    if not (isinstance(a, Folded) and isinstance(b, Folded) and same()):
+    if not (isinstance(a, Folded) and isinstance(b, Folded)):
+        return None
+    if a.tile is not b.tile or a.axis != b.axis:
         return None
     return dataclasses.replace(a, ops=(lambda sums: a.applied(sums) + b.applied(sums),))
 
@@ -241,7 +243,7 @@ def rules(simulated: bool, along) -> dict:
     back (``ref`` is the adding consumer's own). Both refuse what :func:`_parts` refuses. With
     them the rules that keep a tile's sums along one axis :class:`Folded` to their scatter;
     ``along(axis)``: the backend's vectors along a tile's axis, in which a window that
-    multiplies the sums is read.
+    multiplies or divides the sums is read.
     """
 
     def by_window(eqn, operands):
@@ -255,7 +257,7 @@ def rules(simulated: bool, along) -> dict:
         if not isinstance(folded, Folded) or not isinstance(window, Window):
             return None
         if eqn.primitive.name == "div" and folded is not operands[0]:
-            return None  # (a window divided by sums: not a sum of the tile's)
+            return None  # (a window over the sums is not linear in them: no transpose makes it)
         vectors = along(1 - folded.axis)
         at = lambda sums: window.values(vectors).reshape(sums.shape)  # noqa: E731
         return folded.then(lambda sums: eqn.primitive.bind(sums, at(sums), **eqn.params))

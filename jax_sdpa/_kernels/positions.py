@@ -442,7 +442,11 @@ def tile_positions(laid_out, along) -> dict:
                     return x.values(vectors)
                 return jnp.broadcast_to(_scalar(x), values.shape)
 
-            return bind(eqn, [operand(x) for x in operands])
+            args = [operand(x) for x in operands]
+            if eqn.primitive.name == "integer_pow" and eqn.params["y"] < -1:
+                # (a quotient's derivative, y ** −2: Mosaic GPU lowers no power below −1)
+                return 1 / lax.integer_pow(args[0], -eqn.params["y"])
+            return bind(eqn, args)
 
         return window.then(operation)
 
