@@ -358,6 +358,10 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         ),
         lambda t, score, b, h, i, j: score + t[0][j] / t[1][j],
     ),
+    "a bias per key through abs": (  # (the sums or their negation, by the bias's sign)
+        jnp.linspace(-1.0, 1.0, 128, dtype=jnp.float32),
+        lambda t, score, b, h, i, j: score + jnp.abs(t[j]),
+    ),
     "a bias per key through log": (  # (the sums divided by the bias, read at the keys)
         jnp.linspace(0.5, 2.0, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score + jnp.log(t[j]),
@@ -382,6 +386,7 @@ AT_POINTS = {
     "a bias per key squared",
     "a bias per key read once, squared",
     "a ratio of two biases per key",
+    "a bias per key through abs",
     "a bias per key through log",
     "a bias per key through sqrt",
     "a bfloat16 bias per key, doubled",

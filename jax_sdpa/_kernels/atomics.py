@@ -30,7 +30,7 @@ from jaxlib.mlir.dialects import llvm, vector
 
 from jax_sdpa._indices import INDEX
 from jax_sdpa._kernels.positions import Run, Window
-from jax_sdpa._kernels.scatters import Scatter, one_entry, scatter_add
+from jax_sdpa._kernels.scatters import Scatter, Zeros, one_entry, scatter_add
 from jax_sdpa._kernels.values import Expanded, Lazy, Pending, value
 
 
@@ -262,6 +262,29 @@ def rules(simulated: bool, along) -> dict:
         at = lambda sums: window.values(vectors).reshape(sums.shape)  # noqa: E731
         return folded.then(lambda sums: eqn.primitive.bind(sums, at(sums), **eqn.params))
 
+    def by_a_windows_choice(eqn, operands):
+        """A choice by a window at the sums' positions among one tile's :class:`Folded` and zeros.
+
+        The sums once, the chosen case's ``ops`` on them. (``jnp.abs(bias[kv_idx])``'s gradient:
+        the sums where the bias is not negative, less the sums where it is, each chosen against
+        zeros.)
+        """
+        which, *cases = operands
+        folded = [x for x in cases if isinstance(x, Folded)]
+        if not isinstance(which, Window) or not folded:
+            return None
+        if not all(isinstance(x, Folded | Zeros) for x in cases):
+            return None
+        if any(x.tile is not folded[0].tile or x.axis != folded[0].axis for x in folded):
+            return None
+        vectors = along(1 - folded[0].axis)
+
+        def chosen(sums):
+            case = lambda x: x.applied(sums) if isinstance(x, Folded) else jnp.zeros_like(sums)  # noqa: E731
+            return lax.select_n(which.values(vectors).reshape(sums.shape), *map(case, cases))
+
+        return dataclasses.replace(folded[0], ops=(chosen,))
+
     def atomic_add(eqn, operands):
         tree = eqn.params["args_tree"]
         ref, transforms, added = tree.unflatten(operands)[:3]
@@ -279,6 +302,7 @@ def rules(simulated: bool, along) -> dict:
         "mgpu_atomic_store": (atomic_add,),
         "reduce_sum": (_folded,),
         "add_any": (_added,),
+        "select_n": (by_a_windows_choice,),
         "mul": (_with_scalars, _scalar_first, by_window),
         "div": (_with_scalars, by_window),
         "neg": (_with_scalars,),
