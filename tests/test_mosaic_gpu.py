@@ -358,6 +358,10 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         ),
         lambda t, score, b, h, i, j: score + t[0][j] / t[1][j],
     ),
+    "a table's row per head along the keys": (  # (the sums at (h, kv_idx), flattened)
+        jnp.linspace(-1.0, 1.0, 4 * 256, dtype=jnp.float32).reshape(4, 256),
+        lambda t, score, b, h, i, j: score + t[h, j],
+    ),
     "a bias per key through abs": (  # (the sums or their negation, by the bias's sign)
         jnp.linspace(-1.0, 1.0, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score + jnp.abs(t[j]),
@@ -386,6 +390,7 @@ AT_POINTS = {
     "a bias per key squared",
     "a bias per key read once, squared",
     "a ratio of two biases per key",
+    "a table's row per head along the keys",
     "a bias per key through abs",
     "a bias per key through log",
     "a bias per key through sqrt",

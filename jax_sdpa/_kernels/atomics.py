@@ -29,9 +29,9 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import llvm, vector
 
 from jax_sdpa._indices import INDEX
-from jax_sdpa._kernels.positions import Run, Window
+from jax_sdpa._kernels.positions import Run, Uniform, Window
 from jax_sdpa._kernels.scatters import Scatter, Zeros, one_entry, scatter_add
-from jax_sdpa._kernels.values import Expanded, Lazy, Pending, value
+from jax_sdpa._kernels.values import Expanded, Joined, Lazy, Pending, value
 
 
 def with_sums(kernel, shapes: list, parts: int, args) -> tuple:
@@ -171,20 +171,27 @@ def _added(eqn, operands):
 def _scatter_along(eqn, operands):
     """A :class:`Folded`'s scatter at positions along the tile's other axis, made a tile's.
 
-    Its points, the positions over the whole tile; its updates, the sums in the tile's first
-    row (column), zeros elsewhere: added at each point once.
+    Its points, the positions over the whole tile (and one index along each other axis of the
+    array: a table's row, ``t[h, kv_idx]``); its updates, the sums in the tile's first row
+    (column), zeros elsewhere: added at each point once.
     """
     operand, points, updates = operands
-    if not isinstance(updates, Folded) or not isinstance(points, Run):
+    columns = points.parts if isinstance(points, Joined) else [points]
+    runs = [x for x in columns if isinstance(x, Run)]
+    if not isinstance(updates, Folded) or len(runs) != 1:
+        return None
+    if not all(isinstance(x, Run | Uniform) for x in columns):
         return None
     axis = updates.axis
     shape, along = jnp.shape(updates.tile), 1 - axis
-    if points.size != shape[along]:
+    if runs[0].size != shape[along]:
         return None
     iota = lambda axis: plgpu.broadcasted_iota(INDEX, shape, axis, layout=plgpu.Layout.WGMMA)  # noqa: E731
     sums = lax.broadcast_in_dim(updates.sums(), shape, (along,))
     first = jnp.where(iota(axis) == 0, sums, jnp.zeros_like(sums))
-    return scatter_add(eqn, [operand, Expanded(points.at(iota(along)), 1), first])
+    at = lambda x: x.at(iota(along)) if isinstance(x, Run) else jnp.full(shape, x.scalar, INDEX)  # noqa: E731
+    indices = Joined([Expanded(at(x), 1) for x in columns])
+    return scatter_add(eqn, [operand, indices, first])
 
 
 class GradientAtPoints(NotImplementedError):
@@ -200,7 +207,7 @@ def _parts(added, size: int) -> list:
     (``size`` 1: the gradient of a 0-d array); nothing else.
     """
     if isinstance(added, Scatter) and added.base is None:
-        parts = [(points, updates) for (points,), updates in added.parts]
+        parts = [(_flat(points, added.shape), updates) for points, updates in added.parts]
     elif not isinstance(added, Scatter) and size == 1:
         parts = [(jnp.zeros((), INDEX), one_entry(added))]
     else:
@@ -209,6 +216,14 @@ def _parts(added, size: int) -> list:
         if jnp.ndim(updates) not in (0, 2):
             raise GradientAtPoints(f"a gradient at a vector of {jnp.size(updates)} points")
     return [(points, updates.astype(jnp.float32)) for points, updates in parts]
+
+
+def _flat(points: list, shape: tuple):
+    """Points of an array of ``shape`` (an index array an axis) as indices into it flattened."""
+    flat = points[0]
+    for point, size in zip(points[1:], shape[1:], strict=True):
+        flat = flat * size + point
+    return flat
 
 
 def _entries(register) -> list:
