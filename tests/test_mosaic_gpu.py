@@ -362,9 +362,9 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         jnp.linspace(-1.0, 1.0, 4 * 256, dtype=jnp.float32).reshape(4, 256),
         lambda t, score, b, h, i, j: score + t[h, j],
     ),
-    "a bias per key through abs": (  # (the sums or their negation, by the bias's sign)
-        jnp.linspace(-1.0, 1.0, 128, dtype=jnp.float32),
-        lambda t, score, b, h, i, j: score + jnp.abs(t[j]),
+    "a bfloat16 bias per key through abs": (  # (the sums or their negation, by the sign, cast)
+        jnp.linspace(-1.0, 1.0, 128, dtype=jnp.bfloat16),
+        lambda t, score, b, h, i, j: score + jnp.abs(t[j]).astype(score.dtype),
     ),
     "a bias per key through log": (  # (the sums divided by the bias, read at the keys)
         jnp.linspace(0.5, 2.0, 128, dtype=jnp.float32),
@@ -391,7 +391,7 @@ AT_POINTS = {
     "a bias per key read once, squared",
     "a ratio of two biases per key",
     "a table's row per head along the keys",
-    "a bias per key through abs",
+    "a bfloat16 bias per key through abs",
     "a bias per key through log",
     "a bias per key through sqrt",
     "a bfloat16 bias per key, doubled",

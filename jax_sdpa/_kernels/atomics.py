@@ -105,7 +105,7 @@ class Folded(Pending):
     elementwise operations of the sums with scalars on the way (``2 * bias[kv_idx]``'s
     product, a cast to a bfloat16 bias's dtype), or with a window at their positions (a
     function's derivative: ``rules``' ``by_window``), or two such chains' results added
-    (``_added``).
+    (``_added``) or chosen by a window (``by_a_windows_choice``).
     """
 
     tile: Any
@@ -180,7 +180,8 @@ def _scatter_along(eqn, operands):
     runs = [x for x in columns if isinstance(x, Run)]
     if not isinstance(updates, Folded) or len(runs) != 1:
         return None
-    if not all(isinstance(x, Run | Uniform) for x in columns):
+    rank = len(eqn.invars[0].aval.shape)
+    if len(columns) != rank or not all(isinstance(x, Run | Uniform) for x in columns):
         return None
     axis = updates.axis
     shape, along = jnp.shape(updates.tile), 1 - axis
@@ -207,7 +208,7 @@ def _parts(added, size: int) -> list:
     (``size`` 1: the gradient of a 0-d array); nothing else.
     """
     if isinstance(added, Scatter) and added.base is None:
-        parts = [(_flat(points, added.shape), updates) for points, updates in added.parts]
+        parts = [(points, updates) for (points,), updates in added.parts]
     elif not isinstance(added, Scatter) and size == 1:
         parts = [(jnp.zeros((), INDEX), one_entry(added))]
     else:
@@ -216,14 +217,6 @@ def _parts(added, size: int) -> list:
         if jnp.ndim(updates) not in (0, 2):
             raise GradientAtPoints(f"a gradient at a vector of {jnp.size(updates)} points")
     return [(points, updates.astype(jnp.float32)) for points, updates in parts]
-
-
-def _flat(points: list, shape: tuple):
-    """Points of an array of ``shape`` (an index array an axis) as indices into it flattened."""
-    flat = points[0]
-    for point, size in zip(points[1:], shape[1:], strict=True):
-        flat = flat * size + point
-    return flat
 
 
 def _entries(register) -> list:
@@ -258,7 +251,7 @@ def rules(simulated: bool, along) -> dict:
     back (``ref`` is the adding consumer's own). Both refuse what :func:`_parts` refuses. With
     them the rules that keep a tile's sums along one axis :class:`Folded` to their scatter;
     ``along(axis)``: the backend's vectors along a tile's axis, in which a window that
-    multiplies or divides the sums is read.
+    multiplies, divides or chooses the sums is read.
     """
 
     def by_window(eqn, operands):
@@ -295,7 +288,9 @@ def rules(simulated: bool, along) -> dict:
         vectors = along(1 - folded[0].axis)
 
         def chosen(sums):
-            case = lambda x: x.applied(sums) if isinstance(x, Folded) else jnp.zeros_like(sums)  # noqa: E731
+            def case(x):  # (zeros in the choice's dtype: a bfloat16 array's sums are cast back)
+                return x.applied(sums) if isinstance(x, Folded) else jnp.zeros(sums.shape, x.dtype)
+
             return lax.select_n(which.values(vectors).reshape(sums.shape), *map(case, cases))
 
         return dataclasses.replace(folded[0], ops=(chosen,))
