@@ -155,15 +155,18 @@ def _scalar_first(eqn, operands):
     return _with_scalars(eqn, operands[::-1]) if len(operands) == 2 else None
 
 
+def _one_tile(folded: list) -> bool:
+    """Whether the :class:`Folded` are one tile's sums: the same tile, along the same axis."""
+    return all(x.tile is folded[0].tile and x.axis == folded[0].axis for x in folded)
+
+
 def _added(eqn, operands):
     """Two :class:`Folded` of one tile's sums added: the sums once, each's ``ops`` on them.
 
     (``w = bias[kv_idx]; s + w * w``: the cotangents of the two factors, ``add_any``.)
     """
     a, b = operands
-    if not (isinstance(a, Folded) and isinstance(b, Folded)):
-        return None
-    if a.tile is not b.tile or a.axis != b.axis:
+    if not (isinstance(a, Folded) and isinstance(b, Folded) and _one_tile([a, b])):
         return None
     return dataclasses.replace(a, ops=(lambda sums: a.applied(sums) + b.applied(sums),))
 
@@ -283,7 +286,7 @@ def rules(simulated: bool, along) -> dict:
             return None
         if not all(isinstance(x, Folded | Zeros) for x in cases):
             return None
-        if any(x.tile is not folded[0].tile or x.axis != folded[0].axis for x in folded):
+        if not _one_tile(folded):
             return None
         vectors = along(1 - folded[0].axis)
 
