@@ -624,6 +624,21 @@ def test_arrays_read_along_positions_lower_for_cuda(case):
     assert adds == (case not in NO_FLOAT_GRADIENT)
 
 
+def test_a_power_below_minus_one_lowers_for_cuda():
+    # Mosaic GPU lowers no integer power below −1: one over the power, on a tile as on a window.
+    from tests.lowering import mosaic_gpu_kernels
+
+    q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
+    pallas = js.Pallas(backend="mosaic_gpu")
+
+    def loss(q, k, v):
+        mod = lambda s, b, h, i, j: s * ((i - j).astype(s.dtype) + 300.0) ** -2  # noqa: E731
+        out = js.dot_product_attention(q, k, v, score_mod=mod, implementation=pallas)
+        return out.astype(jnp.float32).sum()
+
+    assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, q, q)) == 3
+
+
 def test_arrays_read_at_the_same_positions_combine_as_vectors():
     # ``a[kv_idx] * b[kv_idx]``: the two vectors multiplied as they are read, along the keys
     # (before, as (1, 64) arrays, which Mosaic GPU lays out no way: its layout inference failed).

@@ -442,13 +442,24 @@ def tile_positions(laid_out, along) -> dict:
                     return x.values(vectors)
                 return jnp.broadcast_to(_scalar(x), values.shape)
 
-            args = [operand(x) for x in operands]
-            if eqn.primitive.name == "integer_pow" and eqn.params["y"] < -1:
-                # (a quotient's derivative, y ** −2: Mosaic GPU lowers no power below −1)
-                return 1 / lax.integer_pow(args[0], -eqn.params["y"])
-            return bind(eqn, args)
+            return bound(eqn, [operand(x) for x in operands])
 
         return window.then(operation)
+
+    def bound(eqn, args):
+        """The equation on ``args``; a power below −1 as one over the power.
+
+        (A quotient's derivative, ``y ** −2``: Mosaic GPU lowers no other negative power.)
+        """
+        if eqn.primitive.name == "integer_pow" and eqn.params["y"] < -1:
+            return 1 / lax.integer_pow(args[0], -eqn.params["y"])
+        return bind(eqn, args)
+
+    def power(eqn, operands):
+        """A tile's power below −1 (a window's is :func:`of_a_window`'s), as :func:`bound`'s."""
+        if eqn.params["y"] >= -1 or isinstance(operands[0], Lazy):
+            return None
+        return bound(eqn, operands)
 
     comparisons = ("eq", "ne", "lt", "le", "gt", "ge")
     binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor")
@@ -460,6 +471,7 @@ def tile_positions(laid_out, along) -> dict:
         **{name: (elementwise, of_a_window) for name in binary},
         **{name: (elementwise, compared, of_a_window) for name in comparisons},
         **{name: (of_a_window,) for name in unary},
+        "integer_pow": (of_a_window, power),
     }
 
 
