@@ -358,6 +358,13 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         ),
         lambda t, score, b, h, i, j: score + t[0][j] / t[1][j],
     ),
+    "biases per key of two lengths, multiplied": (  # (each read at its own run: clamped)
+        (
+            jnp.linspace(-1.0, 1.0, 100, dtype=jnp.float32),
+            jnp.linspace(0.5, 2.0, 200, dtype=jnp.float32),
+        ),
+        lambda t, score, b, h, i, j: score + t[0][j] * t[1][j],
+    ),
     "a table's row per head along the keys": (  # (the sums at (h, kv_idx), flattened)
         jnp.linspace(-1.0, 1.0, 4 * 256, dtype=jnp.float32).reshape(4, 256),
         lambda t, score, b, h, i, j: score + t[h, j],
@@ -390,6 +397,7 @@ AT_POINTS = {
     "a bias per key squared",
     "a bias per key read once, squared",
     "a ratio of two biases per key",
+    "biases per key of two lengths, multiplied",
     "a table's row per head along the keys",
     "a bfloat16 bias per key through abs",
     "a bias per key through log",

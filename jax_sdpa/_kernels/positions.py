@@ -61,13 +61,6 @@ class Run(Lazy):
         run = self.start + iota
         return run if self.wrap is None else jnp.where(run < 0, run + self.wrap, run)
 
-    def same(self, other: "Run") -> bool:
-        """Whether ``other`` is this run: the same traced base, and the rest equal."""
-        fields = ("shift", "shape", "axis", "wrap")
-        return other.base is self.base and all(
-            getattr(other, f) == getattr(self, f) for f in fields
-        )
-
     def reshaped(self, shape: tuple) -> "Run | None":
         """The run as ``shape`` (axes of 1 added or dropped), or None if that is not all."""
         if math.prod(shape) != self.size or self.size not in shape:
@@ -425,13 +418,14 @@ def tile_positions(laid_out, along) -> dict:
         return Compared(eqn, tuple(operands)) if single and not wrap else None
 
     def of_a_window(eqn, operands):
-        """Windows at one run and scalars (``ids == 0``, ``a[kv_idx] * b[kv_idx]``).
+        """Windows along one axis of a tile and scalars (``ids == 0``, ``a[kv_idx] * b[kv_idx]``).
 
-        The operation kept for the first window, the others read at its positions.
+        The operation kept for the first window, the others read each at its own run, in the
+        same layout (arrays of other lengths too: their runs differ by their wraps).
         """
         window = next((x for x in operands if isinstance(x, Window)), None)
-        at_its_run = lambda x: isinstance(x, Window) and x.run.same(window.run)  # noqa: E731
-        if window is None or not all(at_its_run(x) or is_scalar(x) for x in operands):
+        along = lambda x: isinstance(x, Window) and x.shape == window.shape  # noqa: E731
+        if window is None or not all(along(x) or is_scalar(x) for x in operands):
             return None
 
         def operation(values, vectors):
