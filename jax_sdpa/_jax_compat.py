@@ -91,13 +91,14 @@ CALLS = {
 }
 
 
-def bind(eqn, operands: list, *, its_context: bool = True):
+def bind(eqn, operands: list, *, its_context: bool = True, params=None):
     """The equation's own primitive on ``operands``, as ``jax.core.eval_jaxpr`` binds it.
 
-    With the parameters its primitive binds with, in the equation's context (the mesh and types
-    it was traced with), or without it in the caller's.
+    With the parameters its primitive binds with (``params`` in place of some of the
+    equation's), in the equation's context (the mesh and types it was traced with), or without
+    it in the caller's.
     """
-    params = eqn.primitive.get_bind_params(eqn.params)
+    params = eqn.primitive.get_bind_params({**eqn.params, **(params or {})})
     if isinstance(params, tuple):  # JAX before 0.7: (sub-functions, parameters)
         subfuns, params = params
         operands = [*subfuns, *operands]

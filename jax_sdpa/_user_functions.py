@@ -17,6 +17,8 @@ when it meets such operands while the user's function runs.
 All indices are :data:`~jax_sdpa._indices.INDEX` (int32), also where ``jax_enable_x64`` is on.
 """
 
+import contextlib
+import contextvars
 import inspect
 from collections.abc import Callable
 
@@ -55,26 +57,49 @@ _ALREADY_VARYING = {
 def _replay(eqns, env: dict, axes: frozenset) -> None:
     """Evaluates ``eqns`` into ``env``: outside ``shard_map`` (no ``axes``) as JAX binds them.
 
-    Inside, every operand is cast to vary over ``axes`` (:func:`vary`): a callee (a ``jit``
-    inside ``jax.numpy``, a ``custom_jvp`` function) is interpreted in place, so a custom
-    derivative rule in the user's function gives way to the derivative of what it computes; a
-    ``cond``, ``scan`` or ``while`` is traced again around its replayed bodies.
+    Inside, every operand is cast to vary over ``axes`` (:func:`vary`) and each equation bound
+    in the context of the call that replays it (its mesh, its types), not the one the function
+    was traced in: an evaluator is shared by every call whose function traces to the same
+    program. Within :func:`float64_as_float32`, every float64 operand and result is float32.
+    Either way a callee (a ``jit`` inside ``jax.numpy``, a ``custom_jvp`` function) is
+    interpreted in place, so a custom derivative rule in the user's function gives way to the
+    derivative of what it computes; a ``cond``, ``scan`` or ``while`` is traced again around
+    its replayed bodies.
     """
-    if not axes:
+    narrowed = _FLOAT32.get()
+    if not axes and not narrowed:
         return evaluate(eqns, env, Rules(inline=False))
-    rules = Rules(
-        table=_ALREADY_VARYING, operand=lambda x: vary(x, axes), bind=_in_the_callers_context
-    )
-    return evaluate(eqns, env, rules)
+
+    def operand(x):
+        x = vary(x, axes) if axes else x
+        return x.astype(jnp.float32) if narrowed and x.dtype == jnp.float64 else x
+
+    def bound(eqn, operands: list):
+        params = {k: jnp.float32 for k in _DTYPES if narrowed and eqn.params.get(k) == jnp.float64}
+        return bind(eqn, operands, its_context=not axes, params=params)
+
+    table = _ALREADY_VARYING if axes else {}
+    return evaluate(eqns, env, Rules(table=table, operand=operand, bind=bound))
 
 
-def _in_the_callers_context(eqn, operands: list):
-    """The equation's primitive on ``operands``, in the context of the call that replays it.
+# The parameters that name a result's dtype (convert_element_type, iota, dot_general).
+_DTYPES = ("new_dtype", "dtype", "preferred_element_type")
 
-    Not the one the function was traced in (its mesh, its types): an evaluator is shared by
-    every call whose function traces to the same program.
+_FLOAT32 = contextvars.ContextVar("float64_as_float32", default=False)
+
+
+@contextlib.contextmanager
+def float64_as_float32():
+    """Within it, the user's functions compute float64 as float32 (replayed so: :func:`_replay`).
+
+    For a kernel backend that computes no float64 (Mosaic GPU), whose programs hold the arrays
+    the functions closed over as float32 (``jax_enable_x64``'s ``jnp.array([0.5, 0.25])``).
     """
-    return bind(eqn, operands, its_context=False)
+    token = _FLOAT32.set(True)
+    try:
+        yield
+    finally:
+        _FLOAT32.reset(token)
 
 
 def _hoisted(fn, args: list) -> tuple:

@@ -464,27 +464,84 @@ def test_a_captured_arrays_gradient_lowers_for_cuda_in_the_keys_kernel(case):
     assert adds == (case in AT_POINTS)  # the keys' kernel's atomic reductions, or none
 
 
-def test_a_float64_tables_gradient_under_x64_is_the_triton_programs():
-    """(Atomic adds of float32 only: the keys' gradients go where the table's are summed.)"""
+# Arrays as jax_enable_x64 makes them (float64), the mods' math on them float64 too: the Mosaic
+# GPU kernels hold them, and compute it, in float32.
+FLOAT64 = {
+    "ALiBi's slopes": (
+        jnp.array([0.1, 0.2, 0.05, 0.3]),
+        lambda t, score, b, h, i, j: score - (t[h] * (i - j).astype(t.dtype)).astype(score.dtype),
+    ),
+    "a relative table": (
+        jnp.linspace(-1.0, 1.0, 300),
+        lambda t, score, b, h, i, j: score + t[i - j + 150].astype(score.dtype),
+    ),
+    "a bias per key through tanh": (
+        jnp.linspace(-1.0, 1.0, 128),
+        lambda t, score, b, h, i, j: score + jnp.tanh(t[j]).astype(score.dtype),
+    ),
+}
+
+
+def _in_float64(case):
+    array, mod = FLOAT64[case]
+    return jnp.asarray(array, jnp.float64), mod
+
+
+@pytest.mark.parametrize("case", FLOAT64)
+def test_a_float64_arrays_gradient_under_x64_lowers_for_cuda_in_the_keys_kernel(case):
+    """(Before, float64 math failed to lower, or the keys' kernel was Triton's.)"""
     from tests.lowering import mosaic_gpu_kernels
 
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
     pallas = js.Pallas(backend="mosaic_gpu")
+    with enable_x64():
+        array, mod = _in_float64(case)
 
-    def loss(q, table):
+        def loss(q, array):
+            out = js.dot_product_attention(
+                q, q, q, score_mod=lambda *at: mod(array, *at), implementation=pallas
+            )
+            return out.astype(jnp.float32).sum()
+
+        kernels = mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1)), q, array)
+    assert len(kernels) == 3  # (the forward's, the queries' and the keys' gradients')
+
+
+@SIMULATED_SLOW
+def test_float64_arrays_on_the_gpu_simulator_with_x64_on():
+    # (In a process of its own, x64 on from its start: the simulator's threads do not see a
+    # block's jax.enable_x64.)
+    node = "test_a_float64_arrays_gradient_on_the_gpu_simulator"
+    run_pytest("tests/test_mosaic_gpu.py", "-k", node, env={"JAX_SDPA_X64": "1"})
+
+
+@pytest.mark.parametrize("case", FLOAT64)
+@pytest.mark.skipif(
+    not jax.config.jax_enable_x64,
+    reason="x64 on from the process's start: test_float64_arrays_on_the_gpu_simulator_with_x64_on",
+)
+@SIMULATED_SLOW
+def test_a_float64_arrays_gradient_on_the_gpu_simulator(case):
+    q, k, v = qkv(np.random.default_rng(6), 1, 128, 128, 4, 2, 64, dtype=jnp.bfloat16)
+
+    def loss(q, k, v, array, implementation):
         out = js.dot_product_attention(
             q,
-            q,
-            q,
-            score_mod=lambda s, b, h, i, j: s + table[i - j + 256].astype(s.dtype),
-            implementation=pallas,
+            k,
+            v,
+            is_causal=True,
+            score_mod=lambda *at: mod(array, *at),
+            implementation=implementation,
         )
-        return out.astype(jnp.float32).sum()
+        return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    with enable_x64():
-        table = jnp.linspace(-1.0, 1.0, 512, dtype=jnp.float64)
-        kernels = mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1)), q, table)
-    assert len(kernels) == 2  # (the forward's and the queries' gradients')
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))
+    array, mod = _in_float64(case)
+    got = grads(q, k, v, array, _simulated())
+    want = grads(*(jnp.asarray(x, jnp.float64) for x in (q, k, v, array)), "xla")
+    assert got[3].dtype == jnp.float64  # (the array's gradient in its own dtype)
+    for g, w in zip(got, want, strict=True):
+        assert ref.rel_err(g, w) < 2e-2
 
 
 @SIMULATED_SLOW

@@ -346,8 +346,7 @@ def _in_memory(consts: list, inputs: BackwardIn, keys_kernel) -> "bool | None":
     In registers (False) for arrays of up to ``ONE_HOT_MAX`` entries each read at one index
     (``slopes[h]``); in memory (True) for arrays read at tiles of points (a table at
     ``q_idx − kv_idx``) or along an axis (``bias[kv_idx]``). Tracing ``keys_kernel(in_memory)``
-    refuses the others (a float64 array's, under x64, whose scatter is not kept in the
-    kernel's float32), whose gradients (and the keys') are the Triton programs' (None).
+    refuses the others, whose gradients (and the keys') are the Triton programs' (None).
     """
     if not consts:
         return False

@@ -55,7 +55,7 @@ def evaluate(fn, refs: list, *args, dtypes=None, rules=None):
     """``fn(*values of refs, *args)``, each ref read only where and as ``fn`` reads it.
 
     ``dtypes``: the dtype of each ref's values, where one holds booleans widened
-    (:func:`~jax_sdpa._kernels.values.widened`); by default the refs'. ``rules``: a backend's
+    (:func:`~jax_sdpa._kernels.values.for_mosaic_gpu`); by default the refs'. ``rules``: a backend's
     own rules (:mod:`jax_sdpa._jaxpr`), tried before the others.
     """
     unread = [

@@ -56,9 +56,16 @@ class Expanded(Lazy):
         return jnp.reshape(self.value, jnp.shape(self.value) + (1,) * self.ones)
 
 
-def widened(x):
-    """``x``, or an array of booleans as ``int32``: as a ``widened`` :class:`Unread`'s ref."""
-    return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+def for_mosaic_gpu(x):
+    """``x`` as a Mosaic GPU kernel holds it: booleans as ``int32``, float64 as float32.
+
+    Mosaic GPU loads no vector of bits (a ``widened`` :class:`Unread` reads them back) and
+    computes no float64: its programs compute the user's functions' float64 as float32
+    (:func:`~jax_sdpa._user_functions.float64_as_float32`).
+    """
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.int32)
+    return x.astype(jnp.float32) if x.dtype == jnp.float64 else x
 
 
 def value(x):
@@ -71,7 +78,7 @@ class Unread(Lazy):
     """Part of a ref not yet read: one index per axis, a ``pl.ds`` or a scalar (dropped axis).
 
     ``widened``: the program's values are booleans that the ref holds as ``int32`` (Mosaic GPU
-    loads no vector of bits: :func:`widened`); each read gives them back (:meth:`loaded`).
+    loads no vector of bits: :func:`for_mosaic_gpu`); each read gives them back (:meth:`loaded`).
     """
 
     ref: Any

@@ -47,7 +47,8 @@ from jax_sdpa._kernels.schedule import (
     held_start,
     ranged,
 )
-from jax_sdpa._kernels.values import Lazy, widened
+from jax_sdpa._kernels.values import Lazy, for_mosaic_gpu
+from jax_sdpa._user_functions import float64_as_float32
 
 ROWS = 64  # a consumer's positions: one ``wgmma``'s rows
 STAGES = 2  # shared-memory slots of the producer's ring
@@ -396,10 +397,11 @@ def warp_specialized(
     masked = swept.masked
     counts = (count, swept_count)
     lists = None if masked is None else Lists.of(masked, axis, held, size, counts, split)
-    shared = dataclasses.replace(shared, arrays=tuple(widened(x) for x in shared.arrays))
+    shared = dataclasses.replace(shared, arrays=tuple(map(for_mosaic_gpu, shared.arrays)))
     leaves, tree = jax.tree.flatten((shared, lists))
     arity = len(inputs) + len(leaves)
 
+    @float64_as_float32()  # (as the arrays are held: for_mosaic_gpu)
     def kernel(*refs):
         ins, (*outs, scratch) = refs[: len(inputs)], refs[arity:]
         shared_refs, lists_refs = jax.tree.unflatten(tree, refs[len(inputs) : arity])
