@@ -29,6 +29,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import llvm, vector
 
 from jax_sdpa._indices import INDEX
+from jax_sdpa._jax_compat import bind
 from jax_sdpa._kernels.positions import Run, Uniform, Window
 from jax_sdpa._kernels.scatters import Scatter, Zeros, one_entry, scatter_add
 from jax_sdpa._kernels.values import Expanded, Joined, Lazy, Pending, value
@@ -103,9 +104,8 @@ class Folded(Pending):
     The gradient of an array read along the tile's other axis, kept as the tile so that its
     scatter (:func:`_scatter_along`) knows that axis, which its points lie along. ``ops``:
     elementwise operations of the sums with scalars on the way (``2 * bias[kv_idx]``'s
-    product, a cast to a bfloat16 bias's dtype), or with a window at their positions (a
-    function's derivative: ``rules``' ``by_window``), or two such chains' results added
-    (``_added``) or chosen by a window (``by_a_windows_choice``).
+    product, a cast to a bfloat16 bias's dtype), with windows at their positions (a function's
+    derivative), zeros, or other chains from the same sums (``rules``' ``folded_elementwise``).
     """
 
     tile: Any
@@ -142,33 +142,9 @@ def _refolded(eqn, operands):
     return x.reshaped(tuple(eqn.outvars[0].aval.shape)) if isinstance(x, Folded) else None
 
 
-def _with_scalars(eqn, operands):
-    """An elementwise operation of a :class:`Folded` (first) and scalars, kept in its ``ops``."""
-    first, *rest = operands
-    if not isinstance(first, Folded) or any(isinstance(x, Lazy) or jnp.ndim(x) for x in rest):
-        return None
-    return first.then(lambda x: eqn.primitive.bind(x, *rest, **eqn.params))
-
-
-def _scalar_first(eqn, operands):
-    """A product of a scalar and a :class:`Folded`, kept in its ``ops``."""
-    return _with_scalars(eqn, operands[::-1]) if len(operands) == 2 else None
-
-
 def _one_tile(folded: list) -> bool:
     """Whether the :class:`Folded` are one tile's sums: the same tile, along the same axis."""
     return all(x.tile is folded[0].tile and x.axis == folded[0].axis for x in folded)
-
-
-def _added(eqn, operands):
-    """Two :class:`Folded` of one tile's sums added: the sums once, each's ``ops`` on them.
-
-    (``w = bias[kv_idx]; s + w * w``: the cotangents of the two factors, ``add_any``.)
-    """
-    a, b = operands
-    if not (isinstance(a, Folded) and isinstance(b, Folded) and _one_tile([a, b])):
-        return None
-    return dataclasses.replace(a, ops=(lambda sums: a.applied(sums) + b.applied(sums),))
 
 
 def _scatter_along(eqn, operands):
@@ -247,6 +223,11 @@ def _reduce(pointer, entries) -> None:
         )
 
 
+# The elementwise operations a gradient takes a tile's sums through: products, quotients, a
+# negation, a cast, two cotangents added, a choice.
+_ELEMENTWISE = ("mul", "div", "neg", "convert_element_type", "add_any", "select_n")
+
+
 def rules(simulated: bool, along) -> dict:
     """The rule of ``plgpu.atomic_add(ref, value)``: ``value``'s parts added at their points.
 
@@ -257,46 +238,40 @@ def rules(simulated: bool, along) -> dict:
     multiplies, divides or chooses the sums is read.
     """
 
-    def by_window(eqn, operands):
-        """A :class:`Folded`'s sums times, or over, a window at their positions, as they lie.
+    def folded_elementwise(eqn, operands):
+        """One tile's :class:`Folded` through an elementwise operation: that tile's again.
 
-        (The gradient through a function of an array read along one axis:
-        ``jnp.tanh(bias[kv_idx])``'s is the sums times ``1 − tanh²``, ``jnp.log``'s the sums
-        divided by the array.)
+        Its other operands windows at the sums' positions, zeros or scalars (or more of the
+        tile's :class:`Folded`). The sums once, the operation on its operands as each stands at
+        them: a :class:`Folded`'s ``ops`` applied, a window read in the sums' layout, zeros in
+        their own dtype, a scalar as it is. (The gradient of ``2 * bias[kv_idx]``, of a cast, of
+        ``jnp.tanh(bias[kv_idx])``: the sums times ``1 − tanh²``; of ``jnp.log``: over the bias;
+        of ``w * w``: two products added, ``add_any``; of ``jnp.abs``: chosen by the sign.)
         """
-        folded, window = operands if isinstance(operands[0], Folded) else operands[::-1]
-        if not isinstance(folded, Folded) or not isinstance(window, Window):
-            return None
-        if eqn.primitive.name == "div" and folded is not operands[0]:
-            return None  # (a window over the sums is not linear in them: no transpose makes it)
-        vectors = along(1 - folded.axis)
-        at = lambda sums: window.values(vectors).reshape(sums.shape)  # noqa: E731
-        return folded.then(lambda sums: eqn.primitive.bind(sums, at(sums), **eqn.params))
+        folded = [x for x in operands if isinstance(x, Folded)]
 
-    def by_a_windows_choice(eqn, operands):
-        """A choice by a window at the sums' positions among one tile's :class:`Folded` and zeros.
+        def known(x):  # (what the sums' operation can read at their positions)
+            scalar = not isinstance(x, Lazy) and jnp.ndim(x) == 0
+            return scalar or isinstance(x, Folded | Window | Zeros)
 
-        The sums once, the chosen case's ``ops`` on them. (``jnp.abs(bias[kv_idx])``'s gradient:
-        the sums where the bias is not negative, less the sums where it is, each chosen against
-        zeros.)
-        """
-        which, *cases = operands
-        folded = [x for x in cases if isinstance(x, Folded)]
-        if not isinstance(which, Window) or not folded:
-            return None
-        if not all(isinstance(x, Folded | Zeros) for x in cases):
-            return None
-        if not _one_tile(folded):
+        if not folded or not _one_tile(folded) or not all(map(known, operands)):
             return None
         vectors = along(1 - folded[0].axis)
 
-        def chosen(sums):
-            def case(x):  # (zeros in the choice's dtype: a bfloat16 array's sums are cast back)
-                return x.applied(sums) if isinstance(x, Folded) else jnp.zeros(sums.shape, x.dtype)
+        def at(x, sums):
+            if isinstance(x, Folded):
+                return x.applied(sums)
+            if isinstance(x, Window):
+                return x.values(vectors).reshape(sums.shape)
+            return jnp.zeros(sums.shape, x.dtype) if isinstance(x, Zeros) else x
 
-            return lax.select_n(which.values(vectors).reshape(sums.shape), *map(case, cases))
+        def operation(sums):
+            args = [at(x, sums) for x in operands]
+            if eqn.primitive.name == "add_any":  # (which Mosaic GPU does not lower: a sum)
+                return lax.add(*args)
+            return bind(eqn, args)
 
-        return dataclasses.replace(folded[0], ops=(chosen,))
+        return dataclasses.replace(folded[0], ops=(operation,))
 
     def atomic_add(eqn, operands):
         tree = eqn.params["args_tree"]
@@ -314,12 +289,7 @@ def rules(simulated: bool, along) -> dict:
     return {
         "mgpu_atomic_store": (atomic_add,),
         "reduce_sum": (_folded,),
-        "add_any": (_added,),
-        "select_n": (by_a_windows_choice,),
-        "mul": (_with_scalars, _scalar_first, by_window),
-        "div": (_with_scalars, by_window),
-        "neg": (_with_scalars,),
-        "convert_element_type": (_with_scalars,),
+        **dict.fromkeys(_ELEMENTWISE, (folded_elementwise,)),
         "reshape": (_refolded,),
         "broadcast_in_dim": (_refolded,),
         "squeeze": (_refolded,),
