@@ -60,7 +60,7 @@ def _on_kernel(kernel: Pallas, tiles: Tiles, queries, key, value, arrays, kv_off
     heads, kv_heads = math.prod(tiles.groups), tiles.groups[0]
     q, k, v = _heads(queries, heads), _heads(key, kv_heads), _heads(value, kv_heads)
     kernel = fitting.for_inputs(kernel, q, k, v)
-    fitted = fitting.fitted(tiles.formula, kernel, q, k)
+    fitted = fitting.fitted(tiles.formula, kernel, q, k, v)
     arrays = dataclasses.replace(arrays, sinks=None)
     return kernel, fitted, (q, k, v), fitting.padded(fitted, kernel, q, k, v, arrays, kv_offset)
 

@@ -186,11 +186,14 @@ def test_float16_wider_values_max_scores_and_rows_with_no_key_on_the_gpu_simulat
     assert not np.any(np.asarray(grads[0][:, :40]))
 
 
-def test_float16_and_wider_values_lower_for_cuda():
+@pytest.mark.parametrize(  # (values of 256 beside narrower queries: the sides of the wider)
+    "dtype, widths", [(jnp.float16, (64, 128)), (jnp.bfloat16, (96, 256))]
+)
+def test_float16_and_wider_values_lower_for_cuda(dtype, widths):
     from tests.lowering import mosaic_gpu_kernels
 
-    q = jnp.zeros((1, 256, 2, 64), jnp.float16)
-    v = jnp.zeros((1, 256, 2, 128), jnp.float16)
+    q = jnp.zeros((1, 256, 2, widths[0]), dtype)
+    v = jnp.zeros((1, 256, 2, widths[1]), dtype)
     pallas = js.Pallas(backend="mosaic_gpu")
 
     def loss(q, k, v):

@@ -42,17 +42,19 @@ def block_lists(
     return arrays, BlockLists.of(rule) if at_tiles else None
 
 
-def fitted(formula: Formula, tunables: Pallas, query, key, value=None) -> Tiles:
+def fitted(formula: Formula, tunables: Pallas, query, key, value) -> Tiles:
     """The tiles for ``(T, N, H)`` queries and ``(S, K, H)`` keys (and values).
 
     ``tunables``' sides, or for a short sequence the power of two ≥ 16 at or above its length;
-    the Mosaic GPU kernel's own (:func:`jax_sdpa._kernels.mosaic_gpu.sides`) where it runs.
+    the Mosaic GPU kernel's own (:func:`jax_sdpa._kernels.mosaic_gpu.sides`) where it runs, for
+    the wider of the queries' and the values' heads.
     """
     (seq_q, heads, width), (seq_kv, kv_heads, _) = query.shape, key.shape
     if on_mosaic_gpu(tunables):
         in_place = mosaic_gpu.reads_in_place(key, value)
         quantized = in_place and any(isinstance(x, Quantized) for x in (key, value))
         latent = in_place and isinstance(value, LatentValues)
+        width = max(width, value.features if isinstance(value, LatentValues) else value.shape[-1])
         block_q, block_kv = mosaic_gpu.sides(width, quantized, latent)
         block_kv = _power_of_two(min(block_kv, seq_kv), mosaic_gpu.MIN_WIDTH)
     else:
