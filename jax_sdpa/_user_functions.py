@@ -115,7 +115,7 @@ def _hoisted(fn, args: list) -> tuple:
     """
     closed = jax.make_jaxpr(lambda *a: fn(*a))(*args)
     jaxpr, consts = closed.jaxpr, list(closed.consts)
-    ahead, residuals = _precomputed(jaxpr)
+    ahead, rest, residuals = _precomputed(jaxpr)
     env = dict(zip(jaxpr.constvars, consts, strict=True))
     _replay(ahead, env, varying_axes(consts))
     arrays = tuple(env[var] for var in residuals)
@@ -123,7 +123,7 @@ def _hoisted(fn, args: list) -> tuple:
     if key not in _EVALUATORS:
         if len(_EVALUATORS) > 256:
             _EVALUATORS.clear()
-        count, rest = len(args), _rest(jaxpr, ahead)
+        count = len(args)
 
         def evaluator(*args_and_arrays):
             env = dict(zip(residuals, args_and_arrays[count:], strict=True))
@@ -137,34 +137,38 @@ def _hoisted(fn, args: list) -> tuple:
     return _EVALUATORS[key], arrays
 
 
-def _precomputed(jaxpr: Jaxpr) -> tuple[list, list]:
+def _precomputed(jaxpr: Jaxpr) -> tuple[list, list, list]:
     """What a function computes from the arrays it closes over alone, to compute ahead.
 
-    ``(ahead, residuals)``: the equations that read those arrays (the jaxpr's constants) and
-    nothing else but literals, and the variables of theirs, or the arrays, that the rest reads.
+    ``(ahead, rest, residuals)``: the equations to replay ahead, those to replay per tile, and
+    the variables of the first (or the arrays) that the rest reads. Ahead: the equations that
+    read those arrays (the jaxpr's constants) and nothing else but literals, and those that
+    make an array of literals alone (``jnp.arange(4)``, a table written in the function).
 
     ``table.astype(jnp.bfloat16)[h, i - j]`` casts the table once, ahead, not in every tile:
     the tiles (and a kernel's body, which takes no operation over a whole array of any shape)
     keep only what depends on the arguments. The gradients of the arrays flow through the part
-    computed ahead as through any JAX function. An equation of literals alone stays (a
-    ``-jnp.inf`` in a ``jnp.where``): a constant, not an array.
+    computed ahead as through any JAX function. A scalar of literals alone stays (a ``-jnp.inf``
+    in a ``jnp.where``): a constant, not an array; it is also replayed ahead where an equation
+    there reads it.
     """
-    derived, ahead = set(jaxpr.constvars), []
+    derived, constants, ahead, moved = set(jaxpr.constvars), set(), [], []
     for eqn in jaxpr.eqns:
         variables = [var for var in eqn.invars if not isinstance(var, Literal)]
-        if variables and not eqn.effects and all(var in derived for var in variables):
+        if eqn.effects or not all(var in derived or var in constants for var in variables):
+            continue
+        ahead.append(eqn)
+        if any(var in derived for var in variables) or any(v.aval.ndim for v in eqn.outvars):
             derived.update(eqn.outvars)
-            ahead.append(eqn)
-    used = [var for eqn in _rest(jaxpr, ahead) for var in eqn.invars] + list(jaxpr.outvars)
+            moved.append(eqn)
+        else:
+            constants.update(eqn.outvars)
+    skipped = {id(eqn) for eqn in moved}
+    rest = [eqn for eqn in jaxpr.eqns if id(eqn) not in skipped]
+    used = [var for eqn in rest for var in eqn.invars] + list(jaxpr.outvars)
     variables = (var for var in used if not isinstance(var, Literal))
     residuals = list(dict.fromkeys(var for var in variables if var in derived))
-    return ahead, residuals
-
-
-def _rest(jaxpr: Jaxpr, ahead: list) -> list:
-    """The equations of ``jaxpr`` not among ``ahead``, in order."""
-    skipped = {id(eqn) for eqn in ahead}
-    return [eqn for eqn in jaxpr.eqns if id(eqn) not in skipped]
+    return ahead, rest, residuals
 
 
 def convert(name: str, fn, signature: str, example: tuple, kind: str) -> tuple:

@@ -130,6 +130,17 @@ def _alibi_documents_sinks(case, slopes, sinks):  # a mask_mod and is_causal: tw
     return dict(keywords, mask_mod=lambda b, h, i, j: doc[i] == doc[j])
 
 
+def _made_of_literals(case):  # arrays the function makes (ALiBi's slopes, a bias per key)
+    heads, length = case.heads[0], case.kv_length
+
+    def score_mod(s, b, h, i, j):
+        slopes = 2.0 ** -jnp.arange(1, heads + 1, dtype=jnp.float32)
+        bias = jnp.linspace(-1.0, 1.0, length, dtype=jnp.float32)
+        return s + (bias[j] - slopes[h] * (i - j).astype(jnp.float32)).astype(s.dtype)
+
+    return dict(is_causal=True, score_mod=score_mod)
+
+
 def _clipped(s, b, h, i, j):  # constants, not arrays: nothing to compute ahead
     return jnp.where(j <= i, jnp.clip(s, -30.0, 30.0), -jnp.inf)
 
@@ -185,6 +196,7 @@ CASES = {
     "a mod of literals (jnp.clip, jnp.where to −∞)": Case(
         keywords=lambda c: dict(score_mod=_clipped)
     ),
+    "arrays a mod makes of literals (computed ahead)": Case(keywords=_made_of_literals, tpu=False),
     # Mods over captured arrays (their gradients too) and block masks.
     "ALiBi, a small captured array": Case(keywords=_alibi, arrays_of=HEADS),
     "relative positions, a large captured table": Case(

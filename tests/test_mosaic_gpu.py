@@ -768,6 +768,13 @@ def test_an_8_bit_array_read_along_positions_is_refused_by_name(dtype):
         ).trace(q)
 
 
+def _made_of_literals(s, b, h, i, j):
+    """Arrays the function makes (a bias per key, slopes per head): computed ahead, read."""
+    bias = jnp.linspace(-1.0, 1.0, 256, dtype=jnp.float32)
+    slopes = 2.0 ** -jnp.arange(1, 5, dtype=jnp.float32)
+    return s + (bias[j] - slopes[h]).astype(s.dtype)
+
+
 @pytest.mark.parametrize(
     "shape, keywords",
     [
@@ -779,6 +786,7 @@ def test_an_8_bit_array_read_along_positions_is_refused_by_name(dtype):
         ((2, 256, 2, 2, 64), dict(is_causal=True, key_value_seq_lengths=jnp.array([100, 256]))),
         ((1, 512, 2, 1, 128), dict(mask_mod=_listed)),
         ((1, 256, 4, 2, 64), dict(is_causal=True, score_mod=lambda *at: _alibi(*at))),
+        ((1, 256, 4, 2, 64), dict(score_mod=_made_of_literals)),
     ],
     ids=[
         "causal GQA d128",
@@ -789,6 +797,7 @@ def test_an_8_bit_array_read_along_positions_is_refused_by_name(dtype):
         "key lengths",
         "block mask",
         "captured slopes",
+        "arrays of literals",
     ],
 )
 def test_the_kernels_lower_for_cuda_and_their_modules_verify(shape, keywords):

@@ -80,9 +80,9 @@ def test_mods_and_sinks_against_reference(rng, impl, with_sinks):
 
 @each_implementation()
 def test_a_mod_that_transforms_its_arrays_whole_gets_their_gradients(rng, impl):
-    # exp of learned log-slopes and a bfloat16 cast of a table: computed once, ahead of the
-    # tiles; the gradients reach the arrays the user holds through that part too. A literal
-    # (−∞ in a jnp.where) stays a constant.
+    # exp of learned log-slopes, a bfloat16 cast of a table and an array the function makes of
+    # literals: computed once, ahead of the tiles; the gradients reach the arrays the user
+    # holds through that part too. A literal (−∞ in a jnp.where) stays a constant.
     (q, k, v), slopes, table, _, _ = setup(rng)
     log_slopes = jnp.asarray(np.log(slopes), jnp.float32)
     table = jnp.asarray(table, jnp.float32)
@@ -91,6 +91,7 @@ def test_a_mod_that_transforms_its_arrays_whole_gets_their_gradients(rng, impl):
         def score_mod(s, b, h, i, j):
             s = s + jnp.exp(log_slopes)[h] * (j - i).astype(s.dtype)
             s = s + table.astype(jnp.bfloat16).astype(s.dtype)[h, (j - i).clip(-3, 3) + 3]
+            s = s * jnp.linspace(0.5, 1.5, 8, dtype=s.dtype)[i % 8]
             return jnp.where(j <= i + 1, s, -jnp.inf)
 
         out = implementation(q, k, v, score_mod=score_mod)
