@@ -216,6 +216,9 @@ class CallArrays:
         sinks: One logit per query head for a virtual key without a value (attention sinks).
         sigmoid_bias: With the sigmoid normaliser, the bias ``b`` of each query head (per
             sequence: ``−log S`` counts its keys).
+        fixed_consts: For each of ``score_consts``, whether no derivative asks for its
+            gradient (the kernels' backward then computes none: :func:`~jax_sdpa._tiles.
+            differentiable`); empty where none is known fixed. Static.
     """
 
     bias: Array | None = None
@@ -227,6 +230,7 @@ class CallArrays:
     score_consts: tuple = ()
     sinks: Array | None = None
     sigmoid_bias: Array | None = None
+    fixed_consts: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     def indices(self) -> tuple[Array | int, Array | int]:
         """``(batch, head)`` of one head's arrays (0 and 0 where they are not tracked)."""
@@ -250,6 +254,7 @@ class CallArrays:
             score_consts=score_consts,
             sinks=_per_head(self.sinks, groups),
             sigmoid_bias=_per_head(self.sigmoid_bias, groups),
+            fixed_consts=self.fixed_consts,
         )
 
     def block(self, q_block: tuple, kv_block: tuple) -> "CallArrays":

@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._formula import CallArrays, Formula
@@ -85,7 +86,7 @@ def _fused_bwd(tiles: Tiles, tunables: Pallas, residuals: tuple, cotangents: tup
     d_query, d_consts = jax.tree.map(
         lambda d, x: d.astype(x.dtype),
         (d_query, d_consts),
-        (query, differentiable(arrays.score_consts)),
+        (query, differentiable(arrays)),
     )
     # (from the kernels' sums, in the dtype they accumulate in: a scale's sums its features')
     _, widened = jax.vjp(functools.partial(plain, accumulated=True), caches)
@@ -94,7 +95,41 @@ def _fused_bwd(tiles: Tiles, tunables: Pallas, residuals: tuple, cotangents: tup
     return d_query, d_key, d_value, d_arrays, None, None
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+def _with_fixed(primals: tuple) -> tuple:
+    """The primals' values (``CustomVJPPrimal``s), their arrays' unperturbed consts fixed.
+
+    A ``score_mod``'s array that no derivative asks for (a table it closed over that is not
+    differentiated, an array it made of literals) is marked fixed in the call's
+    :class:`~jax_sdpa._formula.CallArrays`: the kernels' backward computes no gradient for it
+    (no atomic adds for a table's).
+    """
+
+    def value(primal):
+        values = jax.tree.map(lambda p: p.value, primal, is_leaf=_is_primal)
+        if not isinstance(primal, CallArrays):
+            return values
+        fixed = tuple(not p.perturbed for p in primal.score_consts)
+        return dataclasses.replace(values, fixed_consts=fixed)
+
+    return tuple(map(value, primals))
+
+
+def _is_primal(x) -> bool:
+    return isinstance(x, CustomVJPPrimal)
+
+
+def _instantiated(cotangents: tuple) -> tuple:
+    """The cotangents, a ``SymbolicZero`` (of an output nothing reads) made zeros."""
+    return tuple(
+        jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cotangents
+    )
+
+
+_fused.defvjp(
+    lambda tiles, tunables, *primals: _fused_fwd(tiles, tunables, *_with_fixed(primals)),
+    lambda tiles, tunables, res, cts: _fused_bwd(tiles, tunables, res, _instantiated(cts)),
+    symbolic_zeros=True,
+)
 
 
 def _on_pages(tiles: Tiles, tunables: Pallas, query, pages: Pages, arrays: CallArrays, at):
@@ -127,7 +162,11 @@ def _fused_pages_bwd(tiles: Tiles, tunables: Pallas, residuals: tuple, cotangent
     return d_query, d_key, d_value, None, d_arrays, None
 
 
-_fused_pages.defvjp(_fused_pages_fwd, _fused_pages_bwd)
+_fused_pages.defvjp(
+    lambda tiles, tunables, *primals: _fused_pages_fwd(tiles, tunables, *_with_fixed(primals)),
+    lambda tiles, tunables, res, cts: _fused_pages_bwd(tiles, tunables, res, _instantiated(cts)),
+    symbolic_zeros=True,
+)
 
 
 def pallas_sequence(

@@ -161,7 +161,7 @@ class Tiles:
             return formula.logits(raw, tile, q_offset, kv_offset)
 
         scores, logits_vjp, allowed = jax.vjp(
-            tile_logits, raw, arrays.bias, differentiable(arrays.score_consts), has_aux=True
+            tile_logits, raw, arrays.bias, differentiable(arrays), has_aux=True
         )
         # The weights: P = e^{S − lse}, or the sigmoid's.
         p = formula.normalizer.recompute(scores, allowed, row_terms.shift, arrays.sigmoid_bias)
@@ -242,9 +242,17 @@ def _along_keys(scale: jax.Array) -> jax.Array:
     return scale.astype(accumulation_dtype(scale.dtype))[None, :]
 
 
-def differentiable(consts: tuple) -> tuple:
-    """The floating-point arrays among ``consts``; None in place of the others."""
-    return tuple(c if jnp.issubdtype(c.dtype, jnp.inexact) else None for c in consts)
+def differentiable(arrays: CallArrays) -> tuple:
+    """The ``score_mod``'s arrays whose gradients are computed; None in place of the others.
+
+    The floating-point ones, but those no derivative asks for (``arrays.fixed_consts``).
+    """
+    consts = arrays.score_consts
+    fixed = arrays.fixed_consts or (False,) * len(consts)
+    return tuple(
+        None if f or not jnp.issubdtype(c.dtype, jnp.inexact) else c
+        for c, f in zip(consts, fixed, strict=True)
+    )
 
 
 def _rows(x: jax.Array, i, block: int) -> jax.Array:

@@ -114,7 +114,7 @@ def zeros_like_grads(query, key, value, arrays: CallArrays) -> tuple:
     def zeros(x):
         return None if x is None else zeros_from(x, accumulation_dtype(x.dtype))
 
-    consts = tuple(map(zeros, differentiable(arrays.score_consts)))
+    consts = tuple(map(zeros, differentiable(arrays)))
     return (*map(zeros, (query, key, value, arrays.bias)), consts)
 
 
@@ -128,7 +128,7 @@ def grads_like(grads: tuple, query, key, value, arrays: CallArrays) -> tuple:
     d_query, d_key, d_value, d_bias, d_consts = jax.tree.map(
         lambda g, x: g.astype(x.dtype).reshape(x.shape),
         grads,
-        (query, key, value, arrays.bias, differentiable(arrays.score_consts)),
+        (query, key, value, arrays.bias, differentiable(arrays)),
     )
     return d_query, d_key, d_value, CallArrays(bias=d_bias, score_consts=d_consts)
 

@@ -196,7 +196,7 @@ CASES = {
     "a mod of literals (jnp.clip, jnp.where to −∞)": Case(
         keywords=lambda c: dict(score_mod=_clipped)
     ),
-    "arrays a mod makes of literals (computed ahead)": Case(keywords=_made_of_literals, tpu=False),
+    "arrays a mod makes of literals (computed ahead)": Case(keywords=_made_of_literals),
     # Mods over captured arrays (their gradients too) and block masks.
     "ALiBi, a small captured array": Case(keywords=_alibi, arrays_of=HEADS),
     "relative positions, a large captured table": Case(

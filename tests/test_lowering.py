@@ -27,9 +27,7 @@ pytestmark = pytest.mark.x64_sampled  # lowering is the same program under x64
 
 # Summed by atomic adds into memory (Triton's), a table's gradient: more entries than one-hot
 # sums take.
-ATOMICS = {name for name in CASES if name.startswith("relative positions")} | {
-    "arrays a mod makes of literals (computed ahead)"  # (a bias of S entries, one a key)
-}
+ATOMICS = {name for name in CASES if name.startswith("relative positions")}
 # Every case's kernels are verified; these (and in the thorough profile all) are also compiled
 # for sm_90 (3 s a kernel on this CPU): lengths that no tile divides and query lengths (which
 # failed on an H200 before), the largest shared memory (d = 256), an array's gradient as
@@ -118,6 +116,25 @@ def test_an_arrays_gradient_of_a_side_no_block_has_is_added_into_memory():
     kernels = verified_kernels(program, q, q, q, bias, platform="cuda", compile=False)
     atomics = [kernel.name for kernel in kernels if "tt.atomic_rmw" in kernel.asm]
     assert atomics == ["jax_sdpa_backward_keys"]
+
+
+def test_a_table_no_derivative_asks_for_has_no_gradient_computed():
+    # A relative table the call closes over, differentiated or not: its gradient (atomic adds
+    # into memory) only where a derivative asks for it.
+    table = jnp.linspace(-1.0, 1.0, 300)
+    q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+
+    def loss(q, table):
+        def relative(score, b, h, i, j):
+            return score + table[i - j + 150].astype(score.dtype)
+
+        out = js.dot_product_attention(q, q, q, score_mod=relative, implementation="pallas")
+        return out.astype(jnp.float32).sum()
+
+    for argnums, atomics in (((0,), []), ((0, 1), ["jax_sdpa_backward_keys"])):
+        program = jax.grad(loss, argnums=argnums)
+        kernels = verified_kernels(program, q, table, platform="cuda", compile=False)
+        assert [kernel.name for kernel in kernels if "tt.atomic_rmw" in kernel.asm] == atomics
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -79,7 +79,8 @@ def test_a_plain_pallas_call_on_a_cpu_runs_the_interpreter(rng):
 
 def test_captured_arrays_sinks_and_a_document_mask_get_the_reference_gradients(rng):
     # ALiBi over a captured slope array, a relative-position table read at (h, i − j), sinks and
-    # a document mask over a captured array: every gradient, against dense attention in float64.
+    # a document mask over a captured array: every gradient, against dense attention in float64;
+    # and the others' where no derivative asks for the slopes' and the table's (fixed).
     b, t, s, n, k, h = 2, 21, 37, 4, 2, 16
     q, key, v = qkv(rng, b, t, s, n, k, h, hv=8)
     slopes = jnp.asarray(rng.uniform(0.1, 1.0, n), jnp.float32)
@@ -104,12 +105,14 @@ def test_captured_arrays_sinks_and_a_document_mask_get_the_reference_gradients(r
         return (out * jnp.cos(out)).sum()
 
     args = (q, key, v, slopes, table, sinks)
-    got = jax.grad(lambda *a: loss(INTERPRET, *a), argnums=range(6))(*args)
-    with enable_x64():
-        wide = jax.tree.map(lambda x: x.astype(jnp.float64), args)
-        want = jax.grad(lambda *a: loss("xla", *a), argnums=range(6))(*wide)
-    for name, g, w in zip(("q", "k", "v", "slopes", "table", "sinks"), got, want, strict=True):
-        assert ref.rel_err(g, w) < 1e-5, name
+    names = ("q", "k", "v", "slopes", "table", "sinks")
+    for argnums in (range(6), (0, 1, 2, 5)):
+        got = jax.grad(lambda *a: loss(INTERPRET, *a), argnums=argnums)(*args)
+        with enable_x64():
+            wide = jax.tree.map(lambda x: x.astype(jnp.float64), args)
+            want = jax.grad(lambda *a: loss("xla", *a), argnums=argnums)(*wide)
+        for n, g, w in zip(argnums, got, want, strict=True):
+            assert ref.rel_err(g, w) < 1e-5, names[n]
 
 
 Q_DOCUMENTS = jnp.array([0] * 7 + [1] * 9 + [2] * 4, jnp.int32)

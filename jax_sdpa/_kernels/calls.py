@@ -203,7 +203,7 @@ def backward(
         BackwardRows(d_out, _as_rows(rows.delta), _as_rows(rows.shift)),
         plan.inputs(arrays, offsets, lists),
     )
-    consts = [c for c in differentiable(arrays.score_consts) if c is not None]
+    consts = [c for c in differentiable(arrays) if c is not None]
     masked = block_mask_arrays(arrays, offsets)
     dq = _query_gradients(plan, inputs, masked)
     dk, dv, d_consts = _key_gradients(plan, inputs, consts, masked)
@@ -212,7 +212,7 @@ def backward(
         return d.reshape(d.shape[0], heads // plan.group, plan.group, d.shape[-1]).sum(2)
 
     sums = iter(d.sum(axis=(0, 1, 2, 3)) for d in d_consts)
-    d_consts = tuple(None if c is None else next(sums) for c in differentiable(arrays.score_consts))
+    d_consts = tuple(None if c is None else next(sums) for c in differentiable(arrays))
     return dq, per_kv_head(dk), per_kv_head(dv), d_consts
 
 
@@ -446,7 +446,8 @@ def plan_for(tiles: Tiles, tunables: Pallas, query, seq_kv: int, arrays: CallArr
         shared,
         tuple(jnp.shape(x) for x in leaves),
         tuple(jnp.result_type(x) for x in leaves),
-        tuple(not _one_hot(c) for c in differentiable(arrays.score_consts) if c is not None),
+        tuple(not _one_hot(c) for c in differentiable(arrays) if c is not None),
+        arrays.fixed_consts,
     )
 
 

@@ -119,9 +119,9 @@ class Plan:
 
     ``shared``, ``shapes``, ``dtypes``: the treedef of :func:`shared_arrays` and its leaves'
     shapes and dtypes.
-    ``in_memory``: for each of the ``score_mod``'s arrays with a gradient (floating point),
-    whether it is summed in memory (an array too large to hold as one-hot sums: a table per
-    position).
+    ``in_memory``: for each of the ``score_mod``'s arrays with a gradient (floating point,
+    not fixed), whether it is summed in memory (an array too large to hold as one-hot sums: a
+    table per position). ``fixed``: the call's ``CallArrays.fixed_consts``.
     """
 
     tiles: Tiles
@@ -132,6 +132,7 @@ class Plan:
     shapes: tuple
     dtypes: tuple
     in_memory: tuple[bool, ...]
+    fixed: tuple = ()
     backend: Backend = INTERPRETER
 
     @property
@@ -164,7 +165,12 @@ class Plan:
             arrays = [x.reshape(shape) for x, shape in zip(arrays, self.shapes, strict=True)]
             rule, batch, consts, offsets, lists = jax.tree.unflatten(self.shared, arrays)
             arrays = CallArrays(
-                rule=rule, batch=batch, head=head, score_consts=consts, sigmoid_bias=bias
+                rule=rule,
+                batch=batch,
+                head=head,
+                score_consts=consts,
+                sigmoid_bias=bias,
+                fixed_consts=self.fixed,
             )
             offsets = (offsets[0], offsets[1])
             sweep = functools.partial(self.sweep, arrays, offsets=offsets, head_lists=(n, lists))
