@@ -250,3 +250,17 @@ def test_a_large_scatter_is_atomic_adds_at_its_points(fn):
     np.testing.assert_allclose(
         added_into_memory(fn, BIG, UNIQUE, atomics=True), fn(BIG, UNIQUE), rtol=1e-6
     )
+
+
+def test_a_power_as_mosaic_gpu_computes_it_is_lax_pow():
+    # 2 ** (y · log2 |x|), the sign and every edge as lax.pow's: negative bases, ±0, ±∞, NaN.
+    from jax_sdpa._kernels.values import power_of
+
+    xs = [-np.inf, -3.0, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 2.0, 3.7, np.inf, np.nan]
+    ys = [-np.inf, -3.0, -2.0, -1.5, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 2.0, 2.5, 3.0, 1e9]
+    ys += [33554433.0, np.inf, np.nan]  # (an odd integer past 2^24 reads as an even one)
+    x, y = (jnp.asarray(a, jnp.float32) for a in np.meshgrid(xs, ys))
+    got, want = np.asarray(power_of(x, y)), np.asarray(lax.pow(x, y))
+    np.testing.assert_allclose(got, want, rtol=1e-6)  # (NaN where NaN)
+    numbers = ~np.isnan(want)
+    assert np.array_equal(np.signbit(got[numbers]), np.signbit(want[numbers]))  # (−0 too)

@@ -380,6 +380,10 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         jnp.linspace(0.5, 2.0, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score + jnp.log(t[j]),
     ),
+    "a bias per key to a power": (  # (pow, as 2 ** (y log2 |x|): the sums times 1.5 t ** 0.5)
+        jnp.linspace(0.5, 2.0, 128, dtype=jnp.float32),
+        lambda t, score, b, h, i, j: score + t[j] ** 1.5,
+    ),
     "a bias per key through sqrt": (  # (the sums times 0.5 / sqrt, read at the keys)
         jnp.linspace(0.5, 2.0, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score + jnp.sqrt(t[j]),
@@ -405,6 +409,7 @@ AT_POINTS = {
     "a bfloat16 bias per key through abs",
     "a bias per key through log",
     "a bias per key through sqrt",
+    "a bias per key to a power",
     "a bfloat16 bias per key, doubled",
     "a temperature per query, wrapped",
     "a relative table where i >= j",
@@ -703,15 +708,24 @@ def test_arrays_read_along_positions_lower_for_cuda(case):
     assert not any("red.relaxed.gpu.global.add.f" in kernel for kernel in kernels)
 
 
-def test_a_power_below_minus_one_lowers_for_cuda():
-    # Mosaic GPU lowers no integer power below −1: one over the power, on a tile as on a window.
+POWERS = {  # (Mosaic GPU lowers no integer power below −1 and no pow: both rewritten)
+    "an integer power below −1": lambda s, b, h, i, j: s * ((i - j).astype(s.dtype) + 300.0) ** -2,
+    "a tile's power": lambda s, b, h, i, j: s * ((i - j).astype(s.dtype) + 300.0) ** -0.5,
+    "ALiBi's slope as a power": lambda s, b, h, i, j: (
+        s - 2.0 ** (-8.0 * (h + 1).astype(s.dtype) / 4) * (i - j).astype(s.dtype)
+    ),
+}
+
+
+@pytest.mark.parametrize("case", POWERS)
+def test_powers_lower_for_cuda(case):
     from tests.lowering import mosaic_gpu_kernels
 
     q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
     pallas = js.Pallas(backend="mosaic_gpu")
 
     def loss(q, k, v):
-        mod = lambda s, b, h, i, j: s * ((i - j).astype(s.dtype) + 300.0) ** -2  # noqa: E731
+        mod = POWERS[case]
         out = js.dot_product_attention(q, k, v, score_mod=mod, implementation=pallas)
         return out.astype(jnp.float32).sum()
 

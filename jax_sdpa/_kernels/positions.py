@@ -27,6 +27,7 @@ from jax_sdpa._kernels.values import (
     in_bounds,
     is_zero,
     placed,
+    power_of,
     value,
 )
 
@@ -407,7 +408,7 @@ def tile_positions(laid_out, along) -> dict:
         reads = [
             value(x if grid is None else grid) for x, grid in zip(operands, grids, strict=True)
         ]
-        return bind(eqn, reads)
+        return bound(eqn, reads)
 
     def compared(eqn, operands):
         """A run compared with a scalar: :class:`Compared` (but ``run < 0``, a ``jnp`` wrap's)."""
@@ -441,22 +442,30 @@ def tile_positions(laid_out, along) -> dict:
         return window.then(operation)
 
     def bound(eqn, args):
-        """The equation on ``args``; a power below −1 as one over the power.
+        """The equation on ``args``; a power Mosaic GPU does not lower, rewritten.
 
-        (A quotient's derivative, ``y ** −2``: Mosaic GPU lowers no other negative power.)
+        An integer power below −1 (a quotient's derivative, ``y ** −2``) as one over the power;
+        a ``pow`` (``x ** 0.5``, ALiBi's ``2.0 ** (−8 (h + 1) / H)``) by :func:`power_of`.
         """
+        if eqn.primitive.name == "pow":
+            return power_of(*args)
         if eqn.primitive.name == "integer_pow" and eqn.params["y"] < -1:
             return 1 / lax.integer_pow(args[0], -eqn.params["y"])
         return bind(eqn, args)
 
     def power(eqn, operands):
-        """A tile's power below −1 (a window's is :func:`of_a_window`'s), as :func:`bound`'s."""
-        if eqn.params["y"] >= -1 or isinstance(operands[0], Lazy):
+        """A power of tiles or scalars (a window's is :func:`of_a_window`'s), as :func:`bound`'s.
+
+        None where it lowers as it is (an integer power from −1 up).
+        """
+        if any(isinstance(x, Lazy) for x in operands):
+            return None
+        if eqn.primitive.name == "integer_pow" and eqn.params["y"] >= -1:
             return None
         return bound(eqn, operands)
 
     comparisons = ("eq", "ne", "lt", "le", "gt", "ge")
-    binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor")
+    binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor", "pow")
     unary = ("convert_element_type", "neg", "not", "abs", "sign", "floor", "ceil", "integer_pow")
     unary += ("exp", "exp2", "log", "log1p", "sqrt", "rsqrt", "tanh", "logistic", "square")
     unary += ("one_minus_square",)  # (tanh's derivative, from JAX 0.12)
@@ -466,6 +475,7 @@ def tile_positions(laid_out, along) -> dict:
         **{name: (elementwise, compared, of_a_window) for name in comparisons},
         **{name: (of_a_window,) for name in unary},
         "integer_pow": (of_a_window, power),
+        "pow": (elementwise, of_a_window, power),
     }
 
 
