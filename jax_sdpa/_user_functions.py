@@ -72,7 +72,8 @@ def _replay(eqns, env: dict, axes: frozenset) -> None:
 
     def operand(x):
         x = vary(x, axes) if axes else x
-        return x.astype(jnp.float32) if narrowed and x.dtype == jnp.float64 else x
+        wide = narrowed and getattr(x, "dtype", None) == jnp.float64
+        return x.astype(jnp.float32) if wide else x
 
     def bound(eqn, operands: list):
         params = {k: jnp.float32 for k in _DTYPES if narrowed and eqn.params.get(k) == jnp.float64}
@@ -94,8 +95,11 @@ def float64_as_float32():
 
     For a kernel backend that computes no float64 (Mosaic GPU), whose programs hold the arrays
     the functions closed over as float32 (``jax_enable_x64``'s ``jnp.array([0.5, 0.25])``).
+    Only where ``jax_enable_x64`` is on (elsewhere there is no float64): there the replay
+    interprets the functions' callees in place, and a custom derivative rule inside gives way
+    to the derivative of what it computes, as inside ``shard_map``.
     """
-    token = _FLOAT32.set(True)
+    token = _FLOAT32.set(jax.dtypes.canonicalize_dtype(jnp.float64) == jnp.float64)
     try:
         yield
     finally:

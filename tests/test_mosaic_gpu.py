@@ -291,6 +291,15 @@ def test_the_kernels_visit_only_the_blocks_a_block_mask_lists():
         assert ref.rel_err(got, want[name]) < 2e-2, name
 
 
+@jax.custom_vjp
+def _reversed(x):
+    """``x``, its gradient negated: a custom rule the kernels must keep (not the identity's)."""
+    return x
+
+
+_reversed.defvjp(lambda x: (x, None), lambda _, g: (-g,))
+
+
 CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU keys' kernel's)
     "ALiBi's slopes": (
         jnp.array([0.1, 0.2, 0.05, 0.3], jnp.float32),
@@ -380,6 +389,10 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         jnp.linspace(0.5, 2.0, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score + jnp.log(t[j]),
     ),
+    "a bias per key through a custom rule": (  # (the gradient reversed: the sums negated)
+        jnp.linspace(-1.0, 1.0, 128, dtype=jnp.float32),
+        lambda t, score, b, h, i, j: score + _reversed(t[j]),
+    ),
     "a bias per key to a power": (  # (pow, as 2 ** (y log2 |x|): the sums times 1.5 t ** 0.5)
         jnp.linspace(0.5, 2.0, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score + t[j] ** 1.5,
@@ -410,6 +423,7 @@ AT_POINTS = {
     "a bias per key through log",
     "a bias per key through sqrt",
     "a bias per key to a power",
+    "a bias per key through a custom rule",
     "a bfloat16 bias per key, doubled",
     "a temperature per query, wrapped",
     "a relative table where i >= j",
@@ -922,10 +936,15 @@ def test_a_decoding_call_lowers_for_cuda_as_one_kernel_of_packed_heads():
     assert "tensor<2x2x4096x8x128xbf16>" in operands[0]  # (its keys: 2 chunks, in place)
 
 
-RELATIVE, PER_KEY = jnp.linspace(-1.0, 1.0, 512), jnp.linspace(-1.0, 1.0, 256)
 SHARDED_MODS = {  # (each array's gradient added into memory: zeros made in the shard_map)
-    "a table": lambda s, b, h, i, j: s + RELATIVE[i - j + 256].astype(s.dtype),
-    "a bias per key": lambda s, b, h, i, j: s + PER_KEY[j].astype(s.dtype),  # (read along j)
+    "a table": (
+        jnp.linspace(-1.0, 1.0, 512),
+        lambda t, s, b, h, i, j: s + t[i - j + 256].astype(s.dtype),
+    ),
+    "a bias per key": (  # (read along j)
+        jnp.linspace(-1.0, 1.0, 256),
+        lambda t, s, b, h, i, j: s + t[j].astype(s.dtype),
+    ),
 }
 
 
@@ -947,18 +966,25 @@ def test_calls_in_shard_map_with_its_default_checks_lower_for_cuda(seq_q, mod):
     k = jnp.zeros((2, 256, 2, 64), jnp.bfloat16)
     pallas = js.Pallas(backend="mosaic_gpu")
 
-    def call(q, k, v):
-        keywords = dict(score_mod=SHARDED_MODS[mod]) if mod else {}
+    array, score_mod = SHARDED_MODS.get(mod, (jnp.zeros(()), None))
+
+    def call(q, k, v, array):
+        keywords = dict(score_mod=lambda *at: score_mod(array, *at)) if mod else {}
         return js.dot_product_attention(
             q, k, v, is_causal=seq_q > 1, implementation=pallas, **keywords
         )
 
-    sharded = jax.shard_map(call, mesh=mesh, in_specs=P("batch"), out_specs=P("batch"))
+    specs = (P("batch"),) * 3 + (P(),)
+    sharded = jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=P("batch"))
 
-    def loss(q, k, v):
-        return sharded(q, k, v).astype(jnp.float32).sum()
+    def loss(q, k, v, array):
+        return sharded(q, k, v, array).astype(jnp.float32).sum()
 
-    assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, mesh=mesh)) == 3
+    program = jax.grad(loss, argnums=(0, 1, 2, 3))
+    kernels = mosaic_gpu_kernels(program, q, k, k, array, mesh=mesh)
+    assert len(kernels) == 3
+    adds = any("red.relaxed.gpu.global.add.f" in kernel for kernel in kernels)
+    assert adds == (mod is not None)  # (the array's gradient, differentiated)
 
 
 def test_a_decoding_call_on_an_int8_cache_in_shard_map_lowers_for_cuda():
