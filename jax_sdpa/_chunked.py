@@ -27,7 +27,7 @@ from jax_sdpa._heads import Result
 from jax_sdpa._online_softmax import zeros_from
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tiles import Tiles, flat, loop, pad_keys, pad_to, rows_first, sweep_keys
-from jax_sdpa._tiles_backward import backward
+from jax_sdpa._tiles_backward import backward, define_vjp
 from jax_sdpa._tunables import Chunked
 
 
@@ -71,7 +71,7 @@ def _flash_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
     return (out, lse, top), (query, key, value, arrays, out, lse)
 
 
-_flash.defvjp(_flash_fwd, backward)
+define_vjp(_flash, _flash_fwd, backward)
 
 
 def chunked_sequence(

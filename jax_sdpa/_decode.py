@@ -53,7 +53,7 @@ from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized, keys_product, per_token, values_product
 from jax_sdpa._steps import accumulation_dtype, raw_scores, weighted_sum
 from jax_sdpa._tiles import Tiles, listed_blocks, loop, pad_keys
-from jax_sdpa._tiles_backward import backward
+from jax_sdpa._tiles_backward import backward, define_vjp
 from jax_sdpa._tunables import Decode, Paged, Selected
 
 # Up to this many columns (K·G·T: every query row of every head), the scores are one matrix
@@ -258,7 +258,7 @@ def _split_attention_fwd(tiles: Tiles, query, key, value, arrays: CallArrays):
     return (out, lse, top), (query, key, value, arrays, out, lse)
 
 
-_split_attention.defvjp(_split_attention_fwd, backward)
+define_vjp(_split_attention, _split_attention_fwd, backward)
 
 
 def decode_sequence(

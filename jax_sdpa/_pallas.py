@@ -13,7 +13,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from jax_sdpa import _online_softmax as online_softmax
 from jax_sdpa._formula import CallArrays, Formula
@@ -37,7 +36,7 @@ from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import per_token
 from jax_sdpa._row_rules import PackedRows
 from jax_sdpa._tiles import Tiles, differentiable, masked_past, pad_keys
-from jax_sdpa._tiles_backward import backward_rows, sinks_grad
+from jax_sdpa._tiles_backward import backward_rows, define_vjp, sinks_grad
 from jax_sdpa._tunables import MIN_SIDE, Pallas
 
 # The most rows ``T·G`` a call's grouped query heads are packed into (a Mosaic GPU program's:
@@ -95,41 +94,7 @@ def _fused_bwd(tiles: Tiles, tunables: Pallas, residuals: tuple, cotangents: tup
     return d_query, d_key, d_value, d_arrays, None, None
 
 
-def _with_fixed(primals: tuple) -> tuple:
-    """The primals' values (``CustomVJPPrimal``s), their arrays' unperturbed consts fixed.
-
-    A ``score_mod``'s array that no derivative asks for (a table it closed over that is not
-    differentiated, an array it made of literals) is marked fixed in the call's
-    :class:`~jax_sdpa._formula.CallArrays`: the kernels' backward computes no gradient for it
-    (no atomic adds for a table's).
-    """
-
-    def value(primal):
-        values = jax.tree.map(lambda p: p.value, primal, is_leaf=_is_primal)
-        if not isinstance(primal, CallArrays):
-            return values
-        fixed = tuple(not p.perturbed for p in primal.score_consts)
-        return dataclasses.replace(values, fixed_consts=fixed)
-
-    return tuple(map(value, primals))
-
-
-def _is_primal(x) -> bool:
-    return isinstance(x, CustomVJPPrimal)
-
-
-def _instantiated(cotangents: tuple) -> tuple:
-    """The cotangents, a ``SymbolicZero`` (of an output nothing reads) made zeros."""
-    return tuple(
-        jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cotangents
-    )
-
-
-_fused.defvjp(
-    lambda tiles, tunables, *primals: _fused_fwd(tiles, tunables, *_with_fixed(primals)),
-    lambda tiles, tunables, res, cts: _fused_bwd(tiles, tunables, res, _instantiated(cts)),
-    symbolic_zeros=True,
-)
+define_vjp(_fused, _fused_fwd, _fused_bwd)
 
 
 def _on_pages(tiles: Tiles, tunables: Pallas, query, pages: Pages, arrays: CallArrays, at):
@@ -162,11 +127,7 @@ def _fused_pages_bwd(tiles: Tiles, tunables: Pallas, residuals: tuple, cotangent
     return d_query, d_key, d_value, None, d_arrays, None
 
 
-_fused_pages.defvjp(
-    lambda tiles, tunables, *primals: _fused_pages_fwd(tiles, tunables, *_with_fixed(primals)),
-    lambda tiles, tunables, res, cts: _fused_pages_bwd(tiles, tunables, res, _instantiated(cts)),
-    symbolic_zeros=True,
-)
+define_vjp(_fused_pages, _fused_pages_fwd, _fused_pages_bwd)
 
 
 def pallas_sequence(

@@ -34,6 +34,7 @@ from jax_sdpa._tiles import Tiles, flat, forward_sweep, loop
 from jax_sdpa._tiles_backward import (
     backward_rows,
     backward_sweep,
+    define_vjp,
     grads_like,
     sinks_grad,
     zeros_like_grads,
@@ -201,7 +202,7 @@ def _around_ring_bwd(tiles: Tiles, ring: RingSpec, kernel: Pallas | None, residu
     return d_query, d_key, d_value, dataclasses.replace(d_arrays, sinks=d_sinks)
 
 
-_around_ring.defvjp(_around_ring_fwd, _around_ring_bwd)
+define_vjp(_around_ring, _around_ring_fwd, _around_ring_bwd)
 
 
 def ring_sequence(

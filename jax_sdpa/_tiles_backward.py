@@ -16,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from jax_sdpa._formula import CallArrays, block_of
 from jax_sdpa._heads import over_heads
@@ -179,3 +180,41 @@ def backward(tiles: Tiles, residuals: tuple, cotangents: tuple) -> tuple:
     d_query, d_key, d_value, d_arrays = grads_like(grads, query, key, value, arrays)
     d_sinks = sinks_grad(arrays.sinks, lse, row_terms)
     return d_query, d_key, d_value, dataclasses.replace(d_arrays, sinks=d_sinks)
+
+
+def define_vjp(fn, fwd, bwd) -> None:
+    """``fn.defvjp(fwd, bwd)`` for a call's ``jax.custom_vjp``, with JAX's symbolic zeros.
+
+    ``fwd`` gets the primals' values, its :class:`~jax_sdpa._formula.CallArrays`' ``score_mod``
+    arrays that no derivative perturbs marked fixed (a table closed over and not
+    differentiated, an array the mod makes of literals: ``fixed_consts``), whose gradients the
+    backward then computes nowhere (a kernel's atomic adds, a sweep's accumulators); ``bwd``
+    the cotangents, an output's that nothing reads (a ``SymbolicZero``) as zeros.
+    """
+
+    def primals(*args):
+        def value(arg):
+            values = jax.tree.map(_value, arg, is_leaf=_is_primal)
+            if not isinstance(arg, CallArrays):
+                return values
+            fixed = tuple(not p.perturbed for p in arg.score_consts)
+            return dataclasses.replace(values, fixed_consts=fixed)
+
+        return fwd(*map(value, args))
+
+    def zero(c):
+        return jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c
+
+    def cotangents(*args):
+        *rest, outs = args
+        return bwd(*rest, tuple(map(zero, outs)))
+
+    fn.defvjp(primals, cotangents, symbolic_zeros=True)
+
+
+def _is_primal(x) -> bool:
+    return isinstance(x, CustomVJPPrimal)
+
+
+def _value(x):
+    return x.value if _is_primal(x) else x

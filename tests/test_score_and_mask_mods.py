@@ -471,3 +471,28 @@ def test_with_no_keys_the_log_sum_exp_is_the_sink_and_it_has_its_gradient(implem
 
     np.testing.assert_array_equal(lse(sinks), jnp.broadcast_to(sinks, (1, 2, 2)))
     np.testing.assert_array_equal(jax.grad(lambda s: lse(s).sum())(sinks), [2.0, 2.0])
+
+
+@pytest.mark.parametrize("implementation", ["chunked", "decode"])
+def test_a_table_no_derivative_asks_for_has_no_gradient_accumulated(rng, implementation):
+    # The paths with their own backward (a jax.custom_vjp) compute a closed-over array's
+    # gradient only where a derivative asks for it (as FlexAttention's requires_grad); the
+    # queries' gradient is the same either way.
+    (q, _, _), *_ = setup(rng)
+    table = jnp.linspace(-1.0, 1.0, 5 * 300, dtype=jnp.float32).reshape(5, 300)
+
+    def loss(implementation, q, table):
+        def relative(s, b, h, i, j):
+            return s + table[h % 5, i - j + 150]
+
+        out = js.dot_product_attention(q, q, q, score_mod=relative, implementation=implementation)
+        return (out * jnp.cos(out)).sum()
+
+    for argnums in ((0,), (0, 1)):
+        program = jax.grad(functools.partial(loss, implementation), argnums=argnums)
+        text = str(jax.make_jaxpr(program)(q, table))
+        sums = re.findall(r"f32\[[\d,]*5,300\] = (?:add|add_any|scatter-add|reduce_sum)\b", text)
+        assert bool(sums) == (1 in argnums)  # (the table's gradient summed, or not at all)
+        want = jax.grad(functools.partial(loss, "xla"), argnums=argnums)(q, table)
+        for g, w in zip(program(q, table), want, strict=True):
+            assert ref.rel_err(g, w) < 1e-5
