@@ -264,3 +264,17 @@ def test_a_power_as_mosaic_gpu_computes_it_is_lax_pow():
     np.testing.assert_allclose(got, want, rtol=1e-6)  # (NaN where NaN)
     numbers = ~np.isnan(want)
     assert np.array_equal(np.signbit(got[numbers]), np.signbit(want[numbers]))  # (−0 too)
+
+
+@pytest.mark.parametrize("name", ["floor", "ceil", "log1p", "expm1", "is_finite"])
+def test_what_mosaic_gpu_lowers_no_primitive_for_is_computed_as_lax_does(name):
+    from jax_sdpa._kernels.values import REWRITES
+
+    edges = [-np.inf, -1e30, -8388609.0, -3.5, -1.0, -1 + 1e-7, -0.5, -1e-30, -0.0, 0.0, 1e-30]
+    edges += [1e-8, 1e-4, 0.5, 1.0, 2.5, 88.7, 89.0, 8388609.0, 1e30, np.inf, np.nan]
+    x = jnp.asarray(edges + list(np.random.default_rng(0).normal(size=500) * 3), jnp.float32)
+    got, want = np.asarray(REWRITES[name](x)), np.asarray(getattr(lax, name)(x))
+    exact = name not in ("log1p", "expm1")  # (those two within 2 units in the last place)
+    np.testing.assert_allclose(got, want, rtol=0 if exact else 3e-7)  # (NaN where NaN)
+    numbers = ~np.isnan(want)
+    assert np.array_equal(np.signbit(got[numbers]), np.signbit(want[numbers]))  # (−0 too)

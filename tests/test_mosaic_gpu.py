@@ -393,6 +393,10 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         jnp.linspace(-1.0, 1.0, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score + _reversed(t[j]),
     ),
+    "a bias per key through floor, log1p and more": (  # (a window's: read in the sums' layout)
+        jnp.linspace(0.1, 2.0, 128, dtype=jnp.float32),
+        lambda t, score, b, h, i, j: score + _rounded_and_more(t[j]) + jnp.log2(t[j]),
+    ),
     "a bias per key to a power": (  # (pow, as 2 ** (y log2 |x|): the sums times 1.5 t ** 0.5)
         jnp.linspace(0.5, 2.0, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score + t[j] ** 1.5,
@@ -423,6 +427,7 @@ AT_POINTS = {
     "a bias per key through log",
     "a bias per key through sqrt",
     "a bias per key to a power",
+    "a bias per key through floor, log1p and more",
     "a bias per key through a custom rule",
     "a bfloat16 bias per key, doubled",
     "a temperature per query, wrapped",
@@ -722,11 +727,18 @@ def test_arrays_read_along_positions_lower_for_cuda(case):
     assert not any("red.relaxed.gpu.global.add.f" in kernel for kernel in kernels)
 
 
-POWERS = {  # (Mosaic GPU lowers no integer power below −1 and no pow: both rewritten)
+def _rounded_and_more(x):  # (floor, ceil, log1p, expm1: rewritten; round, sin, log2: lowered)
+    return jnp.floor(x) + jnp.ceil(x) + jnp.log1p(x) + jnp.expm1(x) + jnp.round(x) + jnp.sin(x)
+
+
+POWERS = {  # (what Mosaic GPU lowers no primitive for, rewritten: values.REWRITES)
     "an integer power below −1": lambda s, b, h, i, j: s * ((i - j).astype(s.dtype) + 300.0) ** -2,
     "a tile's power": lambda s, b, h, i, j: s * ((i - j).astype(s.dtype) + 300.0) ** -0.5,
     "ALiBi's slope as a power": lambda s, b, h, i, j: (
         s - 2.0 ** (-8.0 * (h + 1).astype(s.dtype) / 4) * (i - j).astype(s.dtype)
+    ),
+    "floor, log1p and more of a tile": lambda s, b, h, i, j: (
+        s + _rounded_and_more((i - j).astype(s.dtype) * 0.01) + jnp.log2(s * s + 1.0)
     ),
 }
 

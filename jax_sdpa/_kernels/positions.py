@@ -20,6 +20,7 @@ from jax import lax
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import as_computed, bind
 from jax_sdpa._kernels.values import (
+    REWRITES,
     Lazy,
     Pending,
     Unread,
@@ -27,7 +28,6 @@ from jax_sdpa._kernels.values import (
     in_bounds,
     is_zero,
     placed,
-    power_of,
     value,
 )
 
@@ -442,21 +442,20 @@ def tile_positions(laid_out, along) -> dict:
         return window.then(operation)
 
     def bound(eqn, args):
-        """The equation on ``args``; a power Mosaic GPU does not lower, rewritten.
+        """The equation on ``args``; what Mosaic GPU does not lower, rewritten (:data:`REWRITES`).
 
-        An integer power below −1 (a quotient's derivative, ``y ** −2``) as one over the power;
-        a ``pow`` (``x ** 0.5``, ALiBi's ``2.0 ** (−8 (h + 1) / H)``) by :func:`power_of`.
+        An integer power below −1 (a quotient's derivative, ``y ** −2``) as one over the power.
         """
-        if eqn.primitive.name == "pow":
-            return power_of(*args)
+        if eqn.primitive.name in REWRITES:
+            return REWRITES[eqn.primitive.name](*args)
         if eqn.primitive.name == "integer_pow" and eqn.params["y"] < -1:
             return 1 / lax.integer_pow(args[0], -eqn.params["y"])
         return bind(eqn, args)
 
-    def power(eqn, operands):
-        """A power of tiles or scalars (a window's is :func:`of_a_window`'s), as :func:`bound`'s.
+    def rewritten(eqn, operands):
+        """:func:`bound`'s rewrite on tiles or scalars (a window's is :func:`of_a_window`'s).
 
-        None where it lowers as it is (an integer power from −1 up).
+        None where the equation lowers as it is (an integer power from −1 up).
         """
         if any(isinstance(x, Lazy) for x in operands):
             return None
@@ -465,17 +464,18 @@ def tile_positions(laid_out, along) -> dict:
         return bound(eqn, operands)
 
     comparisons = ("eq", "ne", "lt", "le", "gt", "ge")
-    binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor", "pow")
-    unary = ("convert_element_type", "neg", "not", "abs", "sign", "floor", "ceil", "integer_pow")
-    unary += ("exp", "exp2", "log", "log1p", "sqrt", "rsqrt", "tanh", "logistic", "square")
-    unary += ("one_minus_square",)  # (tanh's derivative, from JAX 0.12)
+    binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor", "pow", "atan2")
+    unary = ("convert_element_type", "neg", "not", "abs", "sign", "floor", "ceil", "round")
+    unary += ("exp", "exp2", "expm1", "log", "log2", "log1p", "sqrt", "rsqrt", "cbrt", "square")
+    unary += ("tanh", "logistic", "sin", "cos", "tan", "atan", "sinh", "cosh", "is_finite")
+    unary += ("one_minus_square", "select_n")  # (tanh's derivative, from JAX 0.12; a choice)
     return {
         "broadcast_in_dim": (tiled,),
         **{name: (elementwise, of_a_window) for name in binary},
         **{name: (elementwise, compared, of_a_window) for name in comparisons},
         **{name: (of_a_window,) for name in unary},
-        "integer_pow": (of_a_window, power),
-        "pow": (elementwise, of_a_window, power),
+        **{name: (of_a_window, rewritten) for name in ("integer_pow", *REWRITES)},
+        "pow": (elementwise, of_a_window, rewritten),
     }
 
 
