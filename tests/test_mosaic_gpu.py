@@ -439,11 +439,8 @@ AT_POINTS = {
 }
 
 
-@pytest.mark.parametrize("case", list(CAPTURED))
-@SIMULATED_SLOW
-def test_a_captured_arrays_gradient_with_the_mosaic_gpu_kernels(case):
-    q, k, v = qkv(np.random.default_rng(4), 1, 128, 128, 4, 2, 64, dtype=jnp.bfloat16)
-    array, mod = CAPTURED[case]
+def _causal_gradients(mod):
+    """``grads(q, k, v, array, implementation)`` of a causal call with ``score_mod(array, …)``."""
 
     def loss(q, k, v, array, implementation):
         out = js.dot_product_attention(
@@ -456,7 +453,15 @@ def test_a_captured_arrays_gradient_with_the_mosaic_gpu_kernels(case):
         )
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    grads = jax.grad(loss, argnums=(0, 1, 2, 3))
+    return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+
+@pytest.mark.parametrize("case", list(CAPTURED))
+@SIMULATED_SLOW
+def test_a_captured_arrays_gradient_with_the_mosaic_gpu_kernels(case):
+    q, k, v = qkv(np.random.default_rng(4), 1, 128, 128, 4, 2, 64, dtype=jnp.bfloat16)
+    array, mod = CAPTURED[case]
+    grads = _causal_gradients(mod)
     jaxpr = str(jax.make_jaxpr(grads, static_argnums=4)(q, k, v, array, _simulated()))
     assert "jax_sdpa_backward" not in jaxpr  # (no Triton program: the keys' kernel is ours)
     got = grads(q, k, v, array, _simulated())
@@ -568,20 +573,8 @@ def test_float64_arrays_on_the_gpu_simulator_with_x64_on():
 @SIMULATED_SLOW
 def test_a_float64_arrays_gradient_on_the_gpu_simulator(case):
     q, k, v = qkv(np.random.default_rng(6), 1, 128, 128, 4, 2, 64, dtype=jnp.bfloat16)
-
-    def loss(q, k, v, array, implementation):
-        out = js.dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=True,
-            score_mod=lambda *at: mod(array, *at),
-            implementation=implementation,
-        )
-        return jnp.sum(out.astype(jnp.float32) ** 2)
-
-    grads = jax.grad(loss, argnums=(0, 1, 2, 3))
     array, mod = _in_float64(case)
+    grads = _causal_gradients(mod)
     got = grads(q, k, v, array, _simulated())
     want = grads(*(jnp.asarray(x, jnp.float64) for x in (q, k, v, array)), "xla")
     assert got[3].dtype == jnp.float64  # (the array's gradient in its own dtype)

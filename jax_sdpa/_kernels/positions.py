@@ -441,34 +441,33 @@ def tile_positions(laid_out, along) -> dict:
 
         return window.then(operation)
 
-    def bound(eqn, args):
-        """The equation on ``args``; what Mosaic GPU does not lower, rewritten (:data:`REWRITES`).
+    def rewrite(eqn):
+        """What computes the equation where Mosaic GPU lowers it no way (:data:`REWRITES`), or None.
 
         An integer power below −1 (a quotient's derivative, ``y ** −2``) as one over the power.
         """
-        if eqn.primitive.name in REWRITES:
-            return REWRITES[eqn.primitive.name](*args)
-        if eqn.primitive.name == "integer_pow" and eqn.params["y"] < -1:
-            return 1 / lax.integer_pow(args[0], -eqn.params["y"])
-        return bind(eqn, args)
+        name = eqn.primitive.name
+        if name == "integer_pow" and eqn.params["y"] < -1:
+            return lambda x: 1 / lax.integer_pow(x, -eqn.params["y"])
+        return REWRITES.get(name)
+
+    def bound(eqn, args):
+        """The equation on ``args``, rewritten where Mosaic GPU lowers it no way."""
+        computed = rewrite(eqn)
+        return bind(eqn, args) if computed is None else computed(*args)
 
     def rewritten(eqn, operands):
-        """:func:`bound`'s rewrite on tiles or scalars (a window's is :func:`of_a_window`'s).
-
-        None where the equation lowers as it is (an integer power from −1 up).
-        """
-        if any(isinstance(x, Lazy) for x in operands):
+        """A rewrite of tiles or scalars (a window's is :func:`of_a_window`'s), or None."""
+        computed = rewrite(eqn)
+        if computed is None or any(isinstance(x, Lazy) for x in operands):
             return None
-        if eqn.primitive.name == "integer_pow" and eqn.params["y"] >= -1:
-            return None
-        return bound(eqn, operands)
+        return computed(*operands)
 
     comparisons = ("eq", "ne", "lt", "le", "gt", "ge")
-    binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor", "pow", "atan2")
-    unary = ("convert_element_type", "neg", "not", "abs", "sign", "floor", "ceil", "round")
-    unary += ("exp", "exp2", "expm1", "log", "log2", "log1p", "sqrt", "rsqrt", "cbrt", "square")
-    unary += ("tanh", "logistic", "sin", "cos", "tan", "atan", "sinh", "cosh", "is_finite")
-    unary += ("one_minus_square", "select_n")  # (tanh's derivative, from JAX 0.12; a choice)
+    binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor", "atan2")
+    unary = ("convert_element_type", "neg", "not", "abs", "sign", "round", "exp", "exp2", "log")
+    unary += ("log2", "sqrt", "rsqrt", "cbrt", "square", "tanh", "logistic", "sin", "cos", "tan")
+    unary += ("atan", "sinh", "cosh", "one_minus_square", "select_n")  # (tanh's, JAX 0.12; choices)
     return {
         "broadcast_in_dim": (tiled,),
         **{name: (elementwise, of_a_window) for name in binary},
