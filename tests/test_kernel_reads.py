@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.special
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -88,6 +89,30 @@ CASES = {
 def test_a_kernel_reads_what_the_function_reads(case):
     fn, arrays = CASES[case]
     np.testing.assert_array_equal(in_kernel(fn, *arrays), fn(*arrays))
+
+
+def _row(t, start):  # (``dynamic_slice`` of one row as a gather: JAX 0.12.1 batches it so)
+    numbers = lax.GatherDimensionNumbers(
+        offset_dims=(0, 1), collapsed_slice_dims=(), start_index_map=(0, 1)
+    )
+    return lax.gather(t, start, numbers, (1, 4), mode=lax.GatherScatterMode.CLIP)
+
+
+def test_a_row_gathered_at_one_start_is_read_as_one_and_its_gradient_placed_as_one():
+    # Read at points: the row a window of the ref, its gradient a scatter of those points placed
+    # at the row's start (no scatter-add of a whole slice: Triton lowers none).
+    start = jnp.array([5, 0], jnp.int32)  # (past the end: clamped to the last row)
+
+    def read(t, start, idx):
+        return _row(t, start)[0][idx % 4]
+
+    def grad(t, start, idx):
+        return jax.grad(lambda t: jnp.sum(read(t, start, idx) * idx.astype(t.dtype)))(t)
+
+    np.testing.assert_array_equal(in_kernel(read, TABLE, start, IDX), read(TABLE, start, IDX))
+    program = jax.make_jaxpr(lambda *a: in_kernel(grad, *a))(TABLE, start, IDX)
+    assert "scatter" not in str(program)
+    np.testing.assert_array_equal(in_kernel(grad, TABLE, start, IDX), grad(TABLE, start, IDX))
 
 
 # --- positions: a run ``start + arange(n)`` is read as one contiguous load -------------------
@@ -254,7 +279,7 @@ def test_a_large_scatter_is_atomic_adds_at_its_points(fn):
 
 def test_a_power_as_mosaic_gpu_computes_it_is_lax_pow():
     # 2 ** (y · log2 |x|), the sign and every edge as lax.pow's: negative bases, ±0, ±∞, NaN.
-    from jax_sdpa._kernels.values import power_of
+    from jax_sdpa._kernels.rewrites import power_of
 
     xs = [-np.inf, -3.0, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 2.0, 3.7, np.inf, np.nan]
     ys = [-np.inf, -3.0, -2.0, -1.5, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 2.0, 2.5, 3.0, 1e9]
@@ -266,15 +291,89 @@ def test_a_power_as_mosaic_gpu_computes_it_is_lax_pow():
     assert np.array_equal(np.signbit(got[numbers]), np.signbit(want[numbers]))  # (−0 too)
 
 
-@pytest.mark.parametrize("name", ["floor", "ceil", "log1p", "expm1", "is_finite"])
-def test_what_mosaic_gpu_lowers_no_primitive_for_is_computed_as_lax_does(name):
-    from jax_sdpa._kernels.values import REWRITES
+EDGES = [-np.inf, -1e30, -100.0, -89.5, -8388609.0, -9.5, -3.5, -2.0, -1.0, -1 + 1e-7, -0.5]
+EDGES += [-1e-4, -1e-30, -0.0, 0.0, 1e-30, 1e-8, 6.5e-8, 1e-4, 0.5, 0.999, 1.0, 1.001, 2.0, 2.42]
+EDGES += [8.9, 9.2, 10.0, 88.7, 89.0, 89.4, 8388609.0, 1e30, np.inf, np.nan]
 
-    edges = [-np.inf, -1e30, -8388609.0, -3.5, -1.0, -1 + 1e-7, -0.5, -1e-30, -0.0, 0.0, 1e-30]
-    edges += [1e-8, 1e-4, 0.5, 1.0, 2.5, 88.7, 89.0, 8388609.0, 1e30, np.inf, np.nan]
-    x = jnp.asarray(edges + list(np.random.default_rng(0).normal(size=500) * 3), jnp.float32)
-    got, want = np.asarray(REWRITES[name](x)), np.asarray(getattr(lax, name)(x))
-    exact = name not in ("log1p", "expm1")  # (those two within 2 units in the last place)
-    np.testing.assert_allclose(got, want, rtol=0 if exact else 3e-7)  # (NaN where NaN)
+
+def _arguments(seed: int = 0):
+    """The edges, normal draws and magnitudes from 1e-13 to 1e13 of both signs, as float32."""
+    rng = np.random.default_rng(seed)
+    magnitudes = np.exp(rng.uniform(-30, 30, 1000)) * rng.choice([-1.0, 1.0], 1000)
+    return np.asarray(EDGES + list(rng.normal(size=1000) * 4) + list(magnitudes), np.float32)
+
+
+@pytest.mark.parametrize("name", ["floor", "ceil", "is_finite"])
+def test_what_mosaic_gpu_lowers_no_primitive_for_is_computed_exactly_as_lax_does(name):
+    from jax_sdpa._kernels.rewrites import REWRITES
+
+    x = jnp.asarray(_arguments())
+    got, want = np.asarray(jax.jit(REWRITES[name])(x)), np.asarray(getattr(lax, name)(x))
+    np.testing.assert_array_equal(got, want)
     numbers = ~np.isnan(want)
     assert np.array_equal(np.signbit(got[numbers]), np.signbit(want[numbers]))  # (−0 too)
+
+
+def _ulps(got, want):
+    """``got``'s distance from float64's ``want`` in float32's units in the last place.
+
+    0 where both are NaN, where ``got`` is ``want`` rounded (±∞ too), and where both are below
+    float32's least normal number (XLA flushes those to 0).
+    """
+    rounded, tiny = want.astype(np.float32), np.finfo(np.float32).smallest_normal
+    with np.errstate(invalid="ignore"):
+        distance = np.abs(got - want) / np.spacing(np.abs(rounded)).astype(np.float64)
+    same = (got == rounded) | (np.isnan(got) & np.isnan(want))
+    return np.where(same | ((np.abs(want) < tiny) & (np.abs(got) < tiny)), 0.0, distance)
+
+
+APPROXIMATED = {  # (lax's name: float64's function, its bound in float32 ulps)
+    "log1p": (np.log1p, 2),
+    "expm1": (np.expm1, 4),  # (e^88.7's own 3.8)
+    "erf": (scipy.special.erf, 3),
+    "erfc": (scipy.special.erfc, 9),  # (1 − erf below 1: erf's 2 ulp, each 4 of erfc's at 1)
+    "sinh": (np.sinh, 3),
+    "cosh": (np.cosh, 3),
+    "atan": (np.arctan, 3),
+    "cbrt": (np.cbrt, 3),
+    "atan2": (np.arctan2, 3),
+}
+
+
+@pytest.mark.parametrize("name", APPROXIMATED)
+def test_what_mosaic_gpu_lowers_no_primitive_for_is_within_a_few_ulps_of_float64(name):
+    # Compiled (as the interpreters compile a kernel's body: XLA's folds of log eˣ and eᵃ eᵇ
+    # cost Kahan's expm1 and a split e^(−x²) their accuracy), against float64, NaN where NaN,
+    # the sign of ±0 and ±∞ kept; and in 16 bits, lax's rounded.
+    from jax_sdpa._kernels.rewrites import REWRITES
+
+    function, bound = APPROXIMATED[name]
+    xs = [_arguments()] if name != "atan2" else [_arguments(), np.roll(_arguments(1), 7)]
+    got = np.asarray(jax.jit(REWRITES[name])(*xs)).astype(np.float64)
+    with np.errstate(all="ignore"):
+        want = function(*(x.astype(np.float64) for x in xs))
+        ulps = _ulps(got, want)
+    assert ulps.max() <= bound, (ulps.max(), xs[0][np.argmax(ulps)])
+    numbers = ~np.isnan(want)
+    assert np.array_equal(np.isnan(got), ~numbers)
+    assert np.array_equal(np.signbit(got[numbers]), np.signbit(want[numbers]))
+    for dtype in (jnp.bfloat16, jnp.float16):
+        narrow = [jnp.asarray(x[np.abs(x) < 10], dtype)[:500] for x in xs]
+        got, want = REWRITES[name](*narrow), getattr(lax, name)(*narrow)
+        assert got.dtype == dtype
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32),
+            np.asarray(want, np.float32),
+            rtol=2 * float(jnp.finfo(dtype).eps),
+            atol=float(jnp.finfo(dtype).smallest_normal),  # (XLA flushes what is below)
+        )
+
+
+def test_a_polynomial_as_mosaic_gpu_computes_it_is_numpys():
+    # (JAX 0.12's lax.polynomial, lowest degree first, in its erf derivative's e^(−x²))
+    from jax_sdpa._kernels.rewrites import polynomial_of
+
+    x, coefficients = np.linspace(-3, 3, 101, dtype=np.float32), [1.0, -0.5, 0.25, 2.0]
+    got = polynomial_of(jnp.asarray(x), *(jnp.float32(c) for c in coefficients))
+    want = np.polynomial.polynomial.polyval(x.astype(np.float64), coefficients)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

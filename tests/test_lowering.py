@@ -137,6 +137,25 @@ def test_a_table_no_derivative_asks_for_has_no_gradient_computed():
         assert [kernel.name for kernel in kernels if "tt.atomic_rmw" in kernel.asm] == atomics
 
 
+def test_erf_and_erfc_which_triton_lowers_no_primitive_for_are_computed_in_its_kernels():
+    # jax.nn.gelu(approximate=False) of the scores (erfc, and jnp.array's copy) and erf of a
+    # bias per key: the Triton programs compute them as rewrites.REWRITES does; before, each
+    # failed to lower ("Unimplemented primitive in Pallas Triton lowering: erf").
+    bias = jnp.linspace(-2.0, 2.0, 128)
+    q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v, bias):
+        def mod(score, b, h, i, j):
+            return jax.nn.gelu(score, approximate=False) + jax.lax.erf(bias[j]).astype(score.dtype)
+
+        out = js.dot_product_attention(q, k, v, score_mod=mod, implementation="pallas")
+        return out.astype(jnp.float32).sum()
+
+    program = jax.grad(loss, argnums=(0, 1, 2, 3))
+    kernels = verified_kernels(program, q, q, q, bias, platform="cuda", compile=False)
+    assert len(kernels) == 3
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_on_a_gpu_the_kernels_read_and_write_the_callers_layout_in_place(causal):
     # BTNH in, BTNH out: each program reads its head's rows where they lie (a strided block), so

@@ -397,6 +397,18 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         jnp.linspace(0.1, 2.0, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score + _rounded_and_more(t[j]) + jnp.log2(t[j]),
     ),
+    "a bias per key through sinh, atan and more": (  # (rewritten: rewrites.REWRITES)
+        jnp.linspace(-2.0, 2.0, 128, dtype=jnp.float32),
+        lambda t, score, b, h, i, j: (
+            score + jnp.sinh(t[j]) + jnp.cosh(t[j]) - jnp.arctan(t[j]) + jnp.cbrt(t[j])
+        ),
+    ),
+    "a bias per key, its NaNs replaced": (  # (the constants scalars of the window's)
+        jnp.where(jnp.arange(128) % 3 == 0, jnp.nan, jnp.linspace(-1.0, 1.0, 128)),
+        lambda t, score, b, h, i, j: (
+            score + jnp.where(jnp.isnan(t[j]), 1.0, t[j]) + jnp.nan_to_num(t[j])
+        ),
+    ),
     "a bias per key to a power": (  # (pow, as 2 ** (y log2 |x|): the sums times 1.5 t ** 0.5)
         jnp.linspace(0.5, 2.0, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score + t[j] ** 1.5,
@@ -428,6 +440,8 @@ AT_POINTS = {
     "a bias per key through sqrt",
     "a bias per key to a power",
     "a bias per key through floor, log1p and more",
+    "a bias per key through sinh, atan and more",
+    "a bias per key, its NaNs replaced",
     "a bias per key through a custom rule",
     "a bfloat16 bias per key, doubled",
     "a temperature per query, wrapped",
@@ -724,7 +738,19 @@ def _rounded_and_more(x):  # (floor, ceil, log1p, expm1: rewritten; round, sin, 
     return jnp.floor(x) + jnp.ceil(x) + jnp.log1p(x) + jnp.expm1(x) + jnp.round(x) + jnp.sin(x)
 
 
-POWERS = {  # (what Mosaic GPU lowers no primitive for, rewritten: values.REWRITES)
+def _special(x):  # (rewritten; a captured array's gradient through erf, erfc, atan2 is Triton's)
+    return (
+        jax.lax.erf(x)
+        + jax.lax.erfc(x)
+        + jnp.sinh(x)
+        + jnp.cosh(x)
+        - jnp.arctan(x)
+        + jnp.arctan2(x, 2.0)
+        + jnp.cbrt(x)
+    )
+
+
+POWERS = {  # (what Mosaic GPU lowers no primitive for, rewritten: rewrites.REWRITES)
     "an integer power below −1": lambda s, b, h, i, j: s * ((i - j).astype(s.dtype) + 300.0) ** -2,
     "a tile's power": lambda s, b, h, i, j: s * ((i - j).astype(s.dtype) + 300.0) ** -0.5,
     "ALiBi's slope as a power": lambda s, b, h, i, j: (
@@ -732,6 +758,9 @@ POWERS = {  # (what Mosaic GPU lowers no primitive for, rewritten: values.REWRIT
     ),
     "floor, log1p and more of a tile": lambda s, b, h, i, j: (
         s + _rounded_and_more((i - j).astype(s.dtype) * 0.01) + jnp.log2(s * s + 1.0)
+    ),
+    "erf, atan and more of a tile": lambda s, b, h, i, j: (
+        jax.nn.gelu(s, approximate=False) + _special((i - j).astype(s.dtype) * 0.01)
     ),
 }
 
@@ -749,6 +778,25 @@ def test_powers_lower_for_cuda(case):
         return out.astype(jnp.float32).sum()
 
     assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, q, q)) == 3
+
+
+@SIMULATED_SLOW
+def test_erf_and_more_of_a_tile_with_the_mosaic_gpu_kernels():
+    q, k, v = qkv(np.random.default_rng(5), 1, 128, 128, 2, 2, 64, dtype=jnp.bfloat16)
+
+    def grads(q, k, v, implementation):
+        def loss(q, k, v):
+            mod = POWERS["erf, atan and more of a tile"]
+            out = js.dot_product_attention(q, k, v, score_mod=mod, implementation=implementation)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    got = grads(q, k, v, _simulated())
+    with enable_x64():
+        want = grads(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), "xla")
+    for g, w, name in zip(got, want, ("dq", "dk", "dv"), strict=True):
+        assert ref.rel_err(g, w) < 2e-2, name
 
 
 def test_arrays_read_at_the_same_positions_combine_as_vectors():

@@ -19,11 +19,13 @@ from jax import lax
 
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import as_computed, bind
+from jax_sdpa._kernels.rewrites import REWRITES
 from jax_sdpa._kernels.values import (
-    REWRITES,
+    Expanded,
     Lazy,
     Pending,
     Unread,
+    Zeros,
     fill_value,
     in_bounds,
     is_zero,
@@ -128,17 +130,20 @@ class Compared(Lazy):
 
 
 def _scalar(x):
-    """A :class:`Uniform`'s scalar, or one element (an array's, a ref's) as a scalar."""
+    """A :class:`Uniform`'s scalar, :class:`Zeros`' 0, or one element (an array's, a ref's)."""
+    if isinstance(x, Zeros):
+        return jnp.zeros((), x.dtype)
     x = x.scalar if isinstance(x, Uniform) else value(x)
     return x if jnp.ndim(x) == 0 else jnp.reshape(x, ())
 
 
 @dataclasses.dataclass(frozen=True)
 class Uniform(Lazy):
-    """An integer scalar broadcast to ``shape``: an index the same at every point of a tile.
+    """A scalar broadcast to ``shape``: the same at every point of a tile.
 
     A gather at positions along one axis and at such an index along the others (``doc[b, i]``)
-    reads a window of one row (:func:`jax_sdpa._kernels.reads._gather`).
+    reads a window of one row (:func:`jax_sdpa._kernels.reads._gather`); with a window, it is
+    a scalar (``jnp.where(jnp.isnan(w), 0.0, w)``: :func:`tile_positions`).
     """
 
     scalar: Any
@@ -278,7 +283,7 @@ def _windowed(operand: Unread, points):
 
 # Rules (:mod:`jax_sdpa._jaxpr`) for the equations that keep positions a :class:`Run`: an
 # integer iota, plus or minus a scalar, axes of 1 added or dropped, and a ``jnp`` index's wrap
-# (``select_n(x < 0, x, x + n)``); and an integer scalar broadcast (:class:`Uniform`). Each
+# (``select_n(x < 0, x, x + n)``); and a scalar broadcast (:class:`Uniform`). Each
 # answers None where the equation does not keep them so.
 
 
@@ -299,11 +304,24 @@ def _reshaped(eqn, operands):
         return Uniform(first.scalar, shape)
     if isinstance(first, Run | Window):
         return first.reshaped(shape)
-    integer = jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.integer)
+    if isinstance(first, Expanded) and not jnp.ndim(first.value):  # (JAX 0.12.1's ``a[b, i]``)
+        first = first.value  # (a scalar first made an array of one entry, then broadcast)
     scalar = not isinstance(first, Lazy) and jnp.ndim(first) == 0
-    if eqn.primitive.name == "broadcast_in_dim" and integer and scalar:
+    if eqn.primitive.name == "broadcast_in_dim" and scalar and _uniform(first, shape):
         return Uniform(first, shape)
     return None
+
+
+def _uniform(scalar, shape: tuple) -> bool:
+    """Whether a broadcast ``scalar`` is kept :class:`Uniform`: an index, or a window's number.
+
+    A number broadcast along one axis (``jnp.where(jnp.isnan(w), 1.0, w)``), but zeros, which
+    a gradient's scatters start from (:class:`~jax_sdpa._kernels.values.Zeros`, which
+    windows take as scalars too), and tiles, which the kernels' reductions take as arrays.
+    """
+    if jnp.issubdtype(jnp.result_type(scalar), jnp.integer):
+        return True
+    return sum(n > 1 for n in shape) == 1 and not is_zero(scalar)
 
 
 def _wrapped(eqn, operands):
@@ -444,11 +462,15 @@ def tile_positions(laid_out, along) -> dict:
     def rewrite(eqn):
         """What computes the equation where Mosaic GPU lowers it no way (:data:`REWRITES`), or None.
 
-        An integer power below −1 (a quotient's derivative, ``y ** −2``) as one over the power.
+        An integer power below −1 (a quotient's derivative, ``y ** −2``) as one over the power;
+        a function asked for an accuracy (JAX 0.12's ``erf`` derivative's ``exp``) as Mosaic GPU
+        computes it, which takes none.
         """
         name = eqn.primitive.name
         if name == "integer_pow" and eqn.params["y"] < -1:
             return lambda x: 1 / lax.integer_pow(x, -eqn.params["y"])
+        if name not in REWRITES and eqn.params.get("accuracy") is not None:
+            return lambda *args: bind(eqn, list(args), params={"accuracy": None})
         return REWRITES.get(name)
 
     def bound(eqn, args):
@@ -464,24 +486,25 @@ def tile_positions(laid_out, along) -> dict:
         return computed(*operands)
 
     comparisons = ("eq", "ne", "lt", "le", "gt", "ge")
-    binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor", "atan2")
+    binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor", "atan2", "pow")
     unary = ("convert_element_type", "neg", "not", "abs", "sign", "round", "exp", "exp2", "log")
-    unary += ("log2", "sqrt", "rsqrt", "cbrt", "square", "tanh", "logistic", "sin", "cos", "tan")
-    unary += ("atan", "sinh", "cosh", "one_minus_square", "select_n")  # (tanh's, JAX 0.12; choices)
-    return {
+    unary += ("log2", "sqrt", "rsqrt", "square", "tanh", "logistic", "sin", "cos", "tan")
+    unary += ("one_minus_square", "select_n")  # (tanh's, JAX 0.12; choices)
+    rules = {
         "broadcast_in_dim": (tiled,),
         **{name: (elementwise, of_a_window) for name in binary},
         **{name: (elementwise, compared, of_a_window) for name in comparisons},
-        **{name: (of_a_window,) for name in unary},
-        **{name: (of_a_window, rewritten) for name in ("integer_pow", *REWRITES)},
-        "pow": (elementwise, of_a_window, rewritten),
+        **{name: (of_a_window, rewritten) for name in unary},
     }
+    for name in ("integer_pow", *REWRITES):  # (a window's: rewritten by of_a_window's bound)
+        rules[name] = rules.get(name, (of_a_window,)) + (rewritten,)
+    return rules
 
 
 def is_scalar(x) -> bool:
-    """Whether ``x`` is one number at every point: a :class:`Uniform`, or of one element."""
+    """Whether ``x`` is one number at every point: a :class:`Uniform`, zeros, or one element."""
     return (
-        isinstance(x, Uniform)
+        isinstance(x, Uniform | Zeros)
         or (isinstance(x, Unread) and math.prod(x.shape) == 1)
         or (not isinstance(x, Lazy) and jnp.size(x) == 1)
     )

@@ -119,6 +119,18 @@ def _concatenate(eqn, operands):  # a gather's indices, kept apart until it read
     return None
 
 
+def _one_slice(eqn, operands):
+    """A gather of one slice at one start: ``dynamic_slice`` as JAX 0.12.1 batches it, read so."""
+    first, numbers = operands[0], eqn.params["dimension_numbers"]
+    if not isinstance(first, Unread) or eqn.invars[1].aval.shape != (rank := len(first.shape),):
+        return None
+    whole = tuple(numbers.offset_dims) == tuple(numbers.start_index_map) == tuple(range(rank))
+    clamped = eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP  # (as dynamic_slice)
+    if whole and clamped and not (numbers.collapsed_slice_dims or numbers.operand_batching_dims):
+        return first.narrowed(index_arrays(operands[1], rank), eqn.params["slice_sizes"])
+    return None
+
+
 def _point_gather_rule(eqn, operands, laid_out=None):
     first = operands[0]
     if isinstance(first, Unread) and _point_gather(eqn, first):
@@ -132,11 +144,15 @@ READS = {
     "squeeze": (_squeeze,),
     "reshape": (_reshape,),
     "concatenate": (_concatenate,),
-    "gather": (_point_gather_rule,),
+    "gather": (_point_gather_rule, _one_slice),
 }
 
 
 # --- values Triton and Mosaic take otherwise ------------------------------------------------------
+
+
+def _copied(eqn, operands):  # (``jnp.array(x)``'s, ``jax.nn.gelu``'s: Mosaic GPU has none)
+    return operands[0]
 
 
 def _update_slice(eqn, operands):
@@ -149,6 +165,7 @@ def _reduce_booleans(eqn, operands):  # Triton reduces numbers, not booleans
 
 
 VALUES = {
+    "copy": (_copied,),
     "dynamic_update_slice": (_update_slice,),
     "reduce_and": (_reduce_booleans,),
     "reduce_or": (_reduce_booleans,),
@@ -330,7 +347,7 @@ def _one_entry(eqn, operands):
     """A scalar made an array of one entry (a gradient's one update), kept a scalar until read.
 
     (Mosaic GPU holds no array of one entry: :class:`Expanded`.) Zeros are left to be
-    :class:`~jax_sdpa._kernels.scatters.Zeros`.
+    :class:`~jax_sdpa._kernels.values.Zeros`.
     """
     first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
     if isinstance(first, Lazy) or jnp.ndim(first) or is_zero(first) or not shape:

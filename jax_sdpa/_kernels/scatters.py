@@ -16,24 +16,21 @@ from jax.experimental import pallas as pl
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import atomic_kind, bind
 from jax_sdpa._kernels.triton import atomic_add
-from jax_sdpa._kernels.values import Expanded, Lazy, in_bounds, index_arrays, is_zero, value
+from jax_sdpa._kernels.values import (
+    Expanded,
+    Lazy,
+    Zeros,
+    in_bounds,
+    index_arrays,
+    is_zero,
+    value,
+)
 from jax_sdpa._masks import all_of
 
 # The most entries a scatter is read as one-hot products for: they hold this many per entry of
 # the tile. A larger array (a table per position) is read as a scatter, which only the
 # interpreter runs; a kernel adds it into memory instead (``Plan.in_memory``).
 ONE_HOT_MAX = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class Zeros(Lazy):
-    """A broadcast zero, kept until read: a scatter into it needs no dense add."""
-
-    shape: tuple
-    dtype: Any
-
-    def read(self):
-        return jnp.zeros(self.shape, self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +148,11 @@ def scatter_add(eqn, operands: list):
         and size * rank == eqn.invars[1].aval.size
     )
     if not point:
+        placed = None  # (but dynamic_slice's transpose, as JAX 0.12.1 batches it)
+        if _one_slice(eqn, rank):
+            placed = _placed_into(operand, updates, index_arrays(indices, rank), size)
+        if placed is not None:
+            return placed
         return bind(eqn, [value(operand), value(indices), value(updates)])
     shape = eqn.invars[0].aval.shape
     points = index_arrays(indices, rank)
@@ -162,6 +164,19 @@ def scatter_add(eqn, operands: list):
     points = [jnp.clip(p, 0, n - 1) for p, n in zip(points, shape, strict=True)]
     scatter = Scatter(tuple(shape), updates.dtype, None, ((points, updates),))
     return scatter.plus(operand if isinstance(operand, (Zeros, Scatter)) else value(operand))
+
+
+def _one_slice(eqn, rank: int) -> bool:
+    """Whether a ``scatter-add`` adds one slice at one start (as ``reads._one_slice`` reads)."""
+    numbers = eqn.params["dimension_numbers"]
+    whole = tuple(numbers.update_window_dims) == tuple(range(rank))
+    return (
+        whole
+        and eqn.invars[1].aval.shape == (rank,)
+        and tuple(numbers.scatter_dims_to_operand_dims) == tuple(range(rank))
+        and not (numbers.inserted_window_dims or numbers.operand_batching_dims)
+        and eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP
+    )
 
 
 def _one_hot_sum(points: list, updates, shape: tuple):
@@ -210,11 +225,16 @@ def _placed(eqn, operands):
     (One entry is a scatter at one point: ``slopes[h]``'s transpose.)
     """
     zeros, update, *starts = operands
+    return _placed_into(zeros, update, starts, math.prod(eqn.invars[1].aval.shape))
+
+
+def _placed_into(zeros, update, starts, size: int):
+    """``update`` (of ``size`` entries) written into ``zeros`` at ``starts``, or None."""
     if not isinstance(zeros, Zeros):
         return None
     if isinstance(update, Scatter):
         return update.placed(zeros.shape, starts)
-    if math.prod(eqn.invars[1].aval.shape) != 1:
+    if size != 1:
         return None
     one = one_entry(update)
     points = [

@@ -8,6 +8,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from jax_sdpa._jax_compat import triton_atomic_add
 from jax_sdpa._kernels.backend import Backend
+from jax_sdpa._kernels.rewrites import REWRITES
+from jax_sdpa._kernels.values import value
 
 
 def _params(tunables):
@@ -19,4 +21,17 @@ def atomic_add(ref, index, value) -> None:
     triton_atomic_add(ref, index, value)
 
 
-TRITON = Backend(_params, atomic_add=atomic_add)
+def _rewritten(eqn, operands):
+    """What Pallas's Triton lowers no primitive for (``erf``, ``erfc``: ``jax.nn.gelu``'s).
+
+    And JAX 0.12's ``polynomial`` (in ``erf``'s derivative), which it lowers with ``fmuladd``,
+    which it lowers not.
+    """
+    return REWRITES[eqn.primitive.name](*map(value, operands))
+
+
+TRITON = Backend(
+    _params,
+    atomic_add=atomic_add,
+    rules=dict.fromkeys(("erf", "erfc", "polynomial"), (_rewritten,)),
+)

@@ -56,6 +56,17 @@ class Expanded(Lazy):
         return jnp.reshape(self.value, jnp.shape(self.value) + (1,) * self.ones)
 
 
+@dataclasses.dataclass(frozen=True)
+class Zeros(Lazy):
+    """A broadcast zero, kept until read: a scatter into it needs no dense add (``scatters``)."""
+
+    shape: tuple
+    dtype: Any
+
+    def read(self):
+        return jnp.zeros(self.shape, self.dtype)
+
+
 def for_mosaic_gpu(x):
     """``x`` as a Mosaic GPU kernel holds it: booleans as ``int32``, float64 as float32.
 
@@ -213,61 +224,3 @@ def placed(selectors, bounds: tuple, load, dtype, laid_out=lambda x: x):
         return laid_out(jnp.where(selectors == e, load(e), x))
 
     return lax.fori_loop(*bounds, entry, laid_out(jnp.zeros(selectors.shape, dtype)))
-
-
-def power_of(x, y):
-    """``lax.pow(x, y)`` as ``2 ** (y · log2 |x|)``: Mosaic GPU lowers no ``pow``.
-
-    Its sign and edges as ``lax.pow``'s: a negative ``x`` (or −0) to an odd integer power is
-    negative, a finite one to a power not an integer NaN, and ``x ** 0``, ``1 ** y`` and
-    ``(−1) ** ±∞`` are 1.
-    """
-    x, y = jnp.broadcast_arrays(x, y)  # (Mosaic GPU broadcasts no scalar implicitly)
-    magnitude = jnp.exp2(y * jnp.log2(jnp.abs(x)))
-    # (choices by one comparison each: Mosaic GPU combines no vectors of booleans)
-    whole = jnp.where(jnp.abs(y) == jnp.inf, jnp.zeros_like(y), y - floor_of(y))
-    odd = y - 2 * floor_of(y / 2) == 1
-    negative = jnp.minimum(x, 1 / x) < 0  # (−0 and −∞ too)
-    value = jnp.where(negative, jnp.where(odd, -magnitude, magnitude), magnitude)
-    finite = jnp.where(x > -jnp.inf, jnp.where(whole == 0, value, jnp.nan), value)
-    value = jnp.where(x < 0, finite, value)
-    one = jnp.ones_like(value)
-    value = jnp.where(x == -1, jnp.where(jnp.abs(y) == jnp.inf, one, value), value)
-    return jnp.where(y == 0, one, jnp.where(x == 1, one, value))
-
-
-def floor_of(x):
-    """``lax.floor(x)`` by a conversion to ``int32`` and back: Mosaic GPU lowers no ``floor``.
-
-    Numbers too large to have a fraction, ±∞, NaN and ±0 as they are.
-    """
-    whole = x.astype(jnp.int32).astype(x.dtype)  # (toward 0)
-    down = jnp.where(whole > x, whole - 1, whole)
-    down = jnp.where(x == 0, x, down)
-    return jnp.where(jnp.abs(x) < 2.0 ** jnp.finfo(x.dtype).nmant, down, x)
-
-
-def log1p_of(x):
-    """``lax.log1p(x)`` as ``log(1 + x) · x / ((1 + x) − 1)`` (Goldberg's): Mosaic GPU has none."""
-    u = 1 + x
-    value = jnp.where(u == 1, x, jnp.log(u) * (x / (u - 1)))
-    return jnp.where(x == jnp.inf, x, value)
-
-
-def expm1_of(x):
-    """``lax.expm1(x)`` as ``(eˣ − 1) · x / log eˣ`` (Kahan's): Mosaic GPU lowers none."""
-    u = jnp.exp(x)
-    value = jnp.where(u == 1, x, (u - 1) * (x / jnp.log(u)))
-    value = jnp.where(u == 0, jnp.full_like(x, -1), value)
-    return jnp.where(u == jnp.inf, u, value)
-
-
-# What Mosaic GPU lowers no primitive for, computed by what it lowers (the functions above).
-REWRITES = {
-    "pow": power_of,
-    "floor": floor_of,
-    "ceil": lambda x: -floor_of(-x),
-    "log1p": log1p_of,
-    "expm1": expm1_of,
-    "is_finite": lambda x: x - x == 0,  # (∞ − ∞ and NaN − NaN are NaN)
-}

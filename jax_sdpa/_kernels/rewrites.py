@@ -1,0 +1,215 @@
+"""What Mosaic GPU lowers no primitive for, computed by what it lowers (:data:`REWRITES`).
+
+Each as ``lax`` defines it, its edges (±0, ±∞, NaN) and signs too: exact where the function
+allows (``floor``), else within a few units in the last place of float32 (each function says
+its bound; the tests measure them against float64). 16-bit inputs are computed in float32 and
+rounded, as XLA computes them. Choices are made one comparison at a time (Mosaic GPU combines
+no vectors of booleans) and scalars broadcast explicitly (it broadcasts none implicitly).
+"""
+
+import functools
+import math
+
+import jax.numpy as jnp
+
+
+def _in_float32(function):
+    """``function`` of float32 inputs, its result rounded back to a 16-bit input's dtype."""
+
+    @functools.wraps(function)
+    def computed(*xs):
+        dtype = jnp.result_type(*xs)
+        if jnp.finfo(dtype).bits >= 32:
+            return function(*xs)
+        return function(*(jnp.asarray(x, jnp.float32) for x in xs)).astype(dtype)
+
+    return computed
+
+
+def _polynomial(x, coefficients):
+    """``c₀ xⁿ + … + cₙ`` by Horner's rule."""
+    value = jnp.full_like(x, coefficients[0])
+    for c in coefficients[1:]:
+        value = value * x + c
+    return value
+
+
+def polynomial_of(x, *coefficients):
+    """``lax.polynomial(x, coefficients)`` (lowest degree first; JAX 0.12's) by Horner's rule."""
+    x, *coefficients = jnp.broadcast_arrays(x, *coefficients)
+    return _polynomial(x, coefficients[::-1])
+
+
+def _negative(x):
+    """Whether ``x`` has its sign bit set (−0 and −∞ too), NaN not."""
+    return jnp.minimum(x, 1 / x) < 0
+
+
+def power_of(x, y):
+    """``lax.pow(x, y)`` as ``2 ** (y · log2 |x|)``: Mosaic GPU lowers no ``pow``.
+
+    Its sign and edges as ``lax.pow``'s: a negative ``x`` (or −0) to an odd integer power is
+    negative, a finite one to a power not an integer NaN, and ``x ** 0``, ``1 ** y`` and
+    ``(−1) ** ±∞`` are 1.
+    """
+    x, y = jnp.broadcast_arrays(x, y)
+    magnitude = jnp.exp2(y * jnp.log2(jnp.abs(x)))
+    whole = jnp.where(jnp.abs(y) == jnp.inf, jnp.zeros_like(y), y - floor_of(y))
+    odd = y - 2 * floor_of(y / 2) == 1
+    value = jnp.where(_negative(x), jnp.where(odd, -magnitude, magnitude), magnitude)
+    finite = jnp.where(x > -jnp.inf, jnp.where(whole == 0, value, jnp.nan), value)
+    value = jnp.where(x < 0, finite, value)
+    one = jnp.ones_like(value)
+    value = jnp.where(x == -1, jnp.where(jnp.abs(y) == jnp.inf, one, value), value)
+    return jnp.where(y == 0, one, jnp.where(x == 1, one, value))
+
+
+def floor_of(x):
+    """``lax.floor(x)`` by a conversion to ``int32`` and back (exact).
+
+    Numbers too large to have a fraction, ±∞, NaN and ±0 as they are.
+    """
+    whole = x.astype(jnp.int32).astype(x.dtype)  # (toward 0)
+    down = jnp.where(whole > x, whole - 1, whole)
+    down = jnp.where(x == 0, x, down)
+    return jnp.where(jnp.abs(x) < 2.0 ** jnp.finfo(x.dtype).nmant, down, x)
+
+
+def log1p_of(x):
+    """``lax.log1p(x)``: ``2 atanh(x / (2 + x))``'s series on ``(−1/2, 1)``, else ``log(1 + x)``.
+
+    (Within 2 ulp. Not Goldberg's ``log(1 + x) · x / ((1 + x) − 1)``: XLA folds
+    ``(1 + x) − 1`` to ``x`` where it compiles a kernel's body, in the interpreters.)
+    """
+    s = x / (2 + x)
+    series = 2 * s * _polynomial(s * s, [1 / n for n in range(19, 0, -2)])
+    return jnp.where(x > -0.5, jnp.where(x < 1, series, jnp.log(1 + x)), jnp.log(1 + x))
+
+
+def expm1_of(x):
+    """``lax.expm1(x)``: ``eˣ − 1`` where ``|x| ≥ log 2``, its Taylor series below.
+
+    Within 2 ulp (4 near ``eˣ``'s overflow: its own). (Not Kahan's ``(eˣ − 1) · x / log eˣ``:
+    XLA folds ``log eˣ`` to ``x`` where it compiles a kernel's body, in the interpreters.)
+    """
+    series = _polynomial(x, [1 / math.factorial(n) for n in range(12, 0, -1)]) * x
+    return jnp.where(jnp.abs(x) < math.log(2), series, jnp.exp(x) - 1)
+
+
+# Cephes' single-precision erf (x T(x²) below 1) and erfc (e^(−x²) P(1/x²) / x below 2,
+# e^(−x²) R(1/x²) / x above).
+_ERF_T = (7.853861353153693e-5, -8.010193625184903e-4, 5.188327685732524e-3)
+_ERF_T += (-2.685381193529856e-2, 1.128358514861418e-1, -3.761262582423300e-1, 1.1283791657267)
+_ERFC_P = (2.326819970068386e-2, -1.387039388740657e-1, 3.687424674597105e-1)
+_ERFC_P += (-5.824733027278666e-1, 6.210004621745983e-1, -4.944515323274145e-1)
+_ERFC_P += (3.404879937665872e-1, -2.741127028184656e-1, 5.638259427386472e-1)
+_ERFC_R = (-1.047766399936249e1, 1.297719955372516e1, -7.495518717768503e0)
+_ERFC_R += (2.921019019210786e0, -1.015265279202700e0, 4.218463358204948e-1)
+_ERFC_R += (-2.820767439740514e-1, 5.641895067754075e-1)
+
+
+def _erfc_beyond_one(a):
+    """``erfc(a)`` for ``a ≥ 1`` (or NaN); ``e^(−a²)`` as ``e^(−h²) e^(−(a − h)(a + h))``.
+
+    ``h``, ``a`` to 8 bits after the point, has an exact square: ``a²`` rounded would cost
+    ``erfc(9)`` 40 units in the last place.
+    """
+    clipped = jnp.minimum(a, 16.0)  # (erfc(10) is below float32's least number)
+    head = (clipped * 256).astype(jnp.int32).astype(a.dtype) / 256
+    tail = (clipped - head) * (clipped + head)
+    q = 1 / a
+    ratio = jnp.where(a < 2, _polynomial(q * q, _ERFC_P), _polynomial(q * q, _ERFC_R))
+    near = jnp.exp(-head * head)  # (e^(−tail) as 1 + expm1: XLA folds a product of exps)
+    return (near + near * expm1_of(-tail)) * q * ratio
+
+
+@_in_float32
+def erf_of(x):
+    """``lax.erf(x)`` (Cephes' polynomials; within 2 ulp)."""
+    a = jnp.abs(x)
+    beyond = 1 - _erfc_beyond_one(a)
+    return jnp.where(a < 1, x * _polynomial(x * x, _ERF_T), jnp.where(x < 0, -beyond, beyond))
+
+
+@_in_float32
+def erfc_of(x):
+    """``lax.erfc(x)`` (Cephes' polynomials; within 3 ulp beyond 1, 9 below: ``1 − erf``)."""
+    beyond = _erfc_beyond_one(jnp.abs(x))
+    below = 1 - x * _polynomial(x * x, _ERF_T)
+    return jnp.where(jnp.abs(x) < 1, below, jnp.where(x < 0, 2 - beyond, beyond))
+
+
+def _half_exp_and_its_inverse(a):
+    """``eᵃ / 2`` and ``e⁻ᵃ / 2`` from ``e^(a/2)``: finite wherever ``cosh a`` is."""
+    e = jnp.exp(a / 2)
+    return (0.5 * e) * e, 0.5 / (e * e)
+
+
+@_in_float32
+def sinh_of(x):
+    """``lax.sinh(x)``: ``(eˣ − 1 + (eˣ − 1) / eˣ) / 2`` below 1 (within 3 ulp)."""
+    a = jnp.abs(x)
+    em1 = expm1_of(a)
+    up, down = _half_exp_and_its_inverse(a)
+    value = jnp.where(a < 1, 0.5 * (em1 + em1 / (em1 + 1)), up - down)
+    return jnp.where(x == 0, x, jnp.where(x < 0, -value, value))
+
+
+@_in_float32
+def cosh_of(x):
+    """``lax.cosh(x)`` (within 3 ulp)."""
+    up, down = _half_exp_and_its_inverse(jnp.abs(x))
+    return up + down
+
+
+@_in_float32
+def atan_of(x):
+    """``lax.atan(x)`` (Cephes' single precision: its range reduced to ``|x| ≤ tan(π/8)``)."""
+    a = jnp.abs(x)
+    beyond = a > 2.414213562373095  # (tan(3π/8))
+    middle = a > 0.4142135623730950  # (tan(π/8))
+    t = jnp.where(beyond, -1 / a, jnp.where(middle, (a - 1) / (a + 1), a))
+    base = jnp.where(beyond, math.pi / 2, jnp.where(middle, math.pi / 4, 0.0))
+    z = t * t
+    odd = (8.05374449538e-2, -1.38776856032e-1, 1.99777106478e-1, -3.33329491539e-1)
+    value = base + (_polynomial(z, odd) * z * t + t)
+    return jnp.where(x == 0, x, jnp.where(x < 0, -value, value))
+
+
+@_in_float32
+def atan2_of(y, x):
+    """``lax.atan2(y, x)``: ``atan(|y| / |x|)`` placed in its quadrant, ±0 and ±∞ as lax's."""
+    y, x = jnp.broadcast_arrays(y, x)
+    ay, ax = jnp.abs(y), jnp.abs(x)
+    ratio = jnp.where(ay == ax, jnp.where(ax == 0, ax, jnp.ones_like(ax)), ay / ax)
+    angle = atan_of(ratio)
+    angle = jnp.where(_negative(x), math.pi - angle, angle)
+    return jnp.where(_negative(y), -angle, angle)
+
+
+@_in_float32
+def cbrt_of(x):
+    """``lax.cbrt(x)``: ``2 ** (log2 |x| / 3)`` and one step of Newton's method (within 3 ulp)."""
+    a = jnp.abs(x)
+    guess = jnp.exp2(jnp.log2(a) / 3)
+    root = (2 * guess + a / (guess * guess)) / 3
+    root = jnp.where(a == 0, a, jnp.where(a == jnp.inf, a, root))
+    return jnp.where(x < 0, -root, jnp.where(x == 0, x, root))
+
+
+REWRITES = {
+    "pow": power_of,
+    "floor": floor_of,
+    "ceil": lambda x: -floor_of(-x),
+    "log1p": log1p_of,
+    "expm1": expm1_of,
+    "is_finite": lambda x: x - x == 0,  # (∞ − ∞ and NaN − NaN are NaN)
+    "erf": erf_of,
+    "erfc": erfc_of,
+    "sinh": sinh_of,
+    "cosh": cosh_of,
+    "atan": atan_of,
+    "atan2": atan2_of,
+    "cbrt": cbrt_of,
+    "polynomial": polynomial_of,
+}
