@@ -301,7 +301,7 @@ def _reshaped(eqn, operands):
     if eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is not None:
         return None
     if isinstance(first, Uniform):
-        return Uniform(first.scalar, shape)
+        return Uniform(first.scalar, shape) if _uniform(first.scalar, shape) else None
     if isinstance(first, Run | Window):
         return first.reshaped(shape)
     if isinstance(first, Expanded) and not jnp.ndim(first.value):  # (JAX 0.12.1's ``a[b, i]``)
@@ -319,9 +319,11 @@ def _uniform(scalar, shape: tuple) -> bool:
     a gradient's scatters start from (:class:`~jax_sdpa._kernels.values.Zeros`, which
     windows take as scalars too), and tiles, which the kernels' reductions take as arrays.
     """
-    if jnp.issubdtype(jnp.result_type(scalar), jnp.integer):
+    dtype = jnp.result_type(scalar)
+    if jnp.issubdtype(dtype, jnp.integer):
         return True
-    return sum(n > 1 for n in shape) == 1 and not is_zero(scalar)
+    along_one_axis = sum(n > 1 for n in shape) == 1
+    return jnp.issubdtype(dtype, jnp.floating) and along_one_axis and not is_zero(scalar)
 
 
 def _wrapped(eqn, operands):
@@ -479,11 +481,9 @@ def tile_positions(laid_out, along) -> dict:
         return bind(eqn, args) if computed is None else computed(*args)
 
     def rewritten(eqn, operands):
-        """A rewrite of tiles or scalars (a window's is :func:`of_a_window`'s), or None."""
+        """A rewrite, its operands read (a window's is :func:`of_a_window`'s, first), or None."""
         computed = rewrite(eqn)
-        if computed is None or any(isinstance(x, Lazy) for x in operands):
-            return None
-        return computed(*operands)
+        return None if computed is None else computed(*map(value, operands))
 
     comparisons = ("eq", "ne", "lt", "le", "gt", "ge")
     binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor", "atan2", "pow")

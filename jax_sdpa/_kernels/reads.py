@@ -120,7 +120,10 @@ def _concatenate(eqn, operands):  # a gather's indices, kept apart until it read
 
 
 def _one_slice(eqn, operands):
-    """A gather of one slice at one start: ``dynamic_slice`` as JAX 0.12.1 batches it, read so."""
+    """A gather of one slice at one start: ``dynamic_slice`` as JAX 0.12.1 batches it, read so.
+
+    (Its transpose: :func:`jax_sdpa._kernels.scatters._one_slice`.)
+    """
     first, numbers = operands[0], eqn.params["dimension_numbers"]
     if not isinstance(first, Unread) or eqn.invars[1].aval.shape != (rank := len(first.shape),):
         return None

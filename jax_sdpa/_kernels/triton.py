@@ -4,6 +4,7 @@ Pallas's Triton backend is deprecated from JAX 0.11 for Mosaic GPU (JAX warns as
 it is this library's GPU kernel until that port exists.
 """
 
+import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
 from jax_sdpa._jax_compat import triton_atomic_add
@@ -25,8 +26,11 @@ def _rewritten(eqn, operands):
     """What Pallas's Triton lowers no primitive for (``erf``, ``erfc``: ``jax.nn.gelu``'s).
 
     And JAX 0.12's ``polynomial`` (in ``erf``'s derivative), which it lowers with ``fmuladd``,
-    which it lowers not.
+    which it lowers not. Not float64's: the rewrites' polynomials are float32's (Mosaic GPU's
+    :func:`~jax_sdpa._kernels.positions.tile_positions` rewrite the same).
     """
+    if any(v.aval.dtype == jnp.float64 for v in eqn.invars):  # (float32's polynomials)
+        return None
     return REWRITES[eqn.primitive.name](*map(value, operands))
 
 
