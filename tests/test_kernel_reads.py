@@ -337,6 +337,11 @@ APPROXIMATED = {  # (lax's name: float64's function, its bound in float32 ulps)
     "atan": (np.arctan, 3),
     "cbrt": (np.cbrt, 3),
     "atan2": (np.arctan2, 3),
+    "asin": (np.arcsin, 4),
+    "acos": (np.arccos, 4),
+    "asinh": (np.arcsinh, 3),
+    "acosh": (np.arccosh, 3),
+    "atanh": (np.arctanh, 4),
 }
 
 

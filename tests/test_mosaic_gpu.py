@@ -739,6 +739,7 @@ def _rounded_and_more(x):  # (floor, ceil, log1p, expm1: rewritten; round, sin, 
 
 
 def _special(x):  # (rewritten; a captured array's gradient through erf, erfc, atan2 is Triton's)
+    inverses = jnp.arcsin(x * 0.3) + jnp.arccos(x * 0.3) + jnp.arctanh(x * 0.3)  # (|x| ≤ 2.6)
     return (
         jax.lax.erf(x)
         + jax.lax.erfc(x)
@@ -747,6 +748,9 @@ def _special(x):  # (rewritten; a captured array's gradient through erf, erfc, a
         - jnp.arctan(x)
         + jnp.arctan2(x, 2.0)
         + jnp.cbrt(x)
+        + jnp.arcsinh(x)
+        + jnp.arccosh(2.0 + x * x)
+        + inverses
     )
 
 

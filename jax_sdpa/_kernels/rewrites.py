@@ -190,6 +190,47 @@ def atan2_of(y, x):
 
 
 @_in_float32
+def asin_of(x):
+    """``lax.asin(x)`` as ``atan2(x, √((1 − x)(1 + x)))`` (within 4 ulp; NaN beyond ±1)."""
+    return atan2_of(x, jnp.sqrt((1 - x) * (1 + x)))
+
+
+@_in_float32
+def acos_of(x):
+    """``lax.acos(x)`` as ``atan2(√((1 − x)(1 + x)), x)`` (within 4 ulp; NaN beyond ±1)."""
+    return atan2_of(jnp.sqrt((1 - x) * (1 + x)), x)
+
+
+_LARGE = 2.0**12  # (beyond it, 1 + x² is x²: asinh x and acosh x are log 2x)
+
+
+@_in_float32
+def asinh_of(x):
+    """``lax.asinh(x)``: ``log1p(a + a² / (1 + √(1 + a²)))`` of ``a = |x|`` (within 3 ulp)."""
+    a = jnp.abs(x)
+    near = log1p_of(a + a * a / (1 + jnp.sqrt(1 + a * a)))
+    value = jnp.where(a < _LARGE, near, jnp.log(a) + math.log(2))
+    return jnp.where(x == 0, x, jnp.where(x < 0, -value, value))
+
+
+@_in_float32
+def acosh_of(x):
+    """``lax.acosh(x)``: ``log1p(t + √(2t + t²))`` of ``t = x − 1`` (within 3 ulp; NaN below 1)."""
+    t = x - 1
+    near = log1p_of(t + jnp.sqrt(2 * t + t * t))
+    value = jnp.where(x < _LARGE, near, jnp.log(x) + math.log(2))
+    return jnp.where(x < 1, jnp.nan, value)
+
+
+@_in_float32
+def atanh_of(x):
+    """``lax.atanh(x)``: ``log1p(2a / (1 − a)) / 2`` of ``a = |x|`` (within 4 ulp; ±∞ at ±1)."""
+    a = jnp.abs(x)
+    value = 0.5 * log1p_of(2 * a / (1 - a))
+    return jnp.where(x == 0, x, jnp.where(x < 0, -value, value))
+
+
+@_in_float32
 def cbrt_of(x):
     """``lax.cbrt(x)``: ``2 ** (log2 |x| / 3)`` and one step of Newton's method (within 3 ulp)."""
     a = jnp.abs(x)
@@ -214,5 +255,10 @@ REWRITES = {
     "atan": atan_of,
     "atan2": atan2_of,
     "cbrt": cbrt_of,
+    "asin": asin_of,
+    "acos": acos_of,
+    "asinh": asinh_of,
+    "acosh": acosh_of,
+    "atanh": atanh_of,
     "polynomial": polynomial_of,
 }
