@@ -314,6 +314,22 @@ def test_what_mosaic_gpu_lowers_no_primitive_for_is_computed_exactly_as_lax_does
     assert np.array_equal(np.signbit(got[numbers]), np.signbit(want[numbers]))  # (−0 too)
 
 
+@pytest.mark.parametrize(
+    "method", [lax.RoundingMethod.AWAY_FROM_ZERO, lax.RoundingMethod.TO_NEAREST_EVEN]
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_rounding_as_triton_computes_it_is_lax_round(method, dtype):
+    from jax_sdpa._kernels.rewrites import round_of
+
+    halves = np.arange(-6, 6) + 0.5  # (the ties, both ways)
+    near = [0.49999997, -0.49999997, 2.5000002, 8388607.5, -8388607.5, 16777215.0]
+    x = jnp.asarray(np.concatenate([_arguments(), halves, near]), dtype)
+    got, want = jax.jit(round_of, static_argnums=1)(x, method), lax.round(x, method)
+    np.testing.assert_array_equal(got, want)
+    numbers = ~np.isnan(np.asarray(want, np.float32))
+    assert np.array_equal(np.signbit(got[numbers]), np.signbit(want[numbers]))  # (−0 too)
+
+
 def _ulps(got, want):
     """``got``'s distance from float64's ``want`` in float32's units in the last place.
 

@@ -137,16 +137,17 @@ def test_a_table_no_derivative_asks_for_has_no_gradient_computed():
         assert [kernel.name for kernel in kernels if "tt.atomic_rmw" in kernel.asm] == atomics
 
 
-def test_erf_and_erfc_which_triton_lowers_no_primitive_for_are_computed_in_its_kernels():
-    # jax.nn.gelu(approximate=False) of the scores (erfc, and jnp.array's copy) and erf of a
-    # bias per key: the Triton programs compute them as rewrites.REWRITES does; before, each
+def test_erf_erfc_and_round_which_triton_lowers_no_primitive_for_are_computed_in_its_kernels():
+    # jax.nn.gelu(approximate=False) of the scores (erfc, and jnp.array's copy), erf and round
+    # of a bias per key: the Triton programs compute them as rewrites.py does; before, each
     # failed to lower ("Unimplemented primitive in Pallas Triton lowering: erf").
     bias = jnp.linspace(-2.0, 2.0, 128)
     q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
 
     def loss(q, k, v, bias):
         def mod(score, b, h, i, j):
-            return jax.nn.gelu(score, approximate=False) + jax.lax.erf(bias[j]).astype(score.dtype)
+            bias_j = jax.lax.erf(bias[j]) + jnp.round(bias[j] * 4)
+            return jax.nn.gelu(score, approximate=False) + bias_j.astype(score.dtype)
 
         out = js.dot_product_attention(q, k, v, score_mod=mod, implementation="pallas")
         return out.astype(jnp.float32).sum()

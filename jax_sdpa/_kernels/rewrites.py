@@ -11,6 +11,7 @@ import functools
 import math
 
 import jax.numpy as jnp
+from jax import lax
 
 
 def _in_float32(function):
@@ -73,6 +74,22 @@ def floor_of(x):
     down = jnp.where(whole > x, whole - 1, whole)
     down = jnp.where(x == 0, x, down)
     return jnp.where(jnp.abs(x) < 2.0 ** jnp.finfo(x.dtype).nmant, down, x)
+
+
+def round_of(x, rounding_method=lax.RoundingMethod.AWAY_FROM_ZERO):
+    """``lax.round(x, rounding_method)`` from ``floor |x|`` and the fraction left (exact).
+
+    (Pallas's Triton lowers no ``round``.)
+    """
+    a = jnp.abs(x)
+    whole = floor_of(a)
+    fraction = a - whole  # (exact)
+    if rounding_method == lax.RoundingMethod.TO_NEAREST_EVEN:
+        half = whole + (whole - 2 * floor_of(whole / 2))  # (up where odd)
+    else:
+        half = whole + 1
+    value = jnp.where(fraction == 0.5, half, jnp.where(fraction > 0.5, whole + 1, whole))
+    return jnp.where(x < 0, -value, jnp.where(x > 0, value, x))  # (±0 and NaN as they are)
 
 
 @_in_float32

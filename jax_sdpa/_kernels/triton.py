@@ -9,7 +9,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jax_sdpa._jax_compat import triton_atomic_add
 from jax_sdpa._kernels.backend import Backend
-from jax_sdpa._kernels.rewrites import REWRITES
+from jax_sdpa._kernels.rewrites import REWRITES, round_of
 from jax_sdpa._kernels.values import value
 
 
@@ -34,8 +34,15 @@ def _rewritten(eqn, operands):
     return REWRITES[eqn.primitive.name](*map(value, operands))
 
 
+def _rounded(eqn, operands):  # (exact, float64 too)
+    return round_of(value(operands[0]), eqn.params["rounding_method"])
+
+
 TRITON = Backend(
     _params,
     atomic_add=atomic_add,
-    rules=dict.fromkeys(("erf", "erfc", "polynomial"), (_rewritten,)),
+    rules={
+        **dict.fromkeys(("erf", "erfc", "polynomial"), (_rewritten,)),
+        "round": (_rounded,),
+    },
 )
