@@ -19,7 +19,7 @@ from jax import lax
 
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import as_computed, bind
-from jax_sdpa._kernels.rewrites import REWRITES
+from jax_sdpa._kernels import rewrites
 from jax_sdpa._kernels.values import (
     Expanded,
     Lazy,
@@ -461,28 +461,14 @@ def tile_positions(laid_out, along) -> dict:
 
         return window.then(operation)
 
-    def rewrite(eqn):
-        """What computes the equation where Mosaic GPU lowers it no way (:data:`REWRITES`), or None.
-
-        An integer power below −1 (a quotient's derivative, ``y ** −2``) as one over the power;
-        a function asked for an accuracy (JAX 0.12's ``erf`` derivative's ``exp``) as Mosaic GPU
-        computes it, which takes none.
-        """
-        name = eqn.primitive.name
-        if name == "integer_pow" and eqn.params["y"] < -1:
-            return lambda x: 1 / lax.integer_pow(x, -eqn.params["y"])
-        if name not in REWRITES and eqn.params.get("accuracy") is not None:
-            return lambda *args: bind(eqn, list(args), params={"accuracy": None})
-        return REWRITES.get(name)
-
     def bound(eqn, args):
         """The equation on ``args``, rewritten where Mosaic GPU lowers it no way."""
-        computed = rewrite(eqn)
+        computed = rewrites.for_mosaic_gpu(eqn)
         return bind(eqn, args) if computed is None else computed(*args)
 
     def rewritten(eqn, operands):
         """A rewrite, its operands read (a window's is :func:`of_a_window`'s, first), or None."""
-        computed = rewrite(eqn)
+        computed = rewrites.for_mosaic_gpu(eqn)
         return None if computed is None else computed(*map(value, operands))
 
     comparisons = ("eq", "ne", "lt", "le", "gt", "ge")
@@ -496,7 +482,8 @@ def tile_positions(laid_out, along) -> dict:
         **{name: (elementwise, compared, of_a_window) for name in comparisons},
         **{name: (of_a_window, rewritten) for name in unary},
     }
-    for name in ("integer_pow", *REWRITES):  # (a window's: rewritten by of_a_window's bound)
+    # (a window's rewritten by of_a_window's bound, the rest by rewritten)
+    for name in ("integer_pow", *rewrites.REWRITES):
         rules[name] = rules.get(name, (of_a_window,)) + (rewritten,)
     return rules
 

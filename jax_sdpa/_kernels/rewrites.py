@@ -13,6 +13,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from jax_sdpa._jax_compat import bind
+
 
 def _in_float32(function):
     """``function`` of float32 inputs, its result rounded back to a 16-bit input's dtype."""
@@ -39,6 +41,11 @@ def polynomial_of(x, *coefficients):
     """``lax.polynomial(x, coefficients)`` (lowest degree first; JAX 0.12's) by Horner's rule."""
     x, *coefficients = jnp.broadcast_arrays(x, *coefficients)
     return _polynomial(x, coefficients[::-1])
+
+
+def _signed(x, magnitude):
+    """``magnitude`` with ``x``'s sign: negated where ``x < 0``, and ``x`` itself at ±0."""
+    return jnp.where(x == 0, x, jnp.where(x < 0, -magnitude, magnitude))
 
 
 def _negative(x):
@@ -88,8 +95,7 @@ def round_of(x, rounding_method=lax.RoundingMethod.AWAY_FROM_ZERO):
         half = whole + (whole - 2 * floor_of(whole / 2))  # (up where odd)
     else:
         half = whole + 1
-    value = jnp.where(fraction == 0.5, half, jnp.where(fraction > 0.5, whole + 1, whole))
-    return jnp.where(x < 0, -value, jnp.where(x > 0, value, x))  # (±0 and NaN as they are)
+    return _signed(x, jnp.where(fraction == 0.5, half, jnp.where(fraction > 0.5, whole + 1, whole)))
 
 
 @_in_float32
@@ -170,8 +176,7 @@ def sinh_of(x):
     a = jnp.abs(x)
     em1 = expm1_of(a)
     up, down = _half_exp_and_its_inverse(a)
-    value = jnp.where(a < 1, 0.5 * (em1 + em1 / (em1 + 1)), up - down)
-    return jnp.where(x == 0, x, jnp.where(x < 0, -value, value))
+    return _signed(x, jnp.where(a < 1, 0.5 * (em1 + em1 / (em1 + 1)), up - down))
 
 
 @_in_float32
@@ -191,8 +196,7 @@ def atan_of(x):
     base = jnp.where(beyond, math.pi / 2, jnp.where(middle, math.pi / 4, 0.0))
     z = t * t
     odd = (8.05374449538e-2, -1.38776856032e-1, 1.99777106478e-1, -3.33329491539e-1)
-    value = base + (_polynomial(z, odd) * z * t + t)
-    return jnp.where(x == 0, x, jnp.where(x < 0, -value, value))
+    return _signed(x, base + (_polynomial(z, odd) * z * t + t))
 
 
 @_in_float32
@@ -226,8 +230,7 @@ def asinh_of(x):
     """``lax.asinh(x)``: ``log1p(a + a² / (1 + √(1 + a²)))`` of ``a = |x|`` (within 3 ulp)."""
     a = jnp.abs(x)
     near = log1p_of(a + a * a / (1 + jnp.sqrt(1 + a * a)))
-    value = jnp.where(a < _LARGE, near, jnp.log(a) + math.log(2))
-    return jnp.where(x == 0, x, jnp.where(x < 0, -value, value))
+    return _signed(x, jnp.where(a < _LARGE, near, jnp.log(a) + math.log(2)))
 
 
 @_in_float32
@@ -243,8 +246,7 @@ def acosh_of(x):
 def atanh_of(x):
     """``lax.atanh(x)``: ``log1p(2a / (1 − a)) / 2`` of ``a = |x|`` (within 4 ulp; ±∞ at ±1)."""
     a = jnp.abs(x)
-    value = 0.5 * log1p_of(2 * a / (1 - a))
-    return jnp.where(x == 0, x, jnp.where(x < 0, -value, value))
+    return _signed(x, 0.5 * log1p_of(2 * a / (1 - a)))
 
 
 @_in_float32
@@ -252,9 +254,8 @@ def cbrt_of(x):
     """``lax.cbrt(x)``: ``2 ** (log2 |x| / 3)`` and one step of Newton's method (within 3 ulp)."""
     a = jnp.abs(x)
     guess = jnp.exp2(jnp.log2(a) / 3)
-    root = (2 * guess + a / (guess * guess)) / 3
-    root = jnp.where(a == 0, a, jnp.where(a == jnp.inf, a, root))
-    return jnp.where(x < 0, -root, jnp.where(x == 0, x, root))
+    root = (2 * guess + a / (guess * guess)) / 3  # (∞ / ∞ at ∞; 0 / 0 at 0: _signed's)
+    return _signed(x, jnp.where(a == jnp.inf, a, root))
 
 
 # (``erf`` and ``atan2`` Mosaic GPU lowers, but its layout inference has no rule for them.)
@@ -279,3 +280,18 @@ REWRITES = {
     "atanh": atanh_of,
     "polynomial": polynomial_of,
 }
+
+
+def for_mosaic_gpu(eqn):
+    """What computes the equation where Mosaic GPU lowers it no way (:data:`REWRITES`), or None.
+
+    An integer power below −1 (a quotient's derivative, ``y ** −2``) as one over the power;
+    a function asked for an accuracy (JAX 0.12's ``erf`` derivative's ``exp``) as Mosaic GPU
+    computes it, which takes none.
+    """
+    name = eqn.primitive.name
+    if name == "integer_pow" and eqn.params["y"] < -1:
+        return lambda x: 1 / lax.integer_pow(x, -eqn.params["y"])
+    if name not in REWRITES and eqn.params.get("accuracy") is not None:
+        return lambda *args: bind(eqn, list(args), params={"accuracy": None})
+    return REWRITES.get(name)

@@ -148,11 +148,10 @@ def scatter_add(eqn, operands: list):
         and size * rank == eqn.invars[1].aval.size
     )
     if not point:
-        placed = None  # (but dynamic_slice's transpose, as JAX 0.12.1 batches it)
-        if _one_slice(eqn, rank):
+        if _one_slice(eqn, rank):  # (dynamic_slice's transpose, as JAX 0.12.1 batches it)
             placed = _placed_into(operand, updates, index_arrays(indices, rank), size)
-        if placed is not None:
-            return placed
+            if placed is not None:
+                return placed
         return bind(eqn, [value(operand), value(indices), value(updates)])
     shape = eqn.invars[0].aval.shape
     points = index_arrays(indices, rank)
