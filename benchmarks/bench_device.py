@@ -218,6 +218,11 @@ def timed_calls(kernel) -> dict:
         # The Mosaic GPU kernel (issue 43): forward and both backward kernels its own.
         "mosaic_gpu causal": (functools.partial(mosaic, is_causal=True), True),
         "mosaic_gpu no mask": (mosaic, False),
+        # Its forward kernel's consumers taking turns at the tensor cores (the ping-pong) or not
+        "mosaic_gpu causal, no turns": (
+            _without_turns(functools.partial(mosaic, is_causal=True)),
+            True,
+        ),
         "jax.nn cudnn no mask": (
             functools.partial(nn, is_causal=False, implementation="cudnn"),
             False,
@@ -278,6 +283,28 @@ def timed_calls(kernel) -> dict:
         "jax.nn default causal": (nn, True),
     }
     return calls
+
+
+def _without_turns(fn):
+    """``fn`` with the Mosaic GPU forward kernel's consumers not taking turns.
+
+    (The kernel's is ``alternate=True``: :class:`jax_sdpa._kernels.pipeline.Turns`. Traced so,
+    once, with JAX's caches cleared before and after: the library's inner ``jax.jit`` would give
+    the traces it holds of the other, and keep this one.)
+    """
+    from jax_sdpa._kernels import mosaic_gpu
+
+    def call(*args):
+        kernel = mosaic_gpu.warp_specialized
+        mosaic_gpu.warp_specialized = lambda *a, **kw: kernel(*a, **(kw | {"alternate": False}))
+        jax.clear_caches()
+        try:
+            return fn(*args)
+        finally:
+            mosaic_gpu.warp_specialized = kernel
+            jax.clear_caches()
+
+    return call
 
 
 def _mosaic_gpu(kernel):

@@ -38,7 +38,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_device import _call_seconds, _failure, kernel_times  # this folder is on sys.path
+from bench_device import (  # this folder is on sys.path
+    _call_seconds,
+    _failure,
+    _without_turns,
+    kernel_times,
+)
 
 import jax_sdpa as js
 
@@ -102,6 +107,9 @@ def decode_calls(batch: int, seq: int, dtype=jnp.bfloat16) -> dict:
                 calls[f"jax_sdpa paged {page} int8 {name}"] = (paged, (q, *pools, table, lengths))
     for name, pallas in KERNELS.items():  # (packed query heads, split keys: one kernel)
         calls[f"jax_sdpa {name}"] = (functools.partial(ours, implementation=pallas), (q, k, v))
+    if mosaic_gpu is not None:  # (its consumers not taking turns at the tensor cores)
+        kernel = _without_turns(functools.partial(ours, implementation=mosaic_gpu))
+        calls["jax_sdpa mosaic_gpu, no turns"] = (kernel, (q, k, v))
     for implementation in ("cudnn", "xla"):
         nn = functools.partial(
             jax.nn.dot_product_attention,

@@ -235,8 +235,9 @@ def forward(plan: Plan, query, key, value, shared: Shared, out_dtype, masked, ta
     swept = Swept(slots, sources, STAGES, masked, pieces)
     # (A latent's kernel: 1 KiB of the 2 KiB Mosaic GPU reserves for reductions across warps,
     # to fit the shared weights' rows' max: a tile's rows reduce within warps, and a whole
-    # tile to a scalar takes at most 1 KiB.)
-    split = dict(split=True, reduction_scratch=1024) if latent else {}
+    # tile to a scalar takes at most 1 KiB. Other consumers take turns at the tensor cores;
+    # a latent's hand the weights over instead.)
+    split = dict(split=True, reduction_scratch=1024) if latent else dict(alternate=True)
     out, lse, top = warp_specialized(
         plan, "kv", block_q, inputs, shared, out_type, own, swept, consumer, **split
     )

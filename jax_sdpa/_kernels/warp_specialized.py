@@ -2,10 +2,10 @@ r"""Warp-specialized Mosaic GPU kernels: a producer's ring and consumers running
 
 :func:`warp_specialized` is a ``plgpu.kernel`` of three warpgroups, as FlashAttention-3 and JAX's
 own ``attention_mgpu`` are built: a producer copies the blocks a program sweeps over into a ring
-of shared-memory slots by TMA (:class:`Ring`), each slot with a barrier that says it is full and
-one that says both consumers are done with it; two consumers each hold their own positions
-(:class:`Program`) and run the engine's own tile on every block: its products are ``wgmma`` on
-the slots (:func:`product`), everything between them (the formula, the mods, the mask rules,
+of shared-memory slots by TMA, and two consumers, taking turns at the tensor cores, use them
+(:mod:`jax_sdpa._kernels.pipeline`); each consumer holds its own positions (:class:`Program`)
+and runs the engine's own tile on every block: its products are ``wgmma`` on the slots
+(:func:`product`), everything between them (the formula, the mods, the mask rules,
 the online softmax, their ``jax.vjp``) is :class:`~jax_sdpa._tiles.Tiles`' code, the XLA
 paths' and the Triton kernel's, traced into the kernel. The blocks a rule excludes are not
 copied; those it allows wholly run with no mask (which blocks, and how:
@@ -34,14 +34,13 @@ from jax_sdpa._jaxpr import table
 from jax_sdpa._kernels import atomics
 from jax_sdpa._kernels.atomics import GradientAtPoints
 from jax_sdpa._kernels.backend import Backend
+from jax_sdpa._kernels.pipeline import Ring, Turns
 from jax_sdpa._kernels.positions import Vectors, tile_positions
 from jax_sdpa._kernels.programs import Plan, Shared
 from jax_sdpa._kernels.reads import looped_gathers
 from jax_sdpa._kernels.schedule import (
     CONSUMERS,
-    KINDS,
     RULE,
-    SKIP,
     Lists,
     Steps,
     held_start,
@@ -136,7 +135,7 @@ class InSmem:
     ref: object
 
 
-def product(staging, simulated: bool, widened=None):
+def product(staging, simulated: bool, widened=None, turn=None):
     """The tiles' :func:`~jax_sdpa._steps.cast_product` as ``wgmma``.
 
     ``td,sd->ts`` (the raw scores ``q · kᵀ``, the weights' gradient ``dO · vᵀ``) of two refs in
@@ -146,7 +145,8 @@ def product(staging, simulated: bool, widened=None):
     ``ts,td->sd`` (``Pᵀ · dO``,
     ``dSᵀ · q``) of a tile and a ref, the tile through ``staging``, read transposed. A ref of
     8-bit numbers (a quantized cache's block) is first widened to ``dtype``, into shared memory:
-    ``widened[spec]``, the product's own.
+    ``widened[spec]``, the product's own. ``turn``: the consumers' turns at the tensor cores
+    (:class:`Turns`), taken after a ``td,sd->ts`` product is issued and before a ``ts,sd->td``.
     """
 
     def stage(a, dtype, into=staging):
@@ -176,96 +176,19 @@ def product(staging, simulated: bool, widened=None):
         else:  # "ts,td->sd"
             shape, a = (a.shape[1], b.shape[1]), stage(a, b.dtype).transpose((1, 0))
 
+        first = spec == "td,sd->ts"
+        if turn is not None and not first:
+            turn()
+
         def run(acc):
             plgpu.wgmma(acc, a, b)
+            if turn is not None and first:
+                turn()
             return acc[...]
 
         return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
     return product
-
-
-@dataclasses.dataclass(frozen=True)
-class Ring:
-    """The producer's ring: slots of each swept array, and their barriers."""
-
-    slots: tuple  # a (stages, *block) shared-memory ref per swept array
-    full: tuple  # a barrier per slot, per array: its copy landed
-    free: object  # a barrier per slot: both consumers are done with it (all its arrays)
-
-    @property
-    def stages(self) -> int:
-        return self.slots[0].shape[0]
-
-    def slot(self, step, lo):
-        """The slot of step ``step`` of a loop from ``lo`` (in the steps' dtype, x64 or not)."""
-        offset = step - lo
-        return lax.rem(offset, jnp.asarray(self.stages, offset.dtype))
-
-    def fill(self, sources, step, slot) -> None:
-        """The producer: the block ``step`` of each source into ``slot``.
-
-        A source's block is a ref, or a tuple of refs (pages) that fill the slot's rows in
-        turn, each copy arriving at the slot's barrier (:attr:`Swept.pieces`).
-        """
-        for source, ring, full in zip(sources, self.slots, self.full, strict=True):
-            block = source(step)
-            pieces = block if isinstance(block, tuple) else (block,)
-            rows = ring.shape[1] // len(pieces)
-            for n, piece in enumerate(pieces):
-                at = ring.at[slot] if len(pieces) == 1 else ring.at[slot, pl.ds(n * rows, rows)]
-                plgpu.copy_gmem_to_smem(piece, at, full.at[slot])
-
-    def produce(self, sources, lo, hi, block) -> None:
-        """The producer's loop: steps ``lo … hi − 1``, each's ``block(step)`` into a freed slot.
-
-        It ends when the consumers are done with the last.
-        """
-        for first in range(self.stages):
-            pl.when(lo + first < hi)(
-                lambda first=first: self.fill(sources, block(lo + first), first)
-            )
-
-        @pl.loop(lo + self.stages, jnp.maximum(hi, lo + self.stages))
-        def _(step):
-            slot = self.slot(step, lo)
-            plgpu.barrier_wait(self.free.at[slot])
-            self.fill(sources, block(step), slot)
-
-        # Each slot's last block: waited for too, so no barrier ends a phase ahead of its
-        # waiter (JAX 0.11's simulator checks that).
-        for slot in range(self.stages):
-            pl.when(lo + slot < hi)(functools.partial(plgpu.barrier_wait, self.free.at[slot]))
-
-    def consume(self, runs, lo, carry, tile, block):
-        """A consumer's loop over its ``runs`` ``(start, stop, kind)`` of the producer's steps.
-
-        All within the producer's range from ``lo``: ``carry = tile(block(step), slots, carry,
-        kind)`` on each step's block, in its slot; a :data:`SKIP` step only waits for its block
-        and frees it. A run's ``kind`` is one of :data:`KINDS`, or ``kind(step)`` an index of
-        one.
-        """
-
-        def step(kind, n, carry):
-            slot = self.slot(n, lo)
-            for full in self.full:
-                plgpu.barrier_wait(full.at[slot])
-            slots = [ring.at[slot] for ring in self.slots]
-
-            def run(kind, carry):
-                return carry if kind == SKIP else tile(block(n), slots, carry, kind)
-
-            if callable(kind):
-                branches = [functools.partial(run, k) for k in KINDS]
-                carry = lax.switch(kind(n), branches, carry)
-            else:
-                carry = run(kind, carry)
-            plgpu.barrier_arrive(self.free.at[slot])
-            return carry
-
-        for start, stop, kind in runs:
-            carry = lax.fori_loop(start, stop, functools.partial(step, kind), carry)
-        return carry
 
 
 def laid_out(tree):
@@ -319,6 +242,7 @@ class Program:
     shared: Shared  # refs
     steps: Steps
     ring: Ring
+    turns: Turns | None = None  # where its consumers take turns at the tensor cores
 
     @property
     def size(self) -> int:
@@ -335,7 +259,8 @@ class Program:
         staged = None if staging is None else staging.at[self.c]
         own = {spec: ref.at[self.c] for spec, ref in (widened or {}).items()}
         tiles = self.plan.tiles
-        return dataclasses.replace(tiles, product=product(staged, simulated(self.plan), own))
+        wgmma = product(staged, simulated(self.plan), own, self.turns)
+        return dataclasses.replace(tiles, product=wgmma)
 
     def run(self, body):
         """``body(arrays, sink, offsets)`` with head ``n``'s arrays (:meth:`Plan.run`)."""
@@ -357,8 +282,13 @@ class Program:
 
             return laid_out(self.run(body))
 
-        steps = self.steps
-        return self.ring.consume(steps.runs, steps.lo, laid_out(carry), step, steps.block)
+        steps, turns = self.steps, self.turns
+        loop = functools.partial(
+            self.ring.consume, steps.runs, steps.lo, laid_out(carry), step, steps.block
+        )
+        if turns is None:
+            return loop()
+        return turns.around(self.c, functools.partial(loop, skip=turns.skip))
 
 
 def warp_specialized(
@@ -372,6 +302,7 @@ def warp_specialized(
     swept,
     consumer,
     split=False,
+    alternate=False,
     backend=MOSAIC_GPU,
     reduction_scratch=plgpu.CompilerParams.reduction_scratch_bytes,
 ):
@@ -381,7 +312,8 @@ def warp_specialized(
     ``CONSUMERS · held`` of them (or, ``split``, the same ``held`` for all: each computes a
     part of their output, and ``program.c`` is a Python int), and sweeps the ``axis`` blocks
     its positions may meet; the producer copies the blocks any of them may meet into its ring
-    (:class:`Swept`). ``own``: the consumers' scratch (shared-memory types).
+    (:class:`Swept`). ``alternate``: the consumers take turns at the tensor cores
+    (:class:`Turns`). ``own``: the consumers' scratch (shared-memory types).
     ``consumer(inputs, outputs, own, program)`` runs in each consumer (refs; :class:`Program`).
     ``inputs``: arrays, the queries first, ``(T, N, ·)``. ``backend``: the rules its programs'
     bodies are read with. ``reduction_scratch``: the shared memory's bytes Mosaic GPU reserves
@@ -405,7 +337,7 @@ def warp_specialized(
     def kernel(*refs):
         ins, (*outs, scratch) = refs[: len(inputs)], refs[arity:]
         shared_refs, lists_refs = jax.tree.unflatten(tree, refs[len(inputs) : arity])
-        own_refs, ring_refs, full, free = scratch
+        own_refs, ring_refs, full, free, schedule = scratch
         n, c, m = lax.axis_index("heads"), lax.axis_index("wg"), lax.axis_index("blocks")
         first = m * rows
         start = held_start(m, jnp.minimum(c, CONSUMERS - 1), held, split)
@@ -423,7 +355,8 @@ def warp_specialized(
 
         def run_consumer(c):
             plgpu.set_max_registers(232, action="increase")
-            program = Program(plan, axis, n, c, start, shared_refs, steps, ring)
+            turns = None if schedule is None else Turns(schedule)
+            program = Program(plan, axis, n, c, start, shared_refs, steps, ring, turns)
             consumer(ins, outs, own_refs, program)
 
         if split:  # (each consumer its own code: which one it is, a Python int)
@@ -440,6 +373,7 @@ def warp_specialized(
             for _ in swept.blocks
         ),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=swept.stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS) if alternate else None,
     )
     return plgpu.kernel(
         kernel,
