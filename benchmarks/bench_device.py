@@ -220,7 +220,9 @@ def timed_calls(kernel) -> dict:
         "mosaic_gpu no mask": (mosaic, False),
         # Its forward kernel's consumers taking turns at the tensor cores (the ping-pong) or not
         "mosaic_gpu causal, no turns": (
-            _without_turns(functools.partial(mosaic, is_causal=True)),
+            _without_turns(
+                functools.partial(js.dot_product_attention, is_causal=True), _mosaic_gpu(kernel)
+            ),
             True,
         ),
         "jax.nn cudnn no mask": (
@@ -285,24 +287,28 @@ def timed_calls(kernel) -> dict:
     return calls
 
 
-def _without_turns(fn):
-    """``fn`` with the Mosaic GPU forward kernel's consumers not taking turns.
+class _NoTurns(js.Pallas):
+    """A Mosaic GPU kernel whose forward consumers take no turns at the tensor cores.
 
-    (The kernel's is ``alternate=True``: :class:`jax_sdpa._kernels.pipeline.Turns`. Traced so,
-    once, with JAX's caches cleared before and after: the library's inner ``jax.jit`` would give
-    the traces it holds of the other, and keep this one.)
+    (Its own class: JAX's caches of traces, keyed by the tunables, keep its programs apart from
+    the kernel's, which take turns: :class:`jax_sdpa._kernels.pipeline.Turns`.)
     """
+
+
+def _without_turns(fn, kernel):
+    """``fn(*args, implementation=kernel)``, the forward kernel's consumers taking no turns."""
     from jax_sdpa._kernels import mosaic_gpu
 
-    def call(*args):
-        kernel = mosaic_gpu.warp_specialized
-        mosaic_gpu.warp_specialized = lambda *a, **kw: kernel(*a, **(kw | {"alternate": False}))
-        jax.clear_caches()
+    fields = {f.name: getattr(kernel, f.name) for f in dataclasses.fields(kernel)}
+    untaken = _NoTurns(**fields)
+
+    def call(*args):  # (traced so: the kernel is made as it is traced)
+        made = mosaic_gpu.warp_specialized
+        mosaic_gpu.warp_specialized = lambda *a, **kw: made(*a, **(kw | {"alternate": False}))
         try:
-            return fn(*args)
+            return fn(*args, implementation=untaken)
         finally:
-            mosaic_gpu.warp_specialized = kernel
-            jax.clear_caches()
+            mosaic_gpu.warp_specialized = made
 
     return call
 
