@@ -1,6 +1,7 @@
 """Decoding against a KV cache: jax_sdpa's decode path against the memory-bandwidth yardstick.
 
     python benchmarks/bench_decode.py [--reps 5] [--seqs 8192,32768]
+    python benchmarks/bench_decode.py --seqs ""  # the ragged batch and S = 1024 alone
 
 B4 N32 K8 d128 float32, kv lengths per sequence (S, S − 100, S/2, S − 7), everything of one
 cache length interleaved in one loop (``bench_speed.interleaved``: fresh random order each
@@ -15,7 +16,9 @@ speed this machine reads memory, measured in the same loop. Rows:
 - batch 1 (one sequence: its keys split over the cores);
 - T = 16 (speculative decoding, chunked prefill), bottom-right causal, against jax.nn;
 - a bfloat16 cache against the float32 one;
-- S = 1024 against the dense path (``"xla"``).
+- S = 1024 against the dense path (``"xla"``);
+- a ragged batch (``ragged_paged_attention``: 8 decoding steps and a 256-query chunk) in one
+  call against its two calls apart.
 """
 
 import argparse
@@ -130,6 +133,33 @@ def short_steps(seq: int = 1024) -> dict:
     }
 
 
+def ragged_steps(seq: int = 2048, chunk: int = 256) -> dict:
+    """8 decoding steps and a ``chunk``-query prefill chunk (pages of 64, bottom-right causal):
+    one ``ragged_paged_attention`` call, and ``paged_attention`` twice, apart."""
+    k, v, lengths = cache(9, seq)
+    lengths = jnp.full((9,), seq, jnp.int32)
+    key_pages, value_pages, table = paged(k, v, 64)
+    packed = jax.random.normal(jax.random.key(2), (8 + chunk, N, H))
+    starts = jnp.asarray([*range(9), 8 + chunk], jnp.int32)
+    pages = (key_pages, value_pages)
+
+    def ragged(packed, key_pages, value_pages):
+        return jax_sdpa.ragged_paged_attention(
+            packed, key_pages, value_pages, table, lengths, starts, max_queries=chunk
+        )
+
+    def apart(packed, key_pages, value_pages):
+        paged = jax_sdpa.paged_attention
+        decodes = paged(packed[:8, None], key_pages, value_pages, table[:8], lengths[:8])
+        prefill = paged(packed[None, 8:], key_pages, value_pages, table[8:], lengths[8:])
+        return jnp.concatenate([decodes[:, 0], prefill[0]])
+
+    return {
+        "one call": functools.partial(jax.jit(ragged), packed, *pages),
+        "two calls": functools.partial(jax.jit(apart), packed, *pages),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -150,7 +180,7 @@ def main():
         "| T16: jax.nn / jax_sdpa | bf16 / f32 |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for seq in map(int, args.seqs.split(",")):
+    for seq in map(int, filter(None, args.seqs.split(","))):  # (--seqs "": none)
         steps = steps_for(seq)
         for step in steps.values():
             jax.block_until_ready(step())
@@ -166,6 +196,15 @@ def main():
             f"| {t['jax.nn T16'] / t['jax_sdpa T16']:.2f}× | {t['jax_sdpa bf16'] / ours:.2f}× |",
             flush=True,
         )
+    steps = ragged_steps()
+    for step in steps.values():
+        jax.block_until_ready(step())
+    t = {n: float(np.median(x)) for n, x in interleaved(steps, (), args.reps).items()}
+    print(
+        f"\nragged, 8 decoding steps and a 256-query chunk (S 2048, pages of 64): one call "
+        f"{1e3 * t['one call']:.1f} ms, two calls {1e3 * t['two calls']:.1f} ms: "
+        f"{t['one call'] / t['two calls']:.2f}× the two calls' time"
+    )
     t = {n: float(np.median(x)) for n, x in interleaved(short_steps(), (), args.reps).items()}
     print(
         f"\nS = 1024: jax_sdpa {1e3 * t['jax_sdpa']:.2f} ms, dense (xla) {1e3 * t['xla']:.2f} ms: "

@@ -108,8 +108,7 @@ def decode_calls(batch: int, seq: int, dtype=jnp.bfloat16) -> dict:
     for name, pallas in KERNELS.items():  # (packed query heads, split keys: one kernel)
         calls[f"jax_sdpa {name}"] = (functools.partial(ours, implementation=pallas), (q, k, v))
     if mosaic_gpu is not None:  # (its consumers not taking turns at the tensor cores)
-        kernel = _without_turns(functools.partial(ours, implementation=mosaic_gpu))
-        calls["jax_sdpa mosaic_gpu, no turns"] = (kernel, (q, k, v))
+        calls["jax_sdpa mosaic_gpu, no turns"] = (_without_turns(ours, mosaic_gpu), (q, k, v))
     for implementation in ("cudnn", "xla"):
         nn = functools.partial(
             jax.nn.dot_product_attention,
@@ -166,8 +165,11 @@ def mla_calls(batch: int, seq: int, dtype=jnp.bfloat16) -> dict:
     return {name: (fn, args, size) for name, (fn, args) in calls.items()}
 
 
-def ragged_calls(seq: int, chunk: int, dtype=jnp.bfloat16) -> dict:
-    """8 decodes and one ``chunk``-token prefill chunk: in one ragged call, and as two calls."""
+def ragged_calls(seq: int, chunk: int, implementation=None, dtype=jnp.bfloat16) -> dict:
+    """8 decodes and one ``chunk``-token prefill chunk: in one ragged call, and as two calls.
+
+    With ``implementation`` (a :class:`jax_sdpa.Paged`) or the default.
+    """
     page = 64
     q, k, v, lengths = _cache(9, seq, dtype)
     key_pages, value_pages, table = _paged(k, v, page=page)
@@ -177,16 +179,15 @@ def ragged_calls(seq: int, chunk: int, dtype=jnp.bfloat16) -> dict:
 
     def ragged(packed, key_pages, value_pages, table):
         return js.ragged_paged_attention(
-            packed, key_pages, value_pages, table, lengths, starts, max_queries=chunk
+            *(packed, key_pages, value_pages, table, lengths, starts),
+            max_queries=chunk,
+            implementation=implementation,
         )
 
     def apart(packed, key_pages, value_pages, table):
-        decodes = js.paged_attention(
-            packed[:8, None], key_pages, value_pages, table[:8], lengths[:8]
-        )
-        chunked = js.paged_attention(
-            packed[None, 8:], key_pages, value_pages, table[8:], lengths[8:]
-        )
+        paged = functools.partial(js.paged_attention, implementation=implementation)
+        decodes = paged(packed[:8, None], key_pages, value_pages, table[:8], lengths[:8])
+        chunked = paged(packed[None, 8:], key_pages, value_pages, table[8:], lengths[8:])
         return jnp.concatenate([decodes[:, 0], chunked[0]])
 
     args = (packed, key_pages, value_pages, table)
@@ -211,15 +212,15 @@ def check(seq: int, tolerance: float) -> None:
     for name, (fn, args, _) in mla.items():
         if name.startswith("jax_sdpa"):
             _check(f"MLA {name[len('jax_sdpa ') :]}", fn, args, want, tolerance)
-    try:
-        ragged = ragged_calls(seq, 128)
-        one, two = (np.asarray(jax.jit(fn)(*args), np.float32) for fn, args in ragged.values())
-        error = float(np.max(np.abs(one - two)) / np.max(np.abs(two)))
-        print(
-            f"  {'ragged against apart':34s} {'ok' if error < tolerance else 'FAILED'}  {error:.1e}"
-        )
-    except Exception as error:
-        print(f"  ragged: FAILED {_failure(error, 300)}")
+    for label, kernel in (("", None), (" mosaic_gpu", KERNELS["mosaic_gpu"])):
+        try:  # (a sequence's 128 queries in several tiles)
+            ragged = ragged_calls(seq, 128, None if kernel is None else js.Paged(kernel=kernel))
+            one, two = (np.asarray(jax.jit(f)(*args), np.float32) for f, args in ragged.values())
+            error = float(np.max(np.abs(one - two)) / np.max(np.abs(two)))
+            verdict = "ok" if error < tolerance else "FAILED"
+            print(f"  {'ragged against apart' + label:34s} {verdict}  {error:.1e}")
+        except Exception as error:
+            print(f"  ragged{label}: FAILED {_failure(error, 300)}")
 
 
 def _check(name: str, fn, args, want, bound: float) -> None:
@@ -332,15 +333,15 @@ def main() -> None:
     time_mla(*((2, 512) if rehearse else (8, 32768)), args.reps, stop)
     if time.time() < stop:
         print("\nragged: 8 decodes and a prefill chunk, one call against two:")
-        for name, (fn, call_args) in ragged_calls(
-            *((256, 64) if rehearse else (8192, 2048))
-        ).items():
-            try:
-                print(
-                    f"  {name:20s} {_call_seconds(jax.jit(fn), call_args, args.reps) * 1e3:8.3f} ms"
-                )
-            except Exception as error:
-                print(f"  {name}: {_failure(error, 300)}")
+        shape = (256, 64) if rehearse else (8192, 2048)
+        for label, kernel in (("default", None), ("mosaic_gpu", KERNELS["mosaic_gpu"])):
+            paged = None if kernel is None else js.Paged(kernel=kernel)
+            for name, (fn, call_args) in ragged_calls(*shape, paged).items():
+                try:
+                    ms = _call_seconds(jax.jit(fn), call_args, args.reps) * 1e3
+                    print(f"  {label:10s} {name:20s} {ms:8.3f} ms")
+                except Exception as error:
+                    print(f"  {label} {name}: {_failure(error, 300)}")
     for name in ("jax_sdpa default", "jax_sdpa mosaic_gpu"):
         if jax.default_backend() != "gpu" or time.time() > stop:
             break

@@ -29,13 +29,13 @@ from jax_sdpa._masks import SegmentMask as SegmentMask
 from jax_sdpa._masks import materialize_mask as materialize_mask
 from jax_sdpa._online_softmax import merge_attention as merge_attention
 from jax_sdpa._paged import paged_attention as paged_attention
-from jax_sdpa._paged import ragged_paged_attention as ragged_paged_attention
 from jax_sdpa._paged import update_cache as update_cache
 from jax_sdpa._paged import update_paged_cache as update_paged_cache
 from jax_sdpa._paged import update_ragged_paged_cache as update_ragged_paged_cache
 from jax_sdpa._qk_clip import qk_clip as qk_clip
 from jax_sdpa._quantized import Quantized as Quantized
 from jax_sdpa._quantized import quantize as quantize
+from jax_sdpa._ragged import ragged_paged_attention as ragged_paged_attention
 from jax_sdpa._sharding import from_striped as from_striped
 from jax_sdpa._sharding import ring_dot_product_attention as ring_dot_product_attention
 from jax_sdpa._sharding import to_striped as to_striped

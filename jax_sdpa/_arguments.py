@@ -40,13 +40,16 @@ def bind(
     output: Output,
     implementation=None,
     page_table=None,
+    first_positions=None,
     return_max_scores=False,
     **keywords,
 ) -> tuple[Inputs, Config]:
     """Checks every argument of a public call (raising on the first problem) and bundles them.
 
     ``keywords`` are the public function's other arguments, by name. With a ``page_table``,
-    ``key`` and ``value`` are pools of pages (:func:`~jax_sdpa.paged_attention`).
+    ``key`` and ``value`` are pools of pages (:func:`~jax_sdpa.paged_attention`), and each
+    sequence's first query is at ``first_positions`` ``(batch,)``, by default its lengths less
+    its queries: its last positions.
     """
     _flax_only(**keywords)
     ring = _ring_spec(query, key, **keywords)
@@ -58,7 +61,7 @@ def bind(
             query, key, value, page_table, **keywords
         )
         keywords = dict(keywords, key_value_seq_lengths=lengths)
-        diagonal = (0, lengths - shapes.seq_q)  # each sequence's queries are its last positions
+        diagonal = (0, lengths - shapes.seq_q if first_positions is None else first_positions)
     score_mod, score_consts = _score_mod(shapes, query.dtype, **keywords)
     formula = Formula.of(query.shape[-1], **dict(keywords, score_mod=score_mod))
     first_sequence = _first(ring, "batch_axis", math.prod(shapes.batch))

@@ -5,40 +5,28 @@ A paged cache (vLLM, Kwon et al. 2023) keeps keys and values in a pool of pages,
 its first ``lengths[b]`` positions are valid. Pages are allocated as sequences grow, so no
 sequence reserves room it does not use. :func:`paged_attention` attends over those pages chunk
 by chunk (:func:`jax_sdpa._decode.split_keys`), gathering a few pages at a time: the cache is
-never copied into a contiguous array. :func:`ragged_paged_attention` serves a batch whose
-sequences bring different numbers of new queries (a prefill chunk beside decoding steps), packed
-along one axis.
+never copied into a contiguous array (:mod:`jax_sdpa._ragged` attends a batch whose sequences
+bring different numbers of new queries with it).
 
 :func:`update_cache`, :func:`update_paged_cache` and :func:`update_ragged_paged_cache` write a
 step's new keys and values into a contiguous or a paged cache: pure functions of the cache, to
 ``jax.jit`` with the cache donated (``donate_argnums``), so that XLA writes in place.
 """
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Integer
 
-from jax_sdpa import _checks
 from jax_sdpa._arguments import bind
-from jax_sdpa._block_mask import BlockMask
 from jax_sdpa._implementations import check_implementation, run
 from jax_sdpa._indices import INDEX, indices
-from jax_sdpa._keywords import Normalizer, PagedKeywords
+from jax_sdpa._keywords import Normalizer
 from jax_sdpa._latent import LatentValues
-from jax_sdpa._masks import MaskRule
 from jax_sdpa._quantized import Quantized, quantize_like
-from jax_sdpa._row_rules import QueriesFrom
 from jax_sdpa._tunables import Paged
-from jax_sdpa._user_functions import function_mask
-
-if TYPE_CHECKING:  # Python 3.10's typing has no Unpack; typing_extensions is no dependency
-    from typing_extensions import Unpack
 
 __all__ = [
     "paged_attention",
-    "ragged_paged_attention",
     "update_cache",
     "update_paged_cache",
     "update_ragged_paged_cache",
@@ -121,15 +109,12 @@ def paged_attention(
         >>> bool(jnp.abs(out - dense).max() < 1e-6)
         True
     """
-    check_implementation(implementation, ("paged",), by_name=False)
-    inputs, config = bind(
+    return attend(
         query,
         key_pages,
         value_pages,
-        output="attention",
-        implementation=implementation or "paged",
-        page_table=page_table,
-        key_value_seq_lengths=lengths,
+        page_table,
+        lengths,
         scale=scale,
         is_causal=is_causal,
         local_window_size=local_window_size,
@@ -139,132 +124,43 @@ def paged_attention(
         sinks=sinks,
         normalizer=normalizer,
         sigmoid_bias=sigmoid_bias,
+        return_residual=return_residual,
         return_max_scores=return_max_scores,
+        implementation=implementation,
     )
-    return run(inputs, config=config).returned(return_residual, return_max_scores)
 
 
-def ragged_paged_attention(
-    query: Float[ArrayLike, "Q N H"],
-    key_pages: Float[ArrayLike, "P page K H"] | Quantized,
-    value_pages: Float[ArrayLike, "P page K V"] | Quantized | LatentValues,
-    page_table: Integer[ArrayLike, "B pages"],
-    lengths: Integer[ArrayLike, " B"],
-    query_starts: Integer[ArrayLike, " B+1"],
+def attend(
+    query,
+    key_pages,
+    value_pages,
+    page_table,
+    lengths,
+    first_positions=None,
     *,
-    max_queries: int,
-    score_mod=None,
-    mask_mod=None,
-    **keywords: "Unpack[PagedKeywords]",
+    is_causal=True,
+    implementation=None,
+    **keywords,
 ):
-    r""":func:`paged_attention` of sequences with different numbers of new queries, packed.
+    """:func:`paged_attention`, each sequence's first query at ``first_positions`` if given.
 
-    Rows ``query_starts[b]`` to ``query_starts[b + 1] − 1`` of ``query`` are sequence ``b``'s
-    new queries (as vLLM's ``query_start_loc``: ``query_starts[0] = 0``, non-decreasing), its
-    last positions: a prefill chunk and decoding steps in one call. Row ``query_starts[b] + i``
-    gives what :func:`paged_attention` gives sequence ``b``'s query ``i`` of its ``n_b``, the
-    causal mask aligned to its last key; rows outside ``query_starts`` give zeros (their
-    log-sum-exp and max scores too). Each sequence is attended with its queries padded to
-    ``max_queries`` (static, at least every ``n_b``; under ``jit`` a longer sequence gets only
-    its last ``max_queries`` rows, the others zeros): the pure-JAX path, its work that of
-    ``B · max_queries`` queries.
-
-    Args:
-        query: ``(Q, N, H)``, the batch's new queries packed along one axis.
-        key_pages: As in :func:`paged_attention` (the new keys already written, as
-            :func:`update_ragged_paged_cache` writes them).
-        value_pages: As in :func:`paged_attention`.
-        page_table: ``(B, pages_per_sequence)``, as in :func:`paged_attention`.
-        lengths: ``(B,)``: valid positions per sequence, the new ones included.
-        query_starts: ``(B + 1,)`` integers: where each sequence's queries start, and the end.
-        max_queries: The most new queries any sequence has.
-        score_mod: As in :func:`paged_attention`, ``q_idx`` counting each sequence's own new
-            queries from 0.
-        mask_mod: As ``score_mod``: a function (a :class:`~jax_sdpa.MaskRule` or block mask
-            knows no ragged rows).
-        **keywords: :func:`paged_attention`'s others (``scale``, ``is_causal``,
-            ``local_window_size``, ``logits_soft_cap``, ``sinks``, ``normalizer``,
-            ``sigmoid_bias``, ``return_residual`` and ``return_max_scores``, whose arrays are
-            then ``(Q, N)``, ``implementation``), as there.
-
-    Returns:
-        ``(Q, N, V)`` in the pages' dtype; with ``return_residual`` (and ``return_max_scores``),
-        a tuple as :func:`paged_attention` gives.
-
-    Raises:
-        ValueError: As :func:`paged_attention`; on ``query_starts`` not of ``B + 1`` entries, or
-            concrete counts above ``max_queries``.
-        TypeError: As :func:`paged_attention`, and on non-integer ``query_starts``.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp
-        >>> pages = jax.random.normal(jax.random.key(0), (2, 6, 4, 1, 8))  # 6 pages of 4
-        >>> q = jax.random.normal(jax.random.key(1), (3, 2, 8))  # 1 query, then 2; 2 heads
-        >>> table, lengths = jnp.array([[4, 1, 3], [0, 2, 5]]), jnp.array([10, 7])
-        >>> starts = jnp.array([0, 1, 3])
-        >>> out = ragged_paged_attention(q, *pages, table, lengths, starts, max_queries=2)
-        >>> second = paged_attention(q[None, 1:], *pages, table[1:], lengths[1:])
-        >>> bool(jnp.abs(out[1:] - second[0]).max() < 1e-6)
-        True
+    (:func:`~jax_sdpa.ragged_paged_attention`'s tiles: :mod:`jax_sdpa._ragged`.)
     """
-    query, query_starts = jnp.asarray(query), jnp.asarray(query_starts)
-    _check_ragged(query, page_table, query_starts, max_queries, mask_mod)
-    query_starts = query_starts.astype(INDEX)
-    counts = query_starts[1:] - query_starts[:-1]
-    # Sequence b's row t (of max_queries) is its query t − (max_queries − n_b): its queries last.
-    first = max_queries - counts
-    rows = query_starts[1:, None] - max_queries + jnp.arange(max_queries, dtype=INDEX)[None, :]
-    real = (rows >= query_starts[:-1, None]) & (rows < query_starts[1:, None])
-    padded = jnp.where(real[..., None, None], jnp.take(query, rows, axis=0, mode="clip"), 0)
-
-    def own_queries(mod):  # (…, batch, head, q_idx, kv_idx): q_idx from the sequence's first
-        if mod is None:
-            return None
-        return lambda *args: mod(*args[:-2], args[-2] - first[args[-4]], args[-1])
-
-    # The padding rows see no key: a kernel skips their blocks, as the XLA paths do.
-    rule = QueriesFrom(first)
-    if mask_mod is not None:
-        rule = rule & function_mask(own_queries(mask_mod))
-    results = paged_attention(
-        padded,
+    check_implementation(implementation, ("paged",), by_name=False)
+    inputs, config = bind(
+        query,
         key_pages,
         value_pages,
-        page_table,
-        lengths,
-        score_mod=own_queries(score_mod),
-        mask_mod=rule,
+        output="attention",
+        implementation=implementation or "paged",
+        page_table=page_table,
+        key_value_seq_lengths=lengths,
+        first_positions=first_positions,
+        is_causal=is_causal,
         **keywords,
     )
-    at = jnp.where(real, rows, query.shape[0]).reshape(-1)  # (padding rows: dropped)
-
-    def packed(x):  # (B, T, ...) → (Q, ...), each real row at its place
-        flat = x.reshape(-1, *x.shape[2:])
-        return jnp.zeros((query.shape[0], *x.shape[2:]), x.dtype).at[at].set(flat, mode="drop")
-
-    return jax.tree.map(packed, results)
-
-
-def _check_ragged(query, page_table, query_starts, max_queries, mask_mod) -> None:
-    _checks.check_ndim("query", query, (3,), "(Q, N, H), packed")
-    if isinstance(mask_mod, (MaskRule, BlockMask)):
-        raise TypeError(
-            "`mask_mod` of ragged_paged_attention must be a function (batch, head, q_idx, "
-            f"kv_idx) -> bool, its q_idx each sequence's own; got {type(mask_mod).__name__}."
-        )
-    batch = jnp.shape(page_table)[0]
-    _checks.check_shape("query_starts", query_starts, (batch + 1,), "(B + 1,)")
-    _checks.check_integer("query_starts", query_starts)
-    _checks.check_positive_int("max_queries", max_queries)
-    try:
-        most = int(jnp.max(query_starts[1:] - query_starts[:-1], initial=0))
-    except jax.errors.ConcretizationTypeError:  # under jit: its last max_queries rows
-        most = 0
-    if most > max_queries:
-        raise ValueError(
-            f"`max_queries` must be at least each sequence's count of new queries; got "
-            f"{max_queries}, and a sequence with {most}."
-        )
+    returned = (keywords.get(f"return_{x}", False) for x in ("residual", "max_scores"))
+    return run(inputs, config=config).returned(*returned)
 
 
 def update_cache(

@@ -1118,6 +1118,61 @@ def test_a_paged_caches_gradients_on_the_gpu_simulator(monkeypatch):
         assert ref.rel_err(got, wanted) < 2e-2, name
 
 
+def test_a_ragged_batch_read_by_the_kernel_on_the_gpu_simulator_is_the_ragged_path(monkeypatch):
+    # A 40-query prefill chunk (two tiles of 32 queries, 4 query heads packed with each: its
+    # padding rows first), a decoding step, an idle sequence and 3 queries, one kernel; against
+    # the ragged path (its tiles too) in float32.
+    _split_small(monkeypatch)
+    rng = np.random.default_rng(18)
+    key_pages, value_pages, table = paged_pool(rng, 4, 256, 16, 2, 64, jnp.bfloat16)
+    starts = jnp.array([0, 40, 41, 41, 44])
+    lengths = jnp.array([200, 256, 0, 37])
+    q = jnp.asarray(rng.normal(size=(46, 8, 64)), jnp.bfloat16)  # (2 rows past the last)
+
+    def call(q, key_pages, value_pages, implementation):
+        return js.ragged_paged_attention(
+            *(q, key_pages, value_pages, table, lengths, starts),
+            max_queries=40,
+            return_residual=True,
+            implementation=implementation,
+        )
+
+    out, lse = call(q, key_pages, value_pages, js.Paged(kernel=_simulated()))
+    want = call(*(x.astype(jnp.float32) for x in (q, key_pages, value_pages)), None)
+    assert bool(jnp.isfinite(out).all())  # (the NaN page is in no table)
+    assert ref.rel_err(out, want[0]) < 2e-2
+    real = np.isfinite(np.asarray(want[1]))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), real)
+    assert ref.rel_err(lse[real], want[1][real]) < 1e-2
+
+
+def test_a_ragged_batch_lowers_for_cuda_as_one_kernel_of_packed_rows():
+    # 8 decoding steps and a 256-query chunk, S 1024 (N32 K8): tiles of 32 queries (128 rows
+    # over the 4 query heads a key/value head has), one a decoding step and 8 for the chunk, in
+    # one kernel: its queries (tiles, 128, K, d), each tile's rows its group's packed (not
+    # B · max_queries = 9 · 256 queries).
+    from tests.lowering import mosaic_gpu_kernels
+
+    pool = jnp.zeros((9 * 16, 64, 8, 128), jnp.bfloat16)
+    table = jnp.arange(9 * 16, dtype=jnp.int32).reshape(9, 16)
+    q = jnp.zeros((8 + 256, 32, 128), jnp.bfloat16)
+    starts = jnp.array([*range(9), 264])
+    lengths = jnp.full((9,), 1000)
+    paged = js.Paged(kernel=js.Pallas(backend="mosaic_gpu"))
+
+    def call(q, key_pages, value_pages):
+        return js.ragged_paged_attention(
+            *(q, key_pages, value_pages, table, lengths, starts),
+            max_queries=256,
+            implementation=paged,
+        )
+
+    operands = []
+    assert len(mosaic_gpu_kernels(call, q, pool, pool, operands=operands)) == 1
+    tiles = (264 + 9 * 31) // 32  # (at most: the batch's rows, each sequence's padding)
+    assert operands[0].startswith(f"tensor<{tiles}x128x8x128xbf16>"), operands[0]
+
+
 @pytest.mark.parametrize("page", [16, pytest.param(64, marks=pytest.mark.slow)])
 def test_a_paged_decoding_call_lowers_for_cuda_reading_the_pool_in_place(page):
     # B2 S8192 N32 K8: the forward kernel takes the whole pool and each chunk's pages; its

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa as js
+from jax_sdpa import _ragged as ragged_module
 from tests import reference as ref
 
 
@@ -265,13 +266,22 @@ def _ragged(rng, counts=COUNTS, extra=2, page_size=4):
     return q, key_pages, value_pages, table, lengths, starts
 
 
+@pytest.fixture(params=[None, 4, 2], ids=["tile-a-sequence", "tiles-of-2", "tiles-of-1"])
+def tile_rows(request, monkeypatch):
+    """A ragged batch's tiles: the default (here a sequence's queries in one), or of 2 or 1
+    rows (the kernel's packed rows, over the 2 query heads a key/value head has here): a
+    sequence's queries in several tiles, the padding rows first in its first."""
+    if request.param is not None:
+        monkeypatch.setattr("jax_sdpa._ragged.PACKED_ROWS", request.param)
+
+
 def _each_sequence(q, starts, counts=COUNTS):
     """Sequence b's queries ``(1, n_b, N, H)``."""
     return [q[None, int(starts[b]) : int(starts[b]) + n] for b, n in enumerate(counts)]
 
 
 @pytest.mark.parametrize("window", [None, (3, 0)])
-def test_a_ragged_batch_equals_each_sequence_attended_alone(rng, window):
+def test_a_ragged_batch_equals_each_sequence_attended_alone(rng, window, tile_rows):
     q, key_pages, value_pages, table, lengths, starts = _ragged(rng)
     # NaN in pages no sequence references: never read.
     unreferenced = np.setdiff1d(np.arange(key_pages.shape[0]), np.asarray(table))
@@ -291,7 +301,7 @@ def test_a_ragged_batch_equals_each_sequence_attended_alone(rng, window):
     assert np.isfinite(np.asarray(out)).all()
 
 
-def test_a_ragged_batchs_gradients_and_mods_see_each_sequences_own_queries(rng):
+def test_a_ragged_batchs_gradients_and_mods_see_each_sequences_own_queries(rng, tile_rows):
     # A bias quadratic in the distance (so that a shifted q_idx would change each row's weights,
     # not only shift its scores), over captured slopes, written with q_idx counted from the
     # sequence's first new query (at position lengths[b] − n_b): the gradients of the queries,
@@ -329,7 +339,7 @@ def test_a_ragged_batchs_gradients_and_mods_see_each_sequences_own_queries(rng):
     np.testing.assert_array_equal(got[0][-2:], 0)  # the padding rows: no gradient
 
 
-def test_a_ragged_batchs_mask_mod_sees_each_sequences_own_queries(rng):
+def test_a_ragged_batchs_mask_mod_sees_each_sequences_own_queries(rng, tile_rows):
     q, key_pages, value_pages, table, lengths, starts = _ragged(rng)
 
     def mask_mod(b, h, i, j):  # a sequence's odd queries see only even keys
@@ -343,6 +353,25 @@ def test_a_ragged_batchs_mask_mod_sees_each_sequences_own_queries(rng):
             pages = (key_pages, value_pages, table[b : b + 1], lengths[b : b + 1])
             alone = js.paged_attention(queries, *pages, mask_mod=mask_mod)
             assert ref.rel_err(out[int(starts[b]) : int(starts[b + 1])], alone[0]) < 1e-6
+
+
+def test_a_ragged_batch_is_attended_in_tiles_each_of_one_sequence():
+    # Sequences of 5, 0, 1 and 3 new queries (rows 0-4, 5, 6-8 of 11), in tiles of 4 rows
+    # (128 over 32 query heads a key/value head): each sequence's padding first, so that its
+    # last query ends its last tile; the tiles past the batch's all padding. At most
+    # (Q + B · 3) // 4 = 5 tiles: about Q + B · 4 rows attended, not B · max_queries.
+    starts = jnp.array([0, 5, 5, 6, 9], jnp.int32)
+    tiles = ragged_module._Tiles.of(starts, 6, 11, 32)
+    assert tiles.size == 4
+    np.testing.assert_array_equal(tiles.sequence, [0, 0, 2, 3, 3])
+    np.testing.assert_array_equal(tiles.own, [-3, 1, -3, -1, 3])  # (a row's q_idx: these + t)
+    rows = [[-3, -2, -1, 0], [1, 2, 3, 4], [2, 3, 4, 5], [5, 6, 7, 8], [9, 10, 11, 12]]
+    np.testing.assert_array_equal(tiles.rows(), rows)
+    real = np.asarray(rows) >= np.asarray([0, 0, 5, 6, 99])[:, None]
+    np.testing.assert_array_equal(tiles.real(), real)
+    # A sequence of more than max_queries (under jit): its last max_queries rows.
+    tiles = ragged_module._Tiles.of(jnp.array([0, 9], jnp.int32), 6, 9, 64)
+    np.testing.assert_array_equal(tiles.rows()[tiles.real()], np.arange(3, 9))
 
 
 def test_the_ragged_writer_writes_each_sequences_tokens_as_the_paged_writer_does(rng):

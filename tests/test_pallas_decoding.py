@@ -229,9 +229,13 @@ def test_the_paged_kernel_is_a_pallas_kernel_or_none():
 
 
 @SAMPLED
-def test_a_ragged_batch_through_the_kernel_is_the_ragged_path():
+@pytest.mark.parametrize("tile_rows", [None, 8])
+def test_a_ragged_batch_through_the_kernel_is_the_ragged_path(tile_rows, monkeypatch):
     # Two decoding steps and a 5-token chunk (with an empty sequence), the causal mask at each
-    # sequence's end; the padding rows before each sequence's own see no key.
+    # sequence's end; the padding rows before each sequence's own see no key. In tiles of a
+    # sequence's queries (by default) or of 2 (8 rows over 4 query heads a key/value head).
+    if tile_rows is not None:
+        monkeypatch.setattr("jax_sdpa._ragged.PACKED_ROWS", tile_rows)
     rng = np.random.default_rng(6)
     key_pages, value_pages, table = paged_pool(rng, 4, 256, 16, 2, 32)
     pools = [jnp.nan_to_num(x) for x in (key_pages, value_pages)]
