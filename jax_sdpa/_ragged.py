@@ -102,7 +102,14 @@ def ragged_paged_attention(
     """
     query, query_starts = jnp.asarray(query), jnp.asarray(query_starts)
     page_table, lengths = jnp.asarray(page_table), jnp.asarray(lengths)
-    _check_ragged(query, key_pages, page_table, query_starts, max_queries, mask_mod)
+    key_pages = key_pages if isinstance(key_pages, Quantized) else jnp.asarray(key_pages)
+    _check_ragged(query, key_pages, page_table, lengths, query_starts, max_queries, mask_mod)
+    _check_keywords(keywords)
+    if page_table.shape[0] == 0:  # (no sequence: one with no keys and no queries, for the shapes)
+        page_table = jnp.zeros((1, page_table.shape[1]), page_table.dtype)
+        lengths, query_starts = (
+            jnp.zeros((n,), x.dtype) for n, x in ((1, lengths), (2, query_starts))
+        )
     group = max(1, query.shape[1] // max(1, key_pages.shape[2]))
     tiles = _Tiles.of(query_starts.astype(INDEX), max_queries, query.shape[0], group)
     real = tiles.real()
@@ -195,9 +202,11 @@ class _Tiles:
         return jnp.arange(self.size, dtype=INDEX)[None, :]
 
 
-def _check_ragged(query, key_pages, page_table, query_starts, max_queries, mask_mod) -> None:
+def _check_ragged(query, key_pages, page_table, lengths, query_starts, max_queries, mask_mod):
     _checks.check_ndim("query", query, (3,), "(Q, N, H), packed")
     _checks.check_ndim("key_pages", key_pages, (4,), "(num_pages, page_size, kv_heads, d_k)")
+    _checks.check_ndim("page_table", page_table, (2,), "(B, pages_per_sequence)")
+    _checks.check_shape("lengths", lengths, page_table.shape[:1], "(B,)")
     if isinstance(mask_mod, (MaskRule, BlockMask)):
         raise TypeError(
             "`mask_mod` of ragged_paged_attention must be a function (batch, head, q_idx, "
@@ -215,4 +224,15 @@ def _check_ragged(query, key_pages, page_table, query_starts, max_queries, mask_
         raise ValueError(
             f"`max_queries` must be at least each sequence's count of new queries; got "
             f"{max_queries}, and a sequence with {most}."
+        )
+
+
+def _check_keywords(keywords) -> None:
+    """Only :func:`~jax_sdpa.paged_attention`'s keywords pass on (as its signature takes them)."""
+    passed_on = PagedKeywords.__annotations__
+    unknown = sorted(set(keywords) - set(passed_on))
+    if unknown:
+        raise TypeError(
+            f"ragged_paged_attention() got an unexpected keyword argument {unknown[0]!r}; it "
+            f"takes max_queries, score_mod, mask_mod and {', '.join(passed_on)}."
         )

@@ -415,11 +415,23 @@ def test_the_ragged_writer_writes_each_sequences_tokens_as_the_paged_writer_does
         (dict(q_rank=4), ValueError, r"`query` must have rank 3 \(Q, N, H\), packed"),
         (dict(starts=jnp.array([0.0, 5, 5, 6, 9])), TypeError, "query_starts"),
         (dict(mask_mod=js.CausalMask()), TypeError, "`mask_mod` of ragged_paged_attention must"),
+        (
+            dict(lengths=jnp.array([17, 0, 1])),
+            ValueError,
+            r"`lengths` must have shape \(B,\) = \(4,\); got \(3,\)",
+        ),
+        (
+            dict(keywords=dict(is_casual=False)),  # (a typo: a call that stayed causal)
+            TypeError,
+            "ragged_paged_attention\\(\\) got an unexpected keyword argument 'is_casual'; it takes "
+            "max_queries, score_mod, mask_mod and scale, is_causal,",
+        ),
+        (dict(keywords=dict(bias=0.0)), TypeError, "unexpected keyword argument 'bias'"),
     ],
 )
 def test_ragged_errors(rng, change, error, message):
     q, key_pages, value_pages, table, lengths, starts = _ragged(rng)
-    starts = change.get("starts", starts)
+    starts, lengths = change.get("starts", starts), change.get("lengths", lengths)
     q = q[None] if change.get("q_rank") == 4 else q
     with pytest.raises(error, match=message):
         js.ragged_paged_attention(
@@ -427,7 +439,17 @@ def test_ragged_errors(rng, change, error, message):
             *(key_pages, value_pages, table, lengths, starts),
             max_queries=change.get("max_queries", 6),
             mask_mod=change.get("mask_mod"),
+            **change.get("keywords", {}),
         )
+
+
+def test_a_ragged_batch_of_no_sequence_gives_zeros(rng):
+    q, key_pages, value_pages, table, _, _ = _ragged(rng)
+    empty = (table[:0], jnp.zeros((0,), jnp.int32), jnp.zeros((1,), jnp.int32))
+    lists = (x.tolist() for x in (q, key_pages, value_pages))  # (as nested lists, too)
+    out, lse = js.ragged_paged_attention(*lists, *empty, max_queries=3, return_residual=True)
+    np.testing.assert_array_equal(out, np.zeros((q.shape[0], 4, 8)))
+    np.testing.assert_array_equal(lse, np.zeros((q.shape[0], 4)))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])

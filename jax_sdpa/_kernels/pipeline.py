@@ -25,6 +25,9 @@ class Turns:
     scores' product and before issuing its weighted sum's (:func:`product`). The second
     consumer turns once before its loop (the first once after its own), so that each computes
     its softmax while the other's products run, as ``attention_mgpu``'s schedule barrier.
+    (With a ring of one slot they would wait for each other: a consumer's next block is copied
+    once the other is done with the last, which it is after the turn that waits for the
+    first's next scores. The forward kernel's ring has two.)
     """
 
     barrier: object

@@ -176,13 +176,12 @@ def product(staging, simulated: bool, widened=None, turn=None):
         else:  # "ts,td->sd"
             shape, a = (a.shape[1], b.shape[1]), stage(a, b.dtype).transpose((1, 0))
 
-        first = spec == "td,sd->ts"
-        if turn is not None and not first:
+        if turn is not None and spec == "ts,sd->td":
             turn()
 
         def run(acc):
             plgpu.wgmma(acc, a, b)
-            if turn is not None and first:
+            if turn is not None and spec == "td,sd->ts":
                 turn()
             return acc[...]
 
