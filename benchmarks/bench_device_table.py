@@ -112,8 +112,8 @@ def cudnn(mask: str):
     return nn if mask == "no mask" else None
 
 
-def flex(mask: str, shape: tuple, reps: int):
-    """``(forward, forward+backward)`` seconds of torch's compiled FlexAttention on the row."""
+def flex(mask: str, shape: tuple):
+    """``(forward, forward+backward)``: steps of torch's compiled FlexAttention on the row."""
     import torch
     from torch.nn.attention import flex_attention as fa
 
@@ -146,15 +146,15 @@ def flex(mask: str, shape: tuple, reps: int):
         out = attend(*inputs, score_mod=score_mod, block_mask=block_mask, **gqa)
         torch.autograd.grad(out, inputs, torch.ones_like(out))
 
-    return tuple(_torch_seconds(step, reps, device) for step in (forward, forward_backward))
+    return forward, forward_backward
 
 
-def _torch_seconds(step, reps: int, device: str) -> float:
+def _torch_seconds(step, reps: int) -> float:
     """One call's seconds: CUDA events around ``reps`` calls back to back (median of 3)."""
     import torch
 
     step()  # compiles
-    if device == "cpu":  # (a rehearsal)
+    if not torch.cuda.is_available():  # (a rehearsal)
         start = time.perf_counter()
         step()
         return time.perf_counter() - start
@@ -188,9 +188,15 @@ def time_row(shape: tuple, mask: str, kernel, reps: int, rehearse: bool) -> dict
             except Exception as error:  # one case's failure must not lose the others
                 print(f"  {shape_name} {mask} {who}: {_failure(error, 200)}", flush=True)
     try:
-        seconds["flex", False], seconds["flex", True] = flex(mask, shape, reps)
-    except Exception as error:
+        steps = flex(mask, shape)
+    except Exception as error:  # (torch not installed, say)
         print(f"  {shape_name} {mask} flex: {_failure(error, 200)}", flush=True)
+        steps = ()
+    for backward, step in enumerate(steps):
+        try:
+            seconds["flex", bool(backward)] = _torch_seconds(step, reps)
+        except Exception as error:
+            print(f"  {shape_name} {mask} flex: {_failure(error, 200)}", flush=True)
     return seconds
 
 
