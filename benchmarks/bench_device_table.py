@@ -3,6 +3,7 @@
     PYTHONPATH=.:benchmarks/.deps python benchmarks/bench_device_table.py [--reps 10]
     python benchmarks/bench_device_table.py --rows 4,5   # the rows at T16384 alone
     python benchmarks/bench_device_table.py --rehearse   # anywhere: tiny shapes, interpreted
+    python benchmarks/bench_device_table.py --lower      # anywhere: ours lowered for cuda
 
 Each row forward and forward+backward (the gradients of the output's sum), bfloat16, d128:
 ``implementation=Pallas(backend="mosaic_gpu")``, ``jax.nn.dot_product_attention(...,
@@ -266,16 +267,40 @@ def print_targets(table: dict) -> None:
     )
 
 
+def lower_rows(rows) -> None:
+    """Each row's calls of ours lowered for cuda at full size, their Mosaic GPU kernels verified
+    (``tests/lowering.py``: on any machine)."""
+    from tests.lowering import mosaic_gpu_kernels
+
+    kernel = js.Pallas(backend="mosaic_gpu")
+    for shape_name, mask in rows:
+        batch, seq, heads, kv_heads = SHAPES[shape_name]
+        q = jax.ShapeDtypeStruct((batch, seq, heads, D), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((batch, seq, kv_heads, D), jnp.bfloat16)
+        fn = ours(mask, seq, heads, kernel)
+        for backward in (False, True):
+            program = _forward_backward(fn) if backward else fn
+            passes = "fwd+bwd" if backward else "fwd"
+            try:
+                count = len(mosaic_gpu_kernels(program, q, k, k))
+                print(f"  {shape_name:18s} {mask:14s} {passes:8s} {count} kernels lower and verify")
+            except Exception as error:  # one case's failure must not lose the others
+                print(f"  {shape_name:18s} {mask:14s} {passes:8s} FAILS: {_failure(error, 300)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--deadline", type=float, default=230.0, help="seconds, then stop")
     parser.add_argument("--rehearse", action="store_true", help="tiny shapes, any machine")
+    parser.add_argument("--lower", action="store_true", help="lower ours for cuda, run nothing")
     parser.add_argument(
         "--rows", help="which rows, as their indices in the list above (0,4,5): all by default"
     )
     args = parser.parse_args()
     rows = ROWS if args.rows is None else [ROWS[int(i)] for i in args.rows.split(",")]
+    if args.lower:
+        return lower_rows(rows)
     stop = time.time() + args.deadline
     kernel = js.Pallas(interpret=True) if args.rehearse else js.Pallas(backend="mosaic_gpu")
     print(f"jax {jax.__version__}, devices {jax.devices()}, {kernel}")
