@@ -154,6 +154,10 @@ if MOSAIC_GPU_KERNEL:
     GPU_SIMULATOR: tuple = (_plgpu.InterpretGPUParams,)
 else:
     GPU_SIMULATOR = ()
+# A ``wgmma`` into an accumulator given its value (``pl.run_state(...)(plgpu.ACC.init(x))``) on
+# the GPU simulator: JAX 0.12 and after. JAX 0.11's lowers no jaxpr with its effect (on a GPU
+# it lowers from 0.11).
+SIMULATES_WGMMA_INTO = jax.__version_info__ >= (0, 12)
 
 
 def triton_atomic_add(ref, index, value) -> None:

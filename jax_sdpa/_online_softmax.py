@@ -119,17 +119,24 @@ def add(
     precision=None,
     drop=lambda p: p,
     product=weighted_sum,
+    onto=None,
 ) -> State:
     """The state after ``block``: its sums shifted to the block's max, its weights meet ``value``.
 
     ``drop`` is applied to the block's weights before they meet the values (dropout: the
     denominator counts every weight, as the dense softmax does); ``product`` is how they meet
     them, :func:`~jax_sdpa._steps.weighted_sum` or the same sum formed otherwise (``value`` is
-    what ``product`` reads: an array, or a :class:`~jax_sdpa.Quantized` cache).
+    what ``product`` reads: an array, or a :class:`~jax_sdpa.Quantized` cache). ``onto``, where
+    given, forms ``acc + product(weights, value)`` itself, ``onto(acc, weights, value)`` (a
+    kernel's product that adds into its accumulator).
     """
     denom, acc = _shifted(state, block.row_max)
-    weighted = product(drop(block.weights), value, precision=precision)
-    return State(block.row_max, denom + block.total, acc + weighted, block.top)
+    weights = drop(block.weights)
+    if onto is None:
+        acc = acc + product(weights, value, precision=precision)
+    else:
+        acc = onto(acc, weights, value)
+    return State(block.row_max, denom + block.total, acc, block.top)
 
 
 class Normalizer:

@@ -36,7 +36,7 @@ from jax_sdpa._indices import INDEX, Index, at_start, indices, listed, positions
 from jax_sdpa._masks import LengthMask, MaskRule
 from jax_sdpa._online_softmax import Block, State, add
 from jax_sdpa._quantized import keys_product, values_product
-from jax_sdpa._steps import accumulation_dtype, cast_product, raw_scores, weighted_sum
+from jax_sdpa._steps import accumulation_dtype, cast_product, raw_scores
 
 
 class BackwardRows(NamedTuple):
@@ -129,15 +129,12 @@ class Tiles:
     def add_block(self, state: State, block: Block, v_j, arrays: CallArrays, q_offset, kv_offset):
         """One head's state after a tile's ``block`` of weights meets the values ``v_j``."""
         drop = self.drop_at(arrays, q_offset, kv_offset)
-        return add(
-            state, block, v_j, precision=self.formula.precision, drop=drop, product=self._weighted
-        )
+        onto = None if self.product is None else self._onto
+        return add(state, block, v_j, precision=self.formula.precision, drop=drop, onto=onto)
 
-    def _weighted(self, weights, value, precision=None):
-        """The weighted sum of the values, :func:`~jax_sdpa._steps.weighted_sum` or the kernel's."""
-        if self.product is None:
-            return weighted_sum(weights, value, precision=precision)
-        product = functools.partial(self.product, "ts,sd->td", dtype=value.dtype)
+    def _onto(self, acc, weights, value):
+        """``acc`` plus the weighted sum of the values, the kernel's product adding into it."""
+        product = functools.partial(self.product, "ts,sd->td", dtype=value.dtype, onto=acc)
         return values_product(product, weights, value, _along_keys)
 
     def tile_gradient(

@@ -30,6 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_sdpa._formula import CallArrays
 from jax_sdpa._indices import INDEX
+from jax_sdpa._jax_compat import SIMULATES_WGMMA_INTO
 from jax_sdpa._jaxpr import table
 from jax_sdpa._kernels import atomics
 from jax_sdpa._kernels.atomics import GradientAtPoints
@@ -145,7 +146,8 @@ def product(staging, simulated: bool, widened=None, turn=None):
     ``ts,td->sd`` (``Pᵀ · dO``,
     ``dSᵀ · q``) of a tile and a ref, the tile through ``staging``, read transposed. A ref of
     8-bit numbers (a quantized cache's block) is first widened to ``dtype``, into shared memory:
-    ``widened[spec]``, the product's own. ``turn``: the consumers' turns at the tensor cores
+    ``widened[spec]``, the product's own. ``onto``: an accumulator the product adds into
+    (``ts,sd->td``). ``turn``: the consumers' turns at the tensor cores
     (:class:`Turns`), taken after a ``td,sd->ts`` product is issued and before a ``ts,sd->td``.
     """
 
@@ -162,7 +164,7 @@ def product(staging, simulated: bool, widened=None, turn=None):
         # (float8 widens through float32: Hopper converts it to float16 alone)
         return stage(eight_bits.astype(jnp.float32), dtype, into)
 
-    def product(spec: str, a, b, dtype, *, precision=None):
+    def product(spec: str, a, b, dtype, *, precision=None, onto=None):
         # (``dtype``: every operand has it, the kernels' inputs' one dtype, fitting.for_inputs)
         b = wide(spec, b, dtype)
         if spec == "td,sd->ts":
@@ -185,7 +187,12 @@ def product(staging, simulated: bool, widened=None, turn=None):
                 turn()
             return acc[...]
 
-        return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+        if onto is None:
+            return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+        if simulated and not SIMULATES_WGMMA_INTO:
+            return onto + pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+        # (adding into it: no second accumulator, no add after)
+        return pl.run_state(functools.partial(plgpu.wgmma, a=a, b=b))(plgpu.ACC.init(onto))
 
     return product
 
