@@ -131,15 +131,14 @@ def ragged_paged_attention(
     rule = QueriesFrom(tiles.first)
     if mask_mod is not None:
         rule = rule & function_mask(own_queries(mask_mod))
-    sequence = tiles.sequence
-    new = (query_starts[1:] - query_starts[:-1]).astype(INDEX)[sequence]
+    lengths = lengths[tiles.sequence]
     results = attend(
         padded,
         key_pages,
         value_pages,
-        page_table[sequence],
-        lengths[sequence],
-        lengths[sequence].astype(INDEX) - new + tiles.own,  # (its first row's position)
+        page_table[tiles.sequence],
+        lengths,
+        tiles.first_positions(lengths),
         score_mod=own_queries(score_mod),
         mask_mod=rule,
         **keywords,
@@ -169,6 +168,7 @@ class _Tiles:
     size: int
     starts: Array  # (B + 1,): query_starts
     sequence: Array  # (tiles,): each tile's sequence
+    new: Array  # (tiles,): its sequence's new queries, how many
     own: Array  # (tiles,): its first row's index among its sequence's new queries
     first: Array  # (tiles,): its first row that is a query (``size`` where none is)
 
@@ -188,7 +188,16 @@ class _Tiles:
         used = tile < ends[-1]
         own = new[sequence] - (ends[sequence] - tile) * size
         first = jnp.maximum(new[sequence] - counts[sequence] - own, 0)
-        return cls(size, starts, sequence.astype(INDEX), own, jnp.where(used, first, size))
+        first = jnp.where(used, first, size)
+        return cls(size, starts, sequence.astype(INDEX), new[sequence], own, first)
+
+    def first_positions(self, lengths) -> Array:
+        """``(tiles,)``: each tile's first row's position, given its sequence's ``lengths``.
+
+        The sequence's new queries are its last positions: its length less their count, plus
+        the row's index among them.
+        """
+        return lengths.astype(INDEX) - self.new + self.own
 
     def rows(self) -> Array:
         """``(tiles, size)``: each row's row of the packed queries."""

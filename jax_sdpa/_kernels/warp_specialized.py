@@ -187,12 +187,11 @@ def product(staging, simulated: bool, widened=None, turn=None):
                 turn()
             return acc[...]
 
-        if onto is None:
-            return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-        if simulated and not SIMULATES_WGMMA_INTO:
-            return onto + pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-        # (adding into it: no second accumulator, no add after)
-        return pl.run_state(functools.partial(plgpu.wgmma, a=a, b=b))(plgpu.ACC.init(onto))
+        if onto is not None and (SIMULATES_WGMMA_INTO or not simulated):
+            # (adding into it: no second accumulator, no add after)
+            return pl.run_state(functools.partial(plgpu.wgmma, a=a, b=b))(plgpu.ACC.init(onto))
+        fresh = pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+        return fresh if onto is None else onto + fresh
 
     return product
 
