@@ -27,7 +27,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_speed import interleaved  # this folder is on sys.path as a script
+from bench_device_decode import ragged_calls  # this folder is on sys.path as a script
+from bench_speed import interleaved
 
 import jax_sdpa
 
@@ -134,29 +135,13 @@ def short_steps(seq: int = 1024) -> dict:
 
 
 def ragged_steps(seq: int = 2048, chunk: int = 256) -> dict:
-    """8 decoding steps and a ``chunk``-query prefill chunk (pages of 64, bottom-right causal):
-    one ``ragged_paged_attention`` call, and ``paged_attention`` twice, apart."""
-    k, v, lengths = cache(9, seq)
-    lengths = jnp.full((9,), seq, jnp.int32)
-    key_pages, value_pages, table = paged(k, v, 64)
-    packed = jax.random.normal(jax.random.key(2), (8 + chunk, N, H))
-    starts = jnp.asarray([*range(9), 8 + chunk], jnp.int32)
-    pages = (key_pages, value_pages)
-
-    def ragged(packed, key_pages, value_pages):
-        return jax_sdpa.ragged_paged_attention(
-            packed, key_pages, value_pages, table, lengths, starts, max_queries=chunk
-        )
-
-    def apart(packed, key_pages, value_pages):
-        paged = jax_sdpa.paged_attention
-        decodes = paged(packed[:8, None], key_pages, value_pages, table[:8], lengths[:8])
-        prefill = paged(packed[None, 8:], key_pages, value_pages, table[8:], lengths[8:])
-        return jnp.concatenate([decodes[:, 0], prefill[0]])
-
+    """8 decoding steps and a ``chunk``-query prefill chunk (pages of 64), float32: one
+    ``ragged_paged_attention`` call, and ``paged_attention`` twice, apart
+    (``bench_device_decode.ragged_calls``, the device's)."""
+    calls = ragged_calls(seq, chunk, dtype=jnp.float32)
     return {
-        "one call": functools.partial(jax.jit(ragged), packed, *pages),
-        "two calls": functools.partial(jax.jit(apart), packed, *pages),
+        name.removeprefix("ragged, "): functools.partial(jax.jit(fn), *args)
+        for name, (fn, args) in calls.items()
     }
 
 

@@ -194,6 +194,11 @@ def ragged_calls(seq: int, chunk: int, implementation=None, dtype=jnp.bfloat16) 
     return {"ragged, one call": (ragged, args), "ragged, two calls": (apart, args)}
 
 
+def _ragged_implementations() -> dict:
+    """The ragged batch's implementations, by name: the default, and the Mosaic GPU kernel's."""
+    return {"default": None, "mosaic_gpu": js.Paged(kernel=KERNELS["mosaic_gpu"])}
+
+
 def check(seq: int, tolerance: float) -> None:
     """Each bfloat16 decode call against the same call in float32 on XLA's path."""
     print(f"correctness, S={seq} bfloat16, against xla in float32 (max rel. error):")
@@ -212,15 +217,15 @@ def check(seq: int, tolerance: float) -> None:
     for name, (fn, args, _) in mla.items():
         if name.startswith("jax_sdpa"):
             _check(f"MLA {name[len('jax_sdpa ') :]}", fn, args, want, tolerance)
-    for label, kernel in (("", None), (" mosaic_gpu", KERNELS["mosaic_gpu"])):
+    for label, paged in _ragged_implementations().items():
         try:  # (a sequence's 128 queries in several tiles)
-            ragged = ragged_calls(seq, 128, None if kernel is None else js.Paged(kernel=kernel))
+            ragged = ragged_calls(seq, 128, paged)
             one, two = (np.asarray(jax.jit(f)(*args), np.float32) for f, args in ragged.values())
             error = float(np.max(np.abs(one - two)) / np.max(np.abs(two)))
             verdict = "ok" if error < tolerance else "FAILED"
-            print(f"  {'ragged against apart' + label:34s} {verdict}  {error:.1e}")
+            print(f"  {'ragged against apart, ' + label:34s} {verdict}  {error:.1e}")
         except Exception as error:
-            print(f"  ragged{label}: FAILED {_failure(error, 300)}")
+            print(f"  ragged, {label}: FAILED {_failure(error, 300)}")
 
 
 def _check(name: str, fn, args, want, bound: float) -> None:
@@ -334,8 +339,7 @@ def main() -> None:
     if time.time() < stop:
         print("\nragged: 8 decodes and a prefill chunk, one call against two:")
         shape = (256, 64) if rehearse else (8192, 2048)
-        for label, kernel in (("default", None), ("mosaic_gpu", KERNELS["mosaic_gpu"])):
-            paged = None if kernel is None else js.Paged(kernel=kernel)
+        for label, paged in _ragged_implementations().items():
             for name, (fn, call_args) in ragged_calls(*shape, paged).items():
                 try:
                     ms = _call_seconds(jax.jit(fn), call_args, args.reps) * 1e3
