@@ -154,6 +154,16 @@ class Formula:
             return query, self
         return query * jnp.asarray(self.scale, query.dtype), dataclasses.replace(self, scale=1.0)
 
+    def folded_scale(self, arrays: "CallArrays") -> float | None:
+        """The scale, where the logits are the raw scores times it and nothing else, else None.
+
+        So they are under the softmax with a positive scale and no soft cap, bias or
+        ``score_mod``: a kernel then folds the scale into its exponentials
+        (:meth:`~jax_sdpa._online_softmax.Softmax.block`).
+        """
+        plain = self.soft_cap is None and arrays.bias is None and self.score_mod is None
+        return self.scale if plain and self.normalizer is SOFTMAX and self.scale > 0 else None
+
     def _modified(self, scores: Array, arrays: "CallArrays", q_idx: Array, kv_idx: Array) -> Array:
         """``score_mod`` applied to every entry of a block (``jax.vmap`` over rows and columns)."""
         batch, head = arrays.indices()

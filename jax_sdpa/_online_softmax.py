@@ -39,6 +39,7 @@ from jax_sdpa import _checks
 from jax_sdpa._steps import (
     accumulation_dtype,
     exp_scores,
+    folded_exp_scores,
     has_key,
     large_negative,
     log_of_sum,
@@ -183,26 +184,38 @@ class Softmax(Normalizer):
         *,
         bias=None,
         top_first: bool = False,
+        scale: float | None = None,
     ) -> Block:
-        """One more block of keys for ``(..., q)`` rows: its weights on the rows' new max."""
+        """One more block of keys for ``(..., q)`` rows: its weights on the rows' new max.
+
+        With a ``scale``, the logits are ``scale · scores`` (a kernel's products and a positive
+        scale): its weights fold the scale into base 2 (:func:`~jax_sdpa._steps.folded_exp_scores`).
+        """
         masked = masked_scores(scores, allowed)
         tile_max = masked.max(axis=-1)
+        if scale is not None:
+            tile_max = jnp.where(has_key(tile_max), tile_max * scale, tile_max)
         top = jnp.maximum(state.top, tile_max)  # dead, and dropped by XLA, unless it is returned
         # max(row max, top), as top is at least the fill, without reading top (so that it can
         # drop).
         new_max = jnp.maximum(state.row_max, jnp.maximum(tile_max, large_negative(tile_max.dtype)))
         # Until a row meets its first allowed key, its max stays at the fill and p counts masked
         # entries as 1; the correction e^{fill − real max} = 0 erases them when it does.
-        p = exp_scores(masked, new_max)
+        if scale is None:
+            p = exp_scores(masked, new_max)
+        else:
+            p = folded_exp_scores(scores, allowed, new_max, scale)
         return Block(new_max, p, p.sum(axis=-1), top)
 
-    def recompute(self, scores, allowed, lse, bias) -> Array:
+    def recompute(self, scores, allowed, lse, bias, scale=None) -> Array:
         """A block's normalised weights from its rows' final log-sum-exp: :math:`P = e^{S - lse}`.
 
         ``lse`` must be finite (0 for a row with no key, whose weights then come out 0); ``bias``
-        is the sigmoid's.
+        is the sigmoid's; ``scale`` as :meth:`block`'s.
         """
-        return exp_scores(masked_scores(scores, allowed), lse)
+        if scale is None:
+            return exp_scores(masked_scores(scores, allowed), lse)
+        return folded_exp_scores(scores, allowed, lse, scale)
 
     def score_gradient(self, p: Array, d_p: Array, delta: Array) -> Array:
         r"""The scores' cotangent: :math:`dS = P \circ (dP - \delta)`.

@@ -173,6 +173,26 @@ def exp_scores(masked: Float[Array, "*q kv"], row_max: Float[Array, "*q"]) -> Fl
     return jnp.exp(masked - row_max[..., None])
 
 
+def folded_exp_scores(
+    scores: Float[Array, "*q kv"],
+    mask: Bool[Array, "*#q #kv"] | None,
+    row_max: Float[Array, "*q"],
+    scale: float,
+) -> Float[Array, "*q kv"]:
+    r""":func:`exp_scores` of the masked ``scale · scores``, the scale folded into base 2.
+
+    :math:`p_{ij} = 2^{\,s_{ij} c - r_i \log_2 e}` with :math:`c = \text{scale} \cdot \log_2 e`: a
+    fused multiply-add and a base-2 exponential an entry where the scaled form takes two
+    multiplies, a subtraction and the exponential (FlashAttention's softmax; a kernel's, whose
+    logits are its products times a positive scale). Masked entries are 0 after it, and so is a
+    row whose shift is the fill (no allowed key yet): the fill times :math:`\log_2 e` would
+    overflow.
+    """
+    shift = jnp.where(has_key(row_max), row_max * math.log2(math.e), 0)
+    p = jnp.exp2(scores * (scale * math.log2(math.e)) - shift[..., None])
+    return p if mask is None else jnp.where(mask, p, 0)
+
+
 def has_key(row_max: Float[Array, "*q"]) -> Bool[Array, "*q"]:
     """Rows that saw at least one allowed key: their max rose above the fill."""
     return row_max > large_negative(row_max.dtype)

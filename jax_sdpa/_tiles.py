@@ -99,11 +99,6 @@ class Tiles:
             return q_i, formula, keys_product(product, q_i, k_j, _along_keys)
         return q_i, formula, raw_scores(q_i, k_j, precision=formula.precision)
 
-    def scores(self, q_i, k_j, arrays: CallArrays, q_offset, kv_offset):
-        """Scores and allowed-mask of one head's tile: the dense path's steps."""
-        _, formula, raw = self.raw(q_i, k_j)
-        return formula.logits(raw, arrays, q_offset, kv_offset)
-
     def drop_at(self, arrays: CallArrays, q_offset, kv_offset):
         """Dropout of this tile's weights: the mask the dense path draws at the same positions."""
         return functools.partial(
@@ -119,12 +114,26 @@ class Tiles:
         return self.add_block(state, block, v_j, arrays, q_offset, kv_offset)
 
     def forward_block(self, state: State, q_i, k_j, arrays: CallArrays, q_offset, kv_offset):
-        """A tile's block of weights as one head's state meets it (:class:`Block`)."""
-        scores, allowed = self.scores(q_i, k_j, arrays, q_offset, kv_offset)
-        normalizer = self.formula.normalizer
-        return normalizer.block(
-            state, scores, allowed, bias=arrays.sigmoid_bias, top_first=not self.fused
+        """A tile's block of weights as one head's state meets it (:class:`Block`).
+
+        A kernel's folds a plain scale into its exponentials (:meth:`Formula.folded_scale`).
+        """
+        _, formula, raw = self.raw(q_i, k_j)
+        fold = self._fold(formula, arrays)
+        if fold:
+            formula = dataclasses.replace(formula, scale=1.0)
+        scores, allowed = formula.logits(raw, arrays, q_offset, kv_offset)
+        return formula.normalizer.block(
+            state, scores, allowed, bias=arrays.sigmoid_bias, top_first=not self.fused, **fold
         )
+
+    def _fold(self, formula: Formula, arrays: CallArrays) -> dict:
+        """The normaliser's keywords: ``{"scale": s}`` where a kernel's tiles fold the scale.
+
+        (Into their exponentials, :meth:`Formula.folded_scale`.) Else ``{}``, as in XLA's tiles.
+        """
+        scale = formula.folded_scale(arrays) if self.fused else None
+        return {} if scale is None else {"scale": scale}
 
     def add_block(self, state: State, block: Block, v_j, arrays: CallArrays, q_offset, kv_offset):
         """One head's state after a tile's ``block`` of weights meets the values ``v_j``."""
@@ -160,8 +169,12 @@ class Tiles:
         scores, logits_vjp, allowed = jax.vjp(
             tile_logits, raw, arrays.bias, differentiable(arrays), has_aux=True
         )
-        # The weights: P = e^{S − lse}, or the sigmoid's.
-        p = formula.normalizer.recompute(scores, allowed, row_terms.shift, arrays.sigmoid_bias)
+        # The weights: P = e^{S − lse} (a kernel's from the raw scores, its scale folded), or
+        # the sigmoid's.
+        fold = self._fold(formula, arrays)
+        p = formula.normalizer.recompute(
+            raw if fold else scores, allowed, row_terms.shift, arrays.sigmoid_bias, **fold
+        )
         drop = self.drop_at(arrays, q_offset, kv_offset)
         d_p = drop(self._product("td,sd->ts", row_terms.d_out, v_j, v_j.dtype))  # self-adjoint
         d_scores = formula.normalizer.score_gradient(p, d_p, row_terms.delta)

@@ -1,6 +1,7 @@
 """merge_attention: attention over two sets of keys, combined, equals attention over their union."""
 
 import functools
+import math
 import re
 
 import jax
@@ -123,3 +124,51 @@ def test_merge_under_jit_and_in_low_precision(rng):
 def test_merge_errors(a, b, error, message):
     with pytest.raises(error, match="^" + re.escape(message)):
         js.merge_attention(a, b)
+
+
+def test_folded_exponentials_by_hand():
+    # Scores [0, √2] at scale 1/√2 are the logits [0, 1]: on the row max 1, weights [1/e, 1];
+    # a masked entry (NaN as read) and a row with no key yet (its shift the fill) give 0.
+    from jax_sdpa._steps import folded_exp_scores, large_negative
+
+    scores = jnp.array([[0.0, math.sqrt(2.0), jnp.nan], [1.0, 2.0, 3.0]], jnp.float32)
+    mask = jnp.array([[True, True, False], [False, False, False]])
+    shift = jnp.array([1.0, large_negative(jnp.dtype(jnp.float32))], jnp.float32)
+    p = folded_exp_scores(scores, mask, shift, 1 / math.sqrt(2.0))
+    np.testing.assert_allclose(p, [[1 / math.e, 1.0, 0.0], [0.0, 0.0, 0.0]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_a_softmax_block_with_the_scale_folded_is_the_scaled_blocks(dtype):
+    # Two blocks of 5 keys, by the scale folded (a kernel's) and of the scaled scores (XLA's):
+    # row 0 meets its first key in the second block, row 1 none at all (masked entries NaN, as
+    # read past a sequence's end), row 2 every key; then the rows' weights from their lse.
+    from jax_sdpa._online_softmax import SOFTMAX, add, init
+
+    dtype = jnp.dtype(dtype)
+    if jnp.finfo(dtype).bits > 32 and not jax.config.jax_enable_x64:
+        pytest.skip("float64 needs JAX_SDPA_X64=1")
+    rng = np.random.default_rng(0)
+    scale = 0.3
+    scores = jnp.asarray(rng.normal(size=(2, 3, 5)) * 4, dtype)
+    mask = jnp.ones((2, 3, 5), bool).at[0, :2].set(False).at[1, 1].set(False)
+    scores = jnp.where(mask, scores, jnp.nan)
+    value = jnp.asarray(rng.normal(size=(2, 5, 4)), dtype)
+    folded = scaled = init(scores, (3,), (3, 4))
+    for block in range(2):
+        at = (scores[block], mask[block], value[block])
+        folded = add(folded, SOFTMAX.block(folded, *at[:2], scale=scale), at[2])
+        scaled = SOFTMAX.update(scaled, scale * at[0], *at[1:])
+    tolerance = {"rtol": 1e-6 if dtype == jnp.float32 else 1e-14}
+    out, lse = SOFTMAX.finish(folded, dtype)
+    expected_out, expected_lse = SOFTMAX.finish(scaled, dtype)
+    np.testing.assert_allclose(out, expected_out, **tolerance)
+    np.testing.assert_allclose(lse, expected_lse, **tolerance)
+    np.testing.assert_array_equal(out[1], 0)
+    assert np.isneginf(np.asarray(lse)[1]) and np.isfinite(np.asarray(lse)[[0, 2]]).all()
+    np.testing.assert_allclose(folded.top, scaled.top, **tolerance)
+    finite = jnp.where(jnp.isfinite(lse), lse, 0)
+    for block in range(2):
+        p = SOFTMAX.recompute(scores[block], mask[block], finite, None, scale=scale)
+        expected = SOFTMAX.recompute(scale * scores[block], mask[block], finite, None)
+        np.testing.assert_allclose(p, expected, **tolerance)

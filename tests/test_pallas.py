@@ -77,6 +77,32 @@ def test_a_plain_pallas_call_on_a_cpu_runs_the_interpreter(rng):
     assert ref.rel_err(out, want["out"]) < 2e-6
 
 
+@pytest.mark.parametrize(
+    "keywords,folded",
+    [
+        (dict(is_causal=True), True),
+        (dict(is_causal=True, scale=2.0, sinks=jnp.ones(2)), True),
+        (dict(is_causal=True, logits_soft_cap=5.0), False),
+        (dict(score_mod=lambda s, b, h, i, j: s + 1), False),
+        (dict(scale=-1.0), False),
+    ],
+)
+def test_the_kernels_fold_a_plain_scale_into_base_2_exponentials(keywords, folded):
+    # FlashAttention's softmax: where the logits are the products times a positive scale, the
+    # forward and backward kernels take 2^(s·scale·log2 e − m·log2 e), not e^(s·scale − m).
+    # (bfloat16: float32 queries take the scale, whatever its sign, before the products.)
+    x = jnp.ones((1, 40, 2, 16), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = js.dot_product_attention(q, k, v, implementation=INTERPRET, **keywords)
+        return out.astype(jnp.float32).sum()
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, x, x))
+    # A tile's exponentials (its rows' corrections stay e^(m − m')), in the three kernels.
+    tiles = re.findall(r":f32\[16,16\] = (exp2?) ", jaxpr)
+    assert len(tiles) >= 3 and set(tiles) == ({"exp2"} if folded else {"exp"})
+
+
 def test_captured_arrays_sinks_and_a_document_mask_get_the_reference_gradients(rng):
     # ALiBi over a captured slope array, a relative-position table read at (h, i − j), sinks and
     # a document mask over a captured array: every gradient, against dense attention in float64;
