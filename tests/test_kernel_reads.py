@@ -358,6 +358,9 @@ APPROXIMATED = {  # (lax's name: float64's function, its bound in float32 ulps)
     "asinh": (np.arcsinh, 3),
     "acosh": (np.arccosh, 3),
     "atanh": (np.arctanh, 4),
+    "tan": (np.tan, 2),
+    # (XLA's own within 7.5; −0 kept as lax keeps it, where scipy's is +0)
+    "erf_inv": (lambda x: np.where(x == 0, x, scipy.special.erfinv(x)), 3),
 }
 
 
@@ -370,6 +373,8 @@ def test_what_mosaic_gpu_lowers_no_primitive_for_is_within_a_few_ulps_of_float64
 
     function, bound = APPROXIMATED[name]
     xs = [_arguments()] if name != "atan2" else [_arguments(), np.roll(_arguments(1), 7)]
+    if name == "erf_inv":  # (NaN beyond ±1)
+        xs = [np.concatenate([xs[0], np.linspace(-1, 1, 2001, dtype=np.float32)])]
     got = np.asarray(jax.jit(REWRITES[name])(*xs)).astype(np.float64)
     with np.errstate(all="ignore"):
         want = function(*(x.astype(np.float64) for x in xs))
@@ -390,6 +395,41 @@ def test_what_mosaic_gpu_lowers_no_primitive_for_is_within_a_few_ulps_of_float64
             rtol=float(jnp.finfo(dtype).eps),  # (one unit in the last place)
             atol=float(jnp.finfo(dtype).smallest_normal),  # (XLA flushes what is below)
         )
+
+
+@pytest.mark.parametrize(
+    "name, function, bound",
+    [("lgamma", scipy.special.gammaln, 27), ("digamma", scipy.special.digamma, 9)],
+)
+def test_lgamma_and_digamma_as_mosaic_gpu_computes_them_are_as_accurate_as_xlas(
+    name, function, bound
+):
+    # Lanczos' approximation, as XLA's: within ``bound`` units of float32's ε of
+    # max(1, |f(x)|) of float64's (XLA's own reach 25 and 9: not relative to the value near
+    # its zeros); NaN and ±∞ (the poles, ±0) where float64's are (JAX 0.10's digamma has NaN
+    # at ±0).
+    from jax_sdpa._kernels.rewrites import REWRITES
+
+    x = np.concatenate([_arguments(), np.linspace(-10, 10, 4001, dtype=np.float32)])
+    got = np.asarray(jax.jit(REWRITES[name])(x))
+    with np.errstate(all="ignore"):
+        want = function(x.astype(np.float64))
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    # (lgamma(−∞): lax's and this +∞, scipy's −∞)
+    infinite = np.isinf(want) & (x > -np.inf)
+    finite = np.isfinite(want) & (np.abs(want) < 3e38)
+    assert np.array_equal(got[infinite], want[infinite])
+    error = np.abs(got[finite] - want[finite]) / np.maximum(1, np.abs(want[finite]))
+    assert error.max() <= bound * np.finfo(np.float32).eps, x[finite][np.argmax(error)]
+
+
+def test_a_choice_of_more_than_two_cases_as_mosaic_gpu_computes_it_is_laxs():
+    # (select_n of three cases: JAX 0.12's ndtri's; Mosaic GPU lowers two)
+    from jax_sdpa._kernels.rewrites import choice_of
+
+    which = jnp.asarray([0, 1, 2, 3, 2, 1, 0], jnp.int32)
+    cases = [jnp.arange(7.0) + 10 * k for k in range(4)]
+    np.testing.assert_array_equal(choice_of(which, *cases), lax.select_n(which, *cases))
 
 
 def test_a_polynomial_as_mosaic_gpu_computes_it_is_numpys():

@@ -755,6 +755,12 @@ def _special(x):  # (rewritten; a captured array's gradient through erf, erfc, a
     )
 
 
+def _gamma_and_more(x):  # (rewritten)
+    x2 = x * x + 1.0
+    special = jax.lax.lgamma(x2) + jax.lax.digamma(x2) + jax.lax.erf_inv(x)
+    return special + jnp.tan(x) + jnp.sinc(x) + jnp.hypot(x, 2.0)
+
+
 POWERS = {  # (what Mosaic GPU lowers no primitive for, rewritten: rewrites.REWRITES)
     "an integer power below −1": lambda s, b, h, i, j: s * ((i - j).astype(s.dtype) + 300.0) ** -2,
     "a tile's power": lambda s, b, h, i, j: s * ((i - j).astype(s.dtype) + 300.0) ** -0.5,
@@ -766,6 +772,9 @@ POWERS = {  # (what Mosaic GPU lowers no primitive for, rewritten: rewrites.REWR
     ),
     "erf, atan and more of a tile": lambda s, b, h, i, j: (
         jax.nn.gelu(s, approximate=False) + _special((i - j).astype(s.dtype) * 0.01)
+    ),
+    "lgamma, erf_inv and more of a tile": lambda s, b, h, i, j: (
+        s + _gamma_and_more((i - j).astype(s.dtype) * 0.001)
     ),
 }
 
@@ -845,6 +854,19 @@ def test_an_array_read_at_points_the_kernel_has_no_load_for_is_refused_by_name(r
 
     pallas = js.Pallas(backend="mosaic_gpu")
     with pytest.raises(NotImplementedError, match=r"at other points.*backend=.triton."):
+        jax.jit(
+            lambda q: js.dot_product_attention(q, q, q, score_mod=score_mod, implementation=pallas)
+        ).trace(q)
+
+
+def test_a_float_remainder_is_refused_by_name_in_the_mosaic_gpu_kernel():
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    pallas = js.Pallas(backend="mosaic_gpu")
+
+    def score_mod(s, b, h, i, j):
+        return s + jnp.mod((i - j).astype(s.dtype), 0.7)
+
+    with pytest.raises(NotImplementedError, match=r"remainder of floats.*backend=.triton."):
         jax.jit(
             lambda q: js.dot_product_attention(q, q, q, score_mod=score_mod, implementation=pallas)
         ).trace(q)

@@ -483,7 +483,7 @@ def tile_positions(laid_out, along) -> dict:
         **{name: (of_a_window, rewritten) for name in unary},
     }
     # (a window's rewritten by of_a_window's bound, the rest by rewritten)
-    for name in ("integer_pow", *rewrites.REWRITES):
+    for name in ("integer_pow", "rem", *rewrites.REWRITES):
         rules[name] = rules.get(name, (of_a_window,)) + (rewritten,)
     return rules
 

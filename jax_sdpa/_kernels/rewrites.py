@@ -258,6 +258,112 @@ def cbrt_of(x):
     return _signed(x, jnp.where(a == jnp.inf, a, root))
 
 
+@_in_float32
+def tan_of(x):
+    """``lax.tan(x)`` as ``sin x / cos x`` (within 3 ulp of Mosaic GPU's sine and cosine)."""
+    return jnp.sin(x) / jnp.cos(x)
+
+
+# Giles' single-precision erf⁻¹ (XLA's: a polynomial in w − 2.5 below w = 5, in √w − 3 above).
+_ERF_INV_NEAR = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06)
+_ERF_INV_NEAR += (0.00021858087, -0.00125372503, -0.00417768164, 0.246640727, 1.50140941)
+_ERF_INV_FAR = (-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844)
+_ERF_INV_FAR += (0.00573950773, -0.0076224613, 0.00943887047, 1.00167406, 2.83297682)
+
+
+@_in_float32
+def erf_inv_of(x):
+    """``lax.erf_inv(x)``: Giles' polynomials in ``w = −log((1 − x)(1 + x))``, ±∞ at ±1."""
+    w = -jnp.log((1 - x) * (1 + x))
+    near = _polynomial(w - 2.5, _ERF_INV_NEAR)
+    far = _polynomial(jnp.sqrt(w) - 3, _ERF_INV_FAR)
+    value = jnp.where(w < 5, near, far) * x
+    return jnp.where(jnp.abs(x) == 1, x * jnp.inf, value)
+
+
+# Lanczos' approximation (g = 7, nine terms; XLA's) of Γ and its log, for x ≥ 1/2.
+_LANCZOS_G = 7.0
+_LANCZOS = (676.520368121885098567009190444019, -1259.13921672240287047156078755283)
+_LANCZOS += (771.3234287776530788486528258894, -176.61502916214059906584551354)
+_LANCZOS += (12.507343278686904814458936853, -0.13857109526572011689554707)
+_LANCZOS += (9.984369578019570859563e-6, 1.50563273514931155834e-7)
+
+
+def _lanczos(z):
+    """``(A, A′, t, log t)`` at ``z = x − 1``: Lanczos' sum, its derivative and ``z + g + ½``."""
+    terms = [(c, z + (k + 1)) for k, c in enumerate(_LANCZOS)]
+    sum_ = 0.99999999999980993227684700473478 + sum(c / d for c, d in terms)
+    derivative = -sum(c / (d * d) for c, d in terms)
+    t = z + (_LANCZOS_G + 0.5)
+    log_t = math.log(_LANCZOS_G + 0.5) + log1p_of(z / (_LANCZOS_G + 0.5))
+    return sum_, derivative, t, log_t
+
+
+def _reflected(x):
+    """``(1 − x where x < ½ else x, fraction)``: the reflection's argument, and how far ``x``.
+
+    Is from its nearest integer, in ``[0, ½]`` (exact: ``|sin πx|`` is ``sin π·fraction``).
+    """
+    a = jnp.abs(x)
+    fraction = a - floor_of(a)
+    fraction = jnp.where(fraction > 0.5, 1 - fraction, fraction)
+    return jnp.where(x < 0.5, 1 - x, x), fraction
+
+
+@_in_float32
+def lgamma_of(x):
+    """``lax.lgamma(x)``: Lanczos' approximation, reflected below ½; ``+∞`` at its poles.
+
+    (Within a few units of float32's ε of ``max(1, |lgamma x|)``, as XLA's: relative to the
+    value, not near its zeros at 1 and 2.)
+    """
+    y, fraction = _reflected(x)
+    sum_, _, t, log_t = _lanczos(y - 1)
+    lgamma = 0.5 * math.log(2 * math.pi) + (y - 0.5) * log_t - t + jnp.log(sum_)
+    reflected = math.log(math.pi) - jnp.log(jnp.sin(math.pi * fraction)) - lgamma
+    value = jnp.where(x < 0.5, reflected, lgamma)
+    value = jnp.where(jnp.abs(x) == jnp.inf, jnp.inf, value)
+    return jnp.where(x < 0.5, jnp.where(fraction == 0, jnp.inf, value), value)
+
+
+@_in_float32
+def digamma_of(x):
+    """``lax.digamma(x)``: Lanczos' derivative, reflected below ½ (``ψ(1 − x) − π / tan πx``).
+
+    NaN at its poles but ±0 (``∓∞``), ``+∞`` at ``+∞`` (within a few units of float32's ε of
+    ``max(1, |ψ(x)|)``, as XLA's).
+    """
+    y, fraction = _reflected(x)
+    sum_, derivative, t, log_t = _lanczos(y - 1)
+    digamma = log_t + derivative / sum_ - _LANCZOS_G / t
+    near = x - floor_of(x + 0.5)  # (x less its nearest integer, exact where x has a fraction)
+    value = jnp.where(x < 0.5, digamma - math.pi / tan_of(math.pi * near), digamma)
+    value = jnp.where(x == jnp.inf, x, value)
+    value = jnp.where(x < 0.5, jnp.where(fraction == 0, jnp.nan, value), value)
+    return jnp.where(x == 0, -1 / x, value)  # (∓∞ at ±0, as ψ(x) ≈ −1/x there)
+
+
+def choice_of(which, *cases):
+    """``lax.select_n(which, *cases)`` of more than two cases, one comparison at a time."""
+    value = cases[-1]
+    for k in range(len(cases) - 2, -1, -1):
+        value = jnp.where(which == k, cases[k], value)
+    return value
+
+
+def _float_remainder(x, y):
+    """A float ``rem`` (``jnp.mod``, ``jnp.fmod``, ``%``): refused by name.
+
+    Mosaic GPU's is of integers, and ``x − y · trunc(x / y)`` is not ``fmod`` (its product
+    rounds: a whole ``y`` off where the quotient is near a whole number).
+    """
+    raise NotImplementedError(
+        "The Mosaic GPU kernel computes no remainder of floats (`jnp.mod`, `jnp.fmod` or `%` of "
+        "a float in a score_mod or mask_mod): take it of integer positions, or use "
+        '`Pallas(backend="triton")`.'
+    )
+
+
 # (``erf`` and ``atan2`` Mosaic GPU lowers, but its layout inference has no rule for them.)
 REWRITES = {
     "pow": power_of,
@@ -279,17 +385,29 @@ REWRITES = {
     "acosh": acosh_of,
     "atanh": atanh_of,
     "polynomial": polynomial_of,
+    "tan": tan_of,
+    "erf_inv": erf_inv_of,
+    "lgamma": lgamma_of,
+    "digamma": digamma_of,
+    "stop_gradient": lambda x: x,  # (nothing differentiates a kernel's body)
+    "reshard": lambda x: x,  # (JAX 0.12's jnp.hypot's constants: a kernel's are not sharded)
 }
 
 
 def for_mosaic_gpu(eqn):
     """What computes the equation where Mosaic GPU lowers it no way (:data:`REWRITES`), or None.
 
-    An integer power below −1 (a quotient's derivative, ``y ** −2``) as one over the power;
+    A float ``rem`` refused by name (Mosaic GPU's is of integers); a choice of more than two
+    cases one at a time (:func:`choice_of`: ``jax.scipy.special.ndtri``'s); an integer power
+    below −1 (a quotient's derivative, ``y ** −2``) as one over the power;
     a function asked for an accuracy (JAX 0.12's ``erf`` derivative's ``exp``) as Mosaic GPU
     computes it, which takes none.
     """
     name = eqn.primitive.name
+    if name == "rem" and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
+        return _float_remainder
+    if name == "select_n" and len(eqn.invars) > 3:
+        return choice_of
     if name == "integer_pow" and eqn.params["y"] < -1:
         return lambda x: 1 / lax.integer_pow(x, -eqn.params["y"])
     if name not in REWRITES and eqn.params.get("accuracy") is not None:
