@@ -404,6 +404,10 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
             score + jnp.sinh(t[j]) + jnp.cosh(t[j]) - jnp.arctan(t[j]) + jnp.cbrt(t[j])
         ),
     ),
+    "a bias per key through erf and erfc": (  # (JAX 0.12's derivatives split x by bit casts)
+        jnp.linspace(-2.0, 2.0, 128, dtype=jnp.float32),
+        lambda t, score, b, h, i, j: score + jax.lax.erf(t[j]) - jax.lax.erfc(0.5 * t[j]),
+    ),
     "a bias per key, its NaNs replaced": (  # (the constants scalars of the window's)
         jnp.where(jnp.arange(128) % 3 == 0, jnp.nan, jnp.linspace(-1.0, 1.0, 128)),
         lambda t, score, b, h, i, j: (
@@ -442,6 +446,7 @@ AT_POINTS = {
     "a bias per key to a power",
     "a bias per key through floor, log1p and more",
     "a bias per key through sinh, atan and more",
+    "a bias per key through erf and erfc",
     "a bias per key, its NaNs replaced",
     "a bias per key through a custom rule",
     "a bfloat16 bias per key, doubled",
@@ -739,7 +744,7 @@ def _rounded_and_more(x):  # (floor, ceil, log1p, expm1: rewritten; round, sin, 
     return jnp.floor(x) + jnp.ceil(x) + jnp.log1p(x) + jnp.expm1(x) + jnp.round(x) + jnp.sin(x)
 
 
-def _special(x):  # (rewritten; a captured array's gradient through erf, erfc, atan2 is Triton's)
+def _special(x):  # (rewritten; a captured array's gradient through atan2 is Triton's)
     inverses = jnp.arcsin(x * 0.3) + jnp.arccos(x * 0.3) + jnp.arctanh(x * 0.3)  # (|x| ≤ 2.6)
     return (
         jax.lax.erf(x)
