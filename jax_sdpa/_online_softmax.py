@@ -200,7 +200,8 @@ class Softmax(Normalizer):
         # drop).
         new_max = jnp.maximum(state.row_max, jnp.maximum(tile_max, large_negative(tile_max.dtype)))
         # Until a row meets its first allowed key, its max stays at the fill and p counts masked
-        # entries as 1; the correction e^{fill − real max} = 0 erases them when it does.
+        # entries as 1 (0 with the scale folded); the correction e^{fill − real max} = 0 erases
+        # them when it does (finish reads no key from the max, not from the denominator).
         if scale is None:
             p = exp_scores(masked, new_max)
         else:

@@ -184,12 +184,12 @@ def folded_exp_scores(
     :math:`p_{ij} = 2^{\,s_{ij} c - r_i \log_2 e}` with :math:`c = \text{scale} \cdot \log_2 e`: a
     fused multiply-add and a base-2 exponential an entry where the scaled form takes two
     multiplies, a subtraction and the exponential (FlashAttention's softmax; a kernel's, whose
-    logits are its products times a positive scale). Masked entries are 0 after it, and so is a
-    row whose shift is the fill (no allowed key yet): the fill times :math:`\log_2 e` would
-    overflow.
+    logits are its products times a positive scale). Masked entries are 0 after it, whatever
+    they held, and so is every entry of a row whose shift is the fill (its keys all masked: the
+    fill times :math:`\log_2 e` overflows to −∞ there).
     """
-    shift = jnp.where(has_key(row_max), row_max * math.log2(math.e), 0)
-    p = jnp.exp2(scores * (scale * math.log2(math.e)) - shift[..., None])
+    log2e = math.log2(math.e)
+    p = jnp.exp2(scores * (scale * log2e) - (row_max * log2e)[..., None])
     return p if mask is None else jnp.where(mask, p, 0)
 
 

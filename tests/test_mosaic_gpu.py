@@ -778,6 +778,9 @@ POWERS = {  # (what Mosaic GPU lowers no primitive for, rewritten: rewrites.REWR
     "erf, atan and more of a tile": lambda s, b, h, i, j: (
         jax.nn.gelu(s, approximate=False) + _special((i - j).astype(s.dtype) * 0.01)
     ),
+    "a choice of three of a tile": lambda s, b, h, i, j: jax.lax.select_n(  # (of three cases)
+        jnp.where(s < 0, 0, jnp.where(s < 1, 1, 2)), s, 2 * s, 3.0 + s
+    ),
     "lgamma, erf_inv and more of a tile": lambda s, b, h, i, j: (
         s + _gamma_and_more((i - j).astype(s.dtype) * 0.001)
     ),

@@ -448,6 +448,9 @@ def tile_positions(laid_out, along) -> dict:
         along = lambda x: isinstance(x, Window) and x.shape == window.shape  # noqa: E731
         if window is None or not all(along(x) or is_scalar(x) for x in operands):
             return None
+        read = next(v for v, x in zip(eqn.invars, operands, strict=True) if x is window)
+        if eqn.outvars[0].aval.shape != read.aval.shape:
+            return None  # (a bit cast to another width: not elementwise)
 
         def operation(values, vectors):
             def operand(x):
@@ -474,7 +477,7 @@ def tile_positions(laid_out, along) -> dict:
     comparisons = ("eq", "ne", "lt", "le", "gt", "ge")
     binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor", "atan2", "pow")
     unary = ("convert_element_type", "neg", "not", "abs", "sign", "round", "exp", "exp2", "log")
-    unary += ("log2", "sqrt", "rsqrt", "square", "tanh", "logistic", "sin", "cos", "tan")
+    unary += ("log2", "sqrt", "rsqrt", "square", "tanh", "logistic", "sin", "cos")
     unary += ("one_minus_square", "select_n", "bitcast_convert_type")  # (tanh's, JAX 0.12;
     # choices; erf's derivative's split, JAX 0.12)
     rules = {
