@@ -72,11 +72,12 @@ class Paged:
     Attributes:
         block_kv: Keys per chunk, rounded down to whole pages (at least one page).
         kernel: If given, the fused kernel attends, one program per sequence, key/value head
-            and chunk of keys, with a plain cache (a quantized or shared-latent one is read by
-            the XLA path). For pages of a power of two of at least 16 positions and heads 64,
-            128 or 256 wide, the Mosaic GPU kernel copies each block of keys from its pages and
-            the others gather each chunk's; others gather each sequence's pages first. With a
-            kernel the call has no forward-mode or second derivatives (whatever the cache).
+            and chunk of keys, of a plain or quantized cache, or a shared latent's that the
+            Mosaic GPU kernel reads as it is (the XLA path reads any other). For pages of a
+            power of two of at least 16 positions and heads 64, 128 or 256 wide, the Mosaic GPU
+            kernel copies each block of keys from its pages and the others gather each chunk's;
+            others gather each sequence's pages first. With a kernel the call has no
+            forward-mode or second derivatives (whatever the cache).
     """
 
     block_kv: int = DEFAULT_BLOCK_KV
