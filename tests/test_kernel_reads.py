@@ -434,6 +434,53 @@ def test_a_choice_of_more_than_two_cases_as_mosaic_gpu_computes_it_is_laxs():
     np.testing.assert_array_equal(choice_of(which, *cases), lax.select_n(which, *cases))
 
 
+def test_nextafter_as_mosaic_gpu_computes_it_is_laxs_bit_for_bit():
+    # (by its bits, as XLA's: ±0, subnormals, ±∞, NaN and the largest numbers, every pair)
+    from jax_sdpa._kernels.rewrites import nextafter_of
+
+    tiny, big = np.finfo(np.float32).smallest_subnormal, np.finfo(np.float32).max
+    special = [0.0, -0.0, 1.0, -1.0, 3.5, -2.25, 1e30, tiny, -tiny, big, -big]
+    special = np.array([*special, np.inf, -np.inf, np.nan, *_arguments()[::997]], np.float32)
+    x, y = (z.ravel() for z in np.meshgrid(special, special))
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        with np.errstate(over="ignore"):  # (1e30 and float32's max: ±∞ in 16 bits)
+            args = (jnp.asarray(x, dtype), jnp.asarray(y, dtype))
+        got, want = (np.asarray(jax.jit(f)(*args)) for f in (nextafter_of, lax.nextafter))
+        bits = np.dtype(f"int{8 * got.itemsize}")
+        nan = np.isnan(want.astype(np.float32))
+        assert np.array_equal(np.isnan(got.astype(np.float32)), nan)
+        np.testing.assert_array_equal(got.view(bits)[~nan], want.view(bits)[~nan])
+    assert nextafter_of(jnp.float32(1), jnp.float32(2)) == np.nextafter(np.float32(1), 2)
+
+
+def test_conversions_to_and_from_booleans_as_mosaic_gpu_computes_them_are_laxs():
+    # (jnp.signbit's, jnp.copysign's, ndtri's: Mosaic GPU converts no vector of booleans)
+    from jax_sdpa._kernels.rewrites import for_mosaic_gpu
+
+    x = jnp.asarray([0.0, -0.0, 1.5, -2.0, np.nan, np.inf, 1e-45], jnp.float32)
+    i = jnp.asarray([0, -3, 7, 0, 1, -1, 2], jnp.int32)
+    b = jnp.asarray([True, False, True, False, False, True, True])
+    conversions = (
+        lambda x, i, b: x.astype(bool),
+        lambda x, i, b: i.astype(bool),
+        lambda x, i, b: b.astype(jnp.float32),
+        lambda x, i, b: b.astype(jnp.int32),
+        lambda x, i, b: b.astype(jnp.bfloat16),
+        lambda x, i, b: ~b,
+    )
+    for conversion in conversions:
+        closed = jax.make_jaxpr(conversion)(x, i, b)
+        (eqn,) = closed.jaxpr.eqns
+        inputs = dict(zip(closed.jaxpr.invars, (x, i, b), strict=True))
+        got = for_mosaic_gpu(eqn)(*(inputs[v] for v in eqn.invars))
+        want = conversion(x, i, b)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    for same in (lambda x, i, b: ~i, lambda x, i, b: x.astype(jnp.int32)):
+        (eqn,) = jax.make_jaxpr(same)(x, i, b).jaxpr.eqns  # (Mosaic GPU's own)
+        assert for_mosaic_gpu(eqn) is None
+
+
 def test_a_polynomial_as_mosaic_gpu_computes_it_is_numpys():
     # (JAX 0.12's lax.polynomial, lowest degree first, in its erf derivative's e^(−x²))
     from jax_sdpa._kernels.rewrites import polynomial_of

@@ -766,6 +766,15 @@ def _gamma_and_more(x):  # (rewritten)
     return special + jnp.tan(x) + jnp.sinc(x) + jnp.hypot(x, 2.0)
 
 
+def _signs_and_more(x):  # (rewritten: conversions of booleans, nextafter by its bits)
+    signs = jnp.copysign(0.5, x - 0.055) + jnp.where(jnp.signbit(x), 0.25, 0.0)  # (x ≠ 0.055)
+    # (ndtri from JAX 0.12, whose polynomials are lax.polynomial's: JAX 0.11's are a scan over
+    # their coefficients, which Mosaic GPU lowers not)
+    new = jax.__version_info__ >= (0, 12)
+    probit = jax.scipy.special.ndtri(jax.nn.sigmoid(x)) if new else 0.0
+    return signs + probit + jnp.nextafter(x, 0.0)
+
+
 POWERS = {  # (what Mosaic GPU lowers no primitive for, rewritten: rewrites.REWRITES)
     "an integer power below −1": lambda s, b, h, i, j: s * ((i - j).astype(s.dtype) + 300.0) ** -2,
     "a tile's power": lambda s, b, h, i, j: s * ((i - j).astype(s.dtype) + 300.0) ** -0.5,
@@ -783,6 +792,9 @@ POWERS = {  # (what Mosaic GPU lowers no primitive for, rewritten: rewrites.REWR
     ),
     "lgamma, erf_inv and more of a tile": lambda s, b, h, i, j: (
         s + _gamma_and_more((i - j).astype(s.dtype) * 0.001)
+    ),
+    "signs, ndtri and nextafter of a tile": lambda s, b, h, i, j: (
+        s + _signs_and_more((i - j).astype(s.dtype) * 0.01)
     ),
 }
 
@@ -803,12 +815,15 @@ def test_powers_lower_for_cuda(case):
 
 
 @SIMULATED_SLOW
-def test_erf_and_more_of_a_tile_with_the_mosaic_gpu_kernels():
+@pytest.mark.parametrize(
+    "case", ["erf, atan and more of a tile", "signs, ndtri and nextafter of a tile"]
+)
+def test_functions_of_a_tile_with_the_mosaic_gpu_kernels_are_the_reference(case):
     q, k, v = qkv(np.random.default_rng(5), 1, 128, 128, 2, 2, 64, dtype=jnp.bfloat16)
 
     def grads(q, k, v, implementation):
         def loss(q, k, v):
-            mod = POWERS["erf, atan and more of a tile"]
+            mod = POWERS[case]
             out = js.dot_product_attention(q, k, v, score_mod=mod, implementation=implementation)
             return jnp.sum(out.astype(jnp.float32) ** 2)
 

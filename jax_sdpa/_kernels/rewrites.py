@@ -353,6 +353,41 @@ def choice_of(which, *cases):
     return value
 
 
+def nextafter_of(x, y):
+    """``lax.nextafter(x, y)``: the number after ``x`` toward ``y``, by its bits (as XLA's).
+
+    ``y`` where ``x == y``, the least subnormal of ``y``'s sign after ±0, NaN after NaN.
+    """
+    x, y = jnp.broadcast_arrays(x, y)  # (Mosaic GPU bit-casts no scalar)
+    bits = jnp.dtype(f"int{8 * x.dtype.itemsize}")
+    x_bits, y_bits = (lax.bitcast_convert_type(z, bits) for z in (x, y))
+    sign = bits.type(jnp.iinfo(bits).min)  # (the sign bit alone)
+    x_abs, y_abs = x_bits & ~sign, y_bits & ~sign
+    away = jnp.where((x_bits & sign) == (y_bits & sign), bits.type(1), bits.type(-1))
+    after = x_bits + jnp.where(x_abs > y_abs, bits.type(-1), away)  # (toward 0: one less)
+    after = jnp.where(x_abs == 0, (y_bits & sign) | bits.type(1), after)
+    after = lax.bitcast_convert_type(after, x.dtype)
+    after = jnp.where(x != x, x, jnp.where(y != y, y, after))  # (NaN after NaN)
+    return jnp.where(x == y, y, after)
+
+
+def _of_booleans(eqn):
+    """A conversion to or from booleans, or their ``not``, as a comparison or a choice; or None.
+
+    (Mosaic GPU converts no vector of ``i1``: "Register bitwidth … must be divisible by 8";
+    ``jnp.signbit``'s, ``jnp.copysign``'s and ``ndtri``'s, whose ``not`` takes one.)
+    """
+    source = eqn.invars[0].aval.dtype
+    if eqn.primitive.name == "not":
+        return (lambda x: jnp.where(x, False, True)) if source == jnp.bool_ else None
+    target = eqn.params["new_dtype"]
+    if (source == jnp.bool_) == (target == jnp.bool_):
+        return None
+    if target == jnp.bool_:
+        return lambda x: x != 0
+    return lambda x: jnp.where(x, target.type(1), target.type(0))
+
+
 def _float_remainder(x, y):
     """A float ``rem`` (``jnp.mod``, ``jnp.fmod``, ``%``): refused by name.
 
@@ -391,6 +426,7 @@ REWRITES = {
     "erf_inv": erf_inv_of,
     "lgamma": lgamma_of,
     "digamma": digamma_of,
+    "nextafter": nextafter_of,
     "stop_gradient": lambda x: x,  # (nothing differentiates a kernel's body)
     "reshard": lambda x: x,  # (JAX 0.12's jnp.hypot's constants: a kernel's are not sharded)
 }
@@ -399,7 +435,8 @@ REWRITES = {
 def for_mosaic_gpu(eqn):
     """What computes the equation where Mosaic GPU lowers it no way (:data:`REWRITES`), or None.
 
-    A float ``rem`` refused by name (Mosaic GPU's is of integers); a choice of more than two
+    A float ``rem`` refused by name (Mosaic GPU's is of integers); booleans converted and
+    negated as comparisons and choices (:func:`_of_booleans`); a choice of more than two
     cases one at a time (:func:`choice_of`: ``jax.scipy.special.ndtri``'s); an integer power
     below −1 (a quotient's derivative, ``y ** −2``) as one over the power;
     a function asked for an accuracy (JAX 0.12's ``erf`` derivative's ``exp``) as Mosaic GPU
@@ -408,6 +445,8 @@ def for_mosaic_gpu(eqn):
     name = eqn.primitive.name
     if name == "rem" and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
         return _float_remainder
+    if name in ("convert_element_type", "not"):
+        return _of_booleans(eqn)
     if name == "select_n" and len(eqn.invars) > 3:
         return choice_of
     if name == "integer_pow" and eqn.params["y"] < -1:
