@@ -435,17 +435,17 @@ def test_a_choice_of_more_than_two_cases_as_mosaic_gpu_computes_it_is_laxs():
 
 
 def test_nextafter_as_mosaic_gpu_computes_it_is_laxs_bit_for_bit():
-    # (by its bits, as XLA's: ±0, subnormals, ±∞, NaN and the largest numbers, every pair)
+    # (by its bits, as XLA's: ±0, subnormals, ±∞, NaN (as NaN) and the largest numbers of each
+    # dtype, every pair)
     from jax_sdpa._kernels.rewrites import nextafter_of
 
-    tiny, big = np.finfo(np.float32).smallest_subnormal, np.finfo(np.float32).max
-    special = [0.0, -0.0, 1.0, -1.0, 3.5, -2.25, 1e30, tiny, -tiny, big, -big]
-    special = np.array([*special, np.inf, -np.inf, np.nan, *_arguments()[::997]], np.float32)
-    x, y = (z.ravel() for z in np.meshgrid(special, special))
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
-        with np.errstate(over="ignore"):  # (1e30 and float32's max: ±∞ in 16 bits)
-            args = (jnp.asarray(x, dtype), jnp.asarray(y, dtype))
-        got, want = (np.asarray(jax.jit(f)(*args)) for f in (nextafter_of, lax.nextafter))
+        tiny, big = (float(getattr(jnp.finfo(dtype), e)) for e in ("smallest_subnormal", "max"))
+        special = [0.0, -0.0, 1.0, -1.0, 3.5, -2.25, tiny, -tiny, big, -big, np.inf, -np.inf]
+        with np.errstate(over="ignore"):  # (float32's large arguments: ±∞ in 16 bits)
+            special = jnp.asarray([*special, np.nan, *_arguments()[::997]], dtype)
+        x, y = (z.ravel() for z in jnp.meshgrid(special, special))
+        got, want = (np.asarray(jax.jit(f)(x, y)) for f in (nextafter_of, lax.nextafter))
         bits = np.dtype(f"int{8 * got.itemsize}")
         nan = np.isnan(want.astype(np.float32))
         assert np.array_equal(np.isnan(got.astype(np.float32)), nan)
@@ -476,8 +476,15 @@ def test_conversions_to_and_from_booleans_as_mosaic_gpu_computes_them_are_laxs()
         want = conversion(x, i, b)
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    for same in (lambda x, i, b: ~i, lambda x, i, b: x.astype(jnp.int32)):
-        (eqn,) = jax.make_jaxpr(same)(x, i, b).jaxpr.eqns  # (Mosaic GPU's own)
+    own = (  # (Mosaic GPU's: an integer not, numbers' conversions, a scalar boolean's)
+        lambda x, i, b: ~i,
+        lambda x, i, b: x.astype(jnp.int32),
+        lambda x, i, b: b[0].astype(jnp.int32),
+        lambda x, i, b: ~b[0],
+    )
+    for same in own:
+        eqn = jax.make_jaxpr(same)(x, i, b).jaxpr.eqns[-1]
+        assert eqn.primitive.name in ("not", "convert_element_type")
         assert for_mosaic_gpu(eqn) is None
 
 

@@ -356,7 +356,7 @@ def choice_of(which, *cases):
 def nextafter_of(x, y):
     """``lax.nextafter(x, y)``: the number after ``x`` toward ``y``, by its bits (as XLA's).
 
-    ``y`` where ``x == y``, the least subnormal of ``y``'s sign after ±0, NaN after NaN.
+    ``y`` where ``x == y``, the least subnormal of ``y``'s sign after ±0, NaN where either is.
     """
     x, y = jnp.broadcast_arrays(x, y)  # (Mosaic GPU bit-casts no scalar)
     bits = jnp.dtype(f"int{8 * x.dtype.itemsize}")
@@ -367,17 +367,19 @@ def nextafter_of(x, y):
     after = x_bits + jnp.where(x_abs > y_abs, bits.type(-1), away)  # (toward 0: one less)
     after = jnp.where(x_abs == 0, (y_bits & sign) | bits.type(1), after)
     after = lax.bitcast_convert_type(after, x.dtype)
-    after = jnp.where(x != x, x, jnp.where(y != y, y, after))  # (NaN after NaN)
+    after = jnp.where(x != x, x, jnp.where(y != y, y, after))  # (NaN where either is)
     return jnp.where(x == y, y, after)
 
 
 def _of_booleans(eqn):
-    """A conversion to or from booleans, or their ``not``, as a comparison or a choice; or None.
+    """A vector's conversion to or from booleans, or their ``not``, as a comparison or a choice.
 
-    (Mosaic GPU converts no vector of ``i1``: "Register bitwidth … must be divisible by 8";
-    ``jnp.signbit``'s, ``jnp.copysign``'s and ``ndtri``'s, whose ``not`` takes one.)
+    Else None. (Mosaic GPU converts no vector of ``i1``: "Register bitwidth … must be divisible
+    by 8"; ``jnp.signbit``'s and ``jnp.copysign``'s conversions, ``ndtri``'s and its ``not``.)
     """
     source = eqn.invars[0].aval.dtype
+    if eqn.invars[0].aval.ndim == 0:  # (a scalar's, Mosaic GPU's own)
+        return None
     if eqn.primitive.name == "not":
         return (lambda x: jnp.where(x, False, True)) if source == jnp.bool_ else None
     target = eqn.params["new_dtype"]
