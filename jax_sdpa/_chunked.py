@@ -26,7 +26,8 @@ from jax_sdpa._formula import CallArrays, Formula
 from jax_sdpa._heads import Result
 from jax_sdpa._online_softmax import zeros_from
 from jax_sdpa._steps import accumulation_dtype
-from jax_sdpa._tiles import Tiles, flat, loop, pad_keys, pad_to, rows_first, sweep_keys
+from jax_sdpa._sweeps import loop
+from jax_sdpa._tiles import Tiles, flat, pad_keys, pad_to, rows_first, sweep_keys
 from jax_sdpa._tiles_backward import backward, define_vjp
 from jax_sdpa._tunables import Chunked
 

@@ -52,7 +52,8 @@ from jax_sdpa._indices import positions
 from jax_sdpa._latent import LatentValues
 from jax_sdpa._quantized import Quantized, keys_product, per_token, values_product
 from jax_sdpa._steps import accumulation_dtype, raw_scores, weighted_sum
-from jax_sdpa._tiles import Tiles, listed_blocks, loop, pad_keys
+from jax_sdpa._sweeps import loop
+from jax_sdpa._tiles import Tiles, listed_blocks, pad_keys
 from jax_sdpa._tiles_backward import backward, define_vjp
 from jax_sdpa._tunables import Decode, Paged, Selected
 

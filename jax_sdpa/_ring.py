@@ -30,7 +30,8 @@ from jax_sdpa._kernels import calls as kernels
 from jax_sdpa._kernels import fitting
 from jax_sdpa._online_softmax import init, max_scores, merge
 from jax_sdpa._ring_spec import RingSpec
-from jax_sdpa._tiles import Tiles, flat, forward_sweep, loop
+from jax_sdpa._sweeps import loop
+from jax_sdpa._tiles import Tiles, flat, forward_sweep
 from jax_sdpa._tiles_backward import (
     backward_rows,
     backward_sweep,

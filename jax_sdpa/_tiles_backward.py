@@ -22,18 +22,15 @@ from jax_sdpa._formula import CallArrays, block_of
 from jax_sdpa._heads import over_heads
 from jax_sdpa._online_softmax import Normalization, zeros_from
 from jax_sdpa._steps import accumulation_dtype
+from jax_sdpa._sweeps import Blocks, guarded, loop, sweep
 from jax_sdpa._tiles import (
     BackwardRows,
-    Blocks,
     Tiles,
     add_at,
     differentiable,
     flat,
-    guarded,
     listed_blocks,
-    loop,
     rows_first,
-    sweep,
 )
 
 

@@ -478,8 +478,7 @@ def tile_positions(laid_out, along) -> dict:
     binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor", "atan2", "pow")
     unary = ("convert_element_type", "neg", "not", "abs", "sign", "round", "exp", "exp2", "log")
     unary += ("log2", "sqrt", "rsqrt", "square", "tanh", "logistic", "sin", "cos")
-    unary += ("one_minus_square", "select_n", "bitcast_convert_type")  # (tanh's, JAX 0.12;
-    # choices; erf's derivative's split, JAX 0.12)
+    unary += ("one_minus_square", "select_n", "bitcast_convert_type")  # (JAX 0.12's tanh, erf)
     rules = {
         "broadcast_in_dim": (tiled,),
         **{name: (elementwise, of_a_window) for name in binary},

@@ -40,7 +40,8 @@ from jax_sdpa._kernels.backend import Backend
 from jax_sdpa._kernels.interpreter import INTERPRETER
 from jax_sdpa._kernels.reads import evaluate
 from jax_sdpa._steps import accumulation_dtype
-from jax_sdpa._tiles import BackwardRows, Blocks, Tiles, guarded, sweep
+from jax_sdpa._sweeps import Blocks, guarded, sweep
+from jax_sdpa._tiles import BackwardRows, Tiles
 from jax_sdpa._tunables import Pallas
 
 

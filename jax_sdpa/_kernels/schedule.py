@@ -4,7 +4,7 @@ A program's producer copies blocks of the swept axis into its ring; each of its
 :data:`CONSUMERS` holds its own positions of the other axis and runs its tile on each block, of
 one of :data:`KINDS`: with the mask rule, without it (the rule allows the tile wholly), or not
 at all (it only waits for the block and frees it). :func:`ranged` finds the blocks from the
-rule's ranges (:func:`~jax_sdpa._tiles.runs`), in the kernel; a block mask's :class:`Lists` are
+rule's ranges (:func:`~jax_sdpa._sweeps.runs`), in the kernel; a block mask's :class:`Lists` are
 computed by XLA outside it, from the mask's classes, and read in it (:meth:`Lists.steps`). Both
 give :class:`Steps`.
 """
@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_sdpa._indices import INDEX, listed, positions
 from jax_sdpa._kernels.programs import Plan, Shared
-from jax_sdpa._tiles import Blocks, runs
+from jax_sdpa._sweeps import Blocks, runs
 
 CONSUMERS = 2  # warpgroups that compute, each its own rows; a third copies
 
