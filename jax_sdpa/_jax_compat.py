@@ -19,6 +19,7 @@ from jax._src import core as _core  # the current trace and tracers: no public A
 from jax._src.interpreters import ad as _ad  # (reverse mode's LinearizeTrace is not public)
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe  # (JAX before 0.7: reverse mode's tracers)
+from jax._src.lax import special as _special  # (the Bessel functions' decompositions)
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -88,6 +89,16 @@ CALLS = {
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+
+
+# Primitives whose lowering is JAX's own decomposition into other primitives (``mlir.lower_fun``
+# of these functions): what a backend that has no rule for the primitive can compute in its
+# place. (bessel_i1e's from JAX 0.12: XLA's own before.)
+DECOMPOSITIONS = {
+    name: getattr(_special, f"{name}_impl")
+    for name in ("bessel_i0e", "bessel_i1e")
+    if hasattr(_special, f"{name}_impl")
 }
 
 

@@ -17,6 +17,7 @@ import scipy.special
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jax_sdpa._jax_compat import DECOMPOSITIONS
 from jax_sdpa._kernels.reads import evaluate
 from jax_sdpa._kernels.triton import atomic_add
 
@@ -312,6 +313,20 @@ def test_what_mosaic_gpu_lowers_no_primitive_for_is_computed_exactly_as_lax_does
     np.testing.assert_array_equal(got, want)
     numbers = ~np.isnan(want)
     assert np.array_equal(np.signbit(got[numbers]), np.signbit(want[numbers]))  # (−0 too)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name", list(DECOMPOSITIONS))
+def test_a_primitive_computed_as_jaxs_own_decomposition_is_laxs_bit_for_bit(name, dtype):
+    # (The Bessel functions: the decomposition's four-case choices, polynomial and booleans
+    # rewritten in turn; ±0, ±∞ and NaN among the arguments.)
+    from jax_sdpa._kernels.rewrites import REWRITES
+
+    x = jnp.asarray(_arguments()).astype(dtype)  # (16 bits: ±∞ beyond their range)
+    got, want = (np.asarray(jax.jit(f)(x)) for f in (REWRITES[name], getattr(lax, name)))
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))  # (−0 too; NaN's sign as lax's)
 
 
 @pytest.mark.parametrize(

@@ -795,15 +795,29 @@ POWERS = {  # (what Mosaic GPU lowers no primitive for, rewritten: rewrites.REWR
     "ndtri of a tile": lambda s, b, h, i, j: (  # (conversions of booleans, a choice of five)
         s + jax.scipy.special.ndtri(jax.nn.sigmoid((i - j).astype(s.dtype) * 0.01))
     ),
+    "the Bessel functions of a tile": lambda s, b, h, i, j: (  # (JAX's own decompositions)
+        s + jax.scipy.special.i0e(s) - jax.scipy.special.i1e(s * 0.5 + 0.1)
+    ),
 }
 # (JAX 0.12's ndtri: its polynomials are lax.polynomial's, where those of JAX 0.11 and before
-# are a scan over their coefficients, which Mosaic GPU lowers not: documented)
-NDTRI = pytest.mark.skipif(jax.__version_info__ < (0, 12), reason="ndtri: JAX 0.12 and later")
+# are a scan over their coefficients, which Mosaic GPU lowers not; JAX 0.12's bessel_i1e: XLA's
+# own before, which i0e's derivative takes too: documented)
+JAX_0_12 = {
+    "ndtri of a tile": "ndtri: JAX 0.12 and later",
+    "the Bessel functions of a tile": "bessel_i1e: JAX 0.12 and later",
+}
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=NDTRI) if c == "ndtri of a tile" else c for c in POWERS]
-)
+def _cases(*names):
+    return [
+        pytest.param(c, marks=pytest.mark.skipif(jax.__version_info__ < (0, 12), reason=why))
+        if (why := JAX_0_12.get(c))
+        else c
+        for c in names
+    ]
+
+
+@pytest.mark.parametrize("case", _cases(*POWERS))
 def test_powers_lower_for_cuda(case):
     from tests.lowering import mosaic_gpu_kernels
 
@@ -821,11 +835,12 @@ def test_powers_lower_for_cuda(case):
 @SIMULATED_SLOW
 @pytest.mark.parametrize(
     "case",
-    [
+    _cases(
         "erf, atan and more of a tile",
         "signs and nextafter of a tile",
-        pytest.param("ndtri of a tile", marks=NDTRI),
-    ],
+        "ndtri of a tile",
+        "the Bessel functions of a tile",
+    ),
 )
 def test_functions_of_a_tile_with_the_mosaic_gpu_kernels_are_the_reference(case):
     q, k, v = qkv(np.random.default_rng(5), 1, 128, 128, 2, 2, 64, dtype=jnp.bfloat16)

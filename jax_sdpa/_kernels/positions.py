@@ -428,7 +428,7 @@ def tile_positions(laid_out, along) -> dict:
         reads = [
             value(x if grid is None else grid) for x, grid in zip(operands, grids, strict=True)
         ]
-        return bound(eqn, reads)
+        return rewrites.bound(eqn, reads)
 
     def compared(eqn, operands):
         """A run compared with a scalar: :class:`Compared` (but ``run < 0``, a ``jnp`` wrap's)."""
@@ -460,14 +460,9 @@ def tile_positions(laid_out, along) -> dict:
                     return x.values(vectors)
                 return jnp.broadcast_to(_scalar(x), values.shape)
 
-            return bound(eqn, [operand(x) for x in operands])
+            return rewrites.bound(eqn, [operand(x) for x in operands])
 
         return window.then(operation)
-
-    def bound(eqn, args):
-        """The equation on ``args``, rewritten where Mosaic GPU lowers it no way."""
-        computed = rewrites.for_mosaic_gpu(eqn)
-        return bind(eqn, args) if computed is None else computed(*args)
 
     def rewritten(eqn, operands):
         """A rewrite, its operands read (a window's is :func:`of_a_window`'s, first), or None."""

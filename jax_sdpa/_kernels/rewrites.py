@@ -10,10 +10,12 @@ no vectors of booleans) and scalars broadcast explicitly (it broadcasts none imp
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa._jax_compat import bind
+from jax_sdpa._jax_compat import DECOMPOSITIONS, bind
+from jax_sdpa._jaxpr import Rules, interpret
 
 
 def _in_float32(function):
@@ -403,6 +405,19 @@ def _float_remainder(x, y):
     )
 
 
+def _decomposed(decomposition):
+    """A primitive as JAX's own ``decomposition`` computes it, each equation :func:`bound`.
+
+    (The Bessel functions: their choices of four cases, polynomials and booleans rewritten.)
+    """
+
+    def computed(*args):
+        closed = jax.make_jaxpr(decomposition)(*args)
+        return interpret(closed.jaxpr, closed.consts, args, Rules(bind=bound))[0]
+
+    return computed
+
+
 # (``erf`` and ``atan2`` Mosaic GPU lowers, but its layout inference has no rule for them.)
 REWRITES = {
     "pow": power_of,
@@ -431,7 +446,14 @@ REWRITES = {
     "nextafter": nextafter_of,
     "stop_gradient": lambda x: x,  # (nothing differentiates a kernel's body)
     "reshard": lambda x: x,  # (JAX 0.12's jnp.hypot's constants: a kernel's are not sharded)
+    **{name: _decomposed(function) for name, function in DECOMPOSITIONS.items()},
 }
+
+
+def bound(eqn, args):
+    """The equation on ``args``, rewritten where Mosaic GPU lowers it no way."""
+    computed = for_mosaic_gpu(eqn)
+    return bind(eqn, args) if computed is None else computed(*args)
 
 
 def for_mosaic_gpu(eqn):
