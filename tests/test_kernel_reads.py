@@ -319,14 +319,26 @@ def test_what_mosaic_gpu_lowers_no_primitive_for_is_computed_exactly_as_lax_does
 @pytest.mark.parametrize("name", list(DECOMPOSITIONS))
 def test_a_primitive_computed_as_jaxs_own_decomposition_is_laxs_bit_for_bit(name, dtype):
     # (The Bessel functions: the decomposition's four-case choices, polynomial and booleans
-    # rewritten in turn; ±0, ±∞ and NaN among the arguments.)
-    from jax_sdpa._kernels.rewrites import REWRITES
+    # rewritten in turn, none left; ±0, ±∞ and NaN among the arguments.)
+    from jax_sdpa._kernels.rewrites import REWRITES, for_mosaic_gpu
 
     x = jnp.asarray(_arguments()).astype(dtype)  # (16 bits: ±∞ beyond their range)
     got, want = (np.asarray(jax.jit(f)(x)) for f in (REWRITES[name], getattr(lax, name)))
     assert got.dtype == want.dtype == dtype
     np.testing.assert_array_equal(got, want)
     assert np.array_equal(np.signbit(got), np.signbit(want))  # (−0 too; NaN's sign as lax's)
+    left = list(_equations(jax.make_jaxpr(REWRITES[name])(x).jaxpr))
+    assert [eqn.primitive.name for eqn in left if for_mosaic_gpu(eqn) is not None] == []
+
+
+def _equations(jaxpr):
+    """A jaxpr's equations, and those of the jaxprs its equations call, in order."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from _equations(inner)
 
 
 @pytest.mark.parametrize(

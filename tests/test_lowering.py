@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_sdpa as js
+from jax_sdpa._jax_compat import DECOMPOSITIONS
 from tests.lowering import exported, verified_kernels
 from tests.matrix import CASES, TPU_CANNOT, call, gradients
 from tests.profile import PROFILE
@@ -155,6 +156,28 @@ def test_erf_erfc_and_round_which_triton_lowers_no_primitive_for_are_computed_in
     program = jax.grad(loss, argnums=(0, 1, 2, 3))
     kernels = verified_kernels(program, q, q, q, bias, platform="cuda", compile=False)
     assert len(kernels) == 3
+
+
+def test_the_bessel_functions_which_triton_lowers_no_primitive_for_are_computed_in_its_kernels():
+    # JAX's own decompositions, their equations rewritten (rewrites.REWRITES); before, each
+    # failed to lower ("Unimplemented primitive in Pallas Triton lowering: bessel_i0e"). i0e
+    # of a bias per key, not differentiated; from JAX 0.12 (bessel_i1e's decomposition, which
+    # i0e's derivative takes too) i0e and i1e of the scores.
+    bias = jnp.linspace(-10.0, 10.0, 128)
+    q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        def mod(score, b, h, i, j):
+            score = score + jax.scipy.special.i0e(bias[j]).astype(score.dtype)
+            if "bessel_i1e" in DECOMPOSITIONS:
+                return score + jax.scipy.special.i0e(score) - jax.scipy.special.i1e(score)
+            return score
+
+        out = js.dot_product_attention(q, k, v, score_mod=mod, implementation="pallas")
+        return out.astype(jnp.float32).sum()
+
+    program = jax.grad(loss, argnums=(0, 1, 2))
+    assert len(verified_kernels(program, q, q, q, platform="cuda", compile=False)) == 3
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -795,8 +795,14 @@ POWERS = {  # (what Mosaic GPU lowers no primitive for, rewritten: rewrites.REWR
     "ndtri of a tile": lambda s, b, h, i, j: (  # (conversions of booleans, a choice of five)
         s + jax.scipy.special.ndtri(jax.nn.sigmoid((i - j).astype(s.dtype) * 0.01))
     ),
-    "the Bessel functions of a tile": lambda s, b, h, i, j: (  # (JAX's own decompositions)
-        s + jax.scipy.special.i0e(s) - jax.scipy.special.i1e(s * 0.5 + 0.1)
+    "i0e of a tile's positions": lambda s, b, h, i, j: (  # (JAX's own decomposition)
+        s + jax.scipy.special.i0e((i - j).astype(s.dtype) * 0.1)
+    ),
+    "the Bessel functions of a tile": lambda s, b, h, i, j: (  # (their decompositions)
+        s
+        + jax.scipy.special.i0e(s)
+        - jax.scipy.special.i1e(s * 0.5 + 0.1)
+        + 0.1 * (jax.scipy.special.i0(s * 0.1) + jax.scipy.special.i1(s * 0.1))
     ),
 }
 # (JAX 0.12's ndtri: its polynomials are lax.polynomial's, where those of JAX 0.11 and before
@@ -839,6 +845,7 @@ def test_powers_lower_for_cuda(case):
         "erf, atan and more of a tile",
         "signs and nextafter of a tile",
         "ndtri of a tile",
+        "i0e of a tile's positions",
         "the Bessel functions of a tile",
     ),
 )

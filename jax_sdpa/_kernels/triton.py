@@ -7,7 +7,7 @@ it is this library's GPU kernel until that port exists.
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
-from jax_sdpa._jax_compat import triton_atomic_add
+from jax_sdpa._jax_compat import DECOMPOSITIONS, triton_atomic_add
 from jax_sdpa._kernels.backend import Backend
 from jax_sdpa._kernels.rewrites import REWRITES, round_of
 from jax_sdpa._kernels.values import value
@@ -26,7 +26,8 @@ def _rewritten(eqn, operands):
     """What Pallas's Triton lowers no primitive for (``erf``, ``erfc``: ``jax.nn.gelu``'s).
 
     And JAX 0.12's ``polynomial`` (in ``erf``'s derivative), which it lowers with ``fmuladd``,
-    which it lowers not. Not float64's: the rewrites' polynomials are float32's (Mosaic GPU's
+    which it lowers not; and the Bessel functions, as JAX's own decompositions. Not float64's:
+    the rewrites' polynomials are float32's (Mosaic GPU's
     :func:`~jax_sdpa._kernels.positions.tile_positions` rewrite the same).
     """
     if any(v.aval.dtype == jnp.float64 for v in eqn.invars):  # (float32's polynomials)
@@ -42,7 +43,7 @@ TRITON = Backend(
     _params,
     atomic_add=atomic_add,
     rules={
-        **dict.fromkeys(("erf", "erfc", "polynomial"), (_rewritten,)),
+        **dict.fromkeys(("erf", "erfc", "polynomial", *DECOMPOSITIONS), (_rewritten,)),
         "round": (_rounded,),
     },
 )
