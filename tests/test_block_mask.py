@@ -14,7 +14,7 @@ import pytest
 import jax_sdpa as js
 from jax_sdpa import _block_mask
 from tests.implementations import each_implementation
-from tests.util import qkv
+from tests.util import equations, qkv
 
 
 def documents(doc):
@@ -158,15 +158,9 @@ def test_building_never_holds_the_whole_mask():
         lambda doc: js.create_block_mask(documents(doc), 1, None, t, s).classes
     )(doc)
 
-    def sizes(jaxpr):  # of every value the program and its loops' bodies make
-        for eqn in jaxpr.eqns:
-            yield from (np.prod(v.aval.shape) for v in eqn.outvars)
-            for param in jax.tree.leaves(eqn.params, is_leaf=lambda x: hasattr(x, "eqns")):
-                sub = getattr(param, "jaxpr", param)
-                if hasattr(sub, "eqns"):
-                    yield from sizes(sub)
-
-    assert max(sizes(program.jaxpr)) <= t * s // 16
+    # (of every value the program and its loops' bodies make)
+    sizes = [np.prod(v.aval.shape) for eqn in equations(program.jaxpr) for v in eqn.outvars]
+    assert max(sizes) <= t * s // 16
 
 
 def test_a_batch_still_skips_the_tiles_its_sequences_exclude(rng):

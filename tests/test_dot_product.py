@@ -14,7 +14,7 @@ from jax_sdpa._jax_compat import JAX_NN_GIVES_LSE
 from tests import reference as ref
 from tests.implementations import each_implementation
 from tests.profile import examples
-from tests.util import enable_x64, nn_attention, qkv
+from tests.util import enable_x64, equations, nn_attention, qkv
 
 
 def grads(fn, q, k, v, bias, d_out):
@@ -90,14 +90,8 @@ def test_gqa_and_mqa_against_reference(rng, impl, heads, kv_heads):
 
 def _intermediate_sizes(jaxpr):
     """Element counts of every value an (outer or nested) jaxpr computes."""
-    for eqn in jaxpr.eqns:
+    for eqn in equations(jaxpr):
         yield from (int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _intermediate_sizes(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _intermediate_sizes(sub)
 
 
 @each_implementation("small intermediates")

@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax_sdpa._jax_compat import DECOMPOSITIONS
 from jax_sdpa._kernels.reads import evaluate
 from jax_sdpa._kernels.triton import atomic_add
+from tests.util import equations
 
 # Under x64 the kernels' reads run in test_pallas.py and the pallas sweep.
 pytestmark = pytest.mark.x64_sampled
@@ -327,18 +328,8 @@ def test_a_primitive_computed_as_jaxs_own_decomposition_is_laxs_bit_for_bit(name
     assert got.dtype == want.dtype == dtype
     np.testing.assert_array_equal(got, want)
     assert np.array_equal(np.signbit(got), np.signbit(want))  # (−0 too; NaN's sign as lax's)
-    left = list(_equations(jax.make_jaxpr(REWRITES[name])(x).jaxpr))
+    left = equations(jax.make_jaxpr(REWRITES[name])(x).jaxpr)
     assert [eqn.primitive.name for eqn in left if for_mosaic_gpu(eqn) is not None] == []
-
-
-def _equations(jaxpr):
-    """A jaxpr's equations, and those of the jaxprs its equations call, in order."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                yield from _equations(inner)
 
 
 @pytest.mark.parametrize(

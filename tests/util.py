@@ -23,6 +23,17 @@ def qkv(rng, b, t, s, n, k, h, hv=None, dtype=jnp.float32):
     return tuple(jnp.asarray(x, dtype) for x in (q, key, v))
 
 
+def equations(jaxpr):
+    """A jaxpr's equations, and those of every jaxpr its equations hold (calls, loops' bodies,
+    a cond's branches), in order."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in jax.tree.leaves(eqn.params, is_leaf=lambda x: hasattr(x, "eqns")):
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from equations(inner)
+
+
 def paged_pool(rng, batch, seq, page, heads, width, dtype=jnp.float32):
     """``(key_pages, value_pages, table)``: ``batch`` sequences of ``seq`` keys in pages.
 
