@@ -926,6 +926,50 @@ def test_a_float_remainder_is_refused_by_name_in_the_mosaic_gpu_kernel():
         ).trace(q)
 
 
+TOKENS = jnp.array([0, 5, 17])  # (global tokens: keys every query sees)
+
+
+@pytest.mark.parametrize(
+    "mods, shape",
+    [
+        (dict(mask_mod=lambda b, h, i, j: jnp.any(j == TOKENS) | (j <= i)), r"\(\d+, 3\)"),
+        (
+            dict(
+                score_mod=lambda s, b, h, i, j: jnp.where(
+                    jnp.any(s > TOKENS.astype(s.dtype)), 0.0, s
+                )
+            ),
+            r"\(64, \d+, 3\)",
+        ),
+    ],
+    ids=["positions against an array", "a tile against an array"],
+)
+def test_a_mod_that_makes_an_array_no_register_layout_holds_is_refused_by_name(mods, shape):
+    # (Before, Mosaic GPU's own error as it lowered: "Cannot cast to layout TiledLayout(...)")
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    pallas = js.Pallas(backend="mosaic_gpu")
+    with pytest.raises(
+        NotImplementedError, match=rf"makes a {shape} array.*entry by entry.*triton"
+    ):
+        jax.jit(lambda q: js.dot_product_attention(q, q, q, implementation=pallas, **mods)).trace(q)
+
+
+def test_global_tokens_written_entry_by_entry_as_the_refusal_says_lower_for_cuda():
+    from tests.lowering import mosaic_gpu_kernels
+
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    pallas = js.Pallas(backend="mosaic_gpu")
+
+    def mask_mod(b, h, i, j):
+        return (j == TOKENS[0]) | (j == TOKENS[1]) | (j == TOKENS[2]) | (j <= i)
+
+    def loss(q, k, v):
+        out = js.dot_product_attention(q, k, v, mask_mod=mask_mod, implementation=pallas)
+        return out.astype(jnp.float32).sum()
+
+    assert len(mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, q, q)) == 3
+
+
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8])
 def test_an_8_bit_array_read_along_positions_is_refused_by_name(dtype):
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)

@@ -55,8 +55,25 @@ STAGES = 2  # shared-memory slots of the producer's ring
 
 
 def _tile(x):
-    """A tile in ``wgmma``'s register layout."""
+    """A tile in ``wgmma``'s register layout (another array refused: the layout holds none)."""
+    shape = jnp.shape(x)
+    if len(shape) != 2 or shape[0] % 64 or shape[1] % 8:
+        raise _not_a_tile(shape)
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+
+def _not_a_tile(shape) -> NotImplementedError:
+    """The error of a mod that makes an array that is not a tile, nor a vector along one.
+
+    (``jnp.any(kv_idx == tokens)``: a tile's positions compared with each entry of an array.)
+    """
+    return NotImplementedError(
+        "The Mosaic GPU kernel holds tiles (and vectors along their axes) in registers, and "
+        f"this call's score_mod or mask_mod makes a {tuple(shape)} array (positions or a tile "
+        "against each entry of an array, as `jnp.any(kv_idx == tokens)`): write it entry by "
+        "entry (`(kv_idx == tokens[0]) | (kv_idx == tokens[1]) | …`), or use "
+        '`Pallas(backend="triton")` (an array whose length is a power of two) or "xla".'
+    )
 
 
 def _along(axis: int) -> Vectors:
@@ -108,13 +125,21 @@ def _by_rows(eqn, operands):
     return reduce(reduce(x, (1,)), (0,))
 
 
+def _reduced_beyond_a_tile(eqn, operands):
+    """A reduction of an array of more axes than a tile's two: refused by name."""
+    if eqn.invars[0].aval.ndim > 2:
+        raise _not_a_tile(eqn.invars[0].aval.shape)
+    return None
+
+
 # Its programs' own rules: a tile's positions, and values read at them, in the products'
 # (``wgmma``'s) register layouts; gathers at a tile of points looped, at other points refused;
-# a tile reduced to a scalar by rows.
+# a tile reduced to a scalar by rows, an array of more axes refused.
 _RULES = (
     tile_positions(_tile, _along),
     looped_gathers(_tile),
-    dict.fromkeys(("reduce_sum", "reduce_max", "reduce_min"), (_by_rows,)),
+    dict.fromkeys(("reduce_sum", "reduce_max", "reduce_min"), (_reduced_beyond_a_tile, _by_rows)),
+    dict.fromkeys(("reduce_and", "reduce_or"), (_reduced_beyond_a_tile,)),
 )
 # Gradients summed in registers: of arrays read at one point.
 MOSAIC_GPU = Backend(lambda tunables: None, rules=table({"scatter-add": (_one_point,)}, *_RULES))
