@@ -40,8 +40,9 @@ os.environ["XLA_FLAGS"] = " ".join(
 
 # One compilation cache on disk for a run's processes (xdist's workers, the processes the tests
 # start, which inherit it): a program one of them compiled, the others read back, however small
-# (SPMD processes compile the same programs; a run of three behaviour files took 7 % less time,
-# the demo, multihost and generation tests 8 %). Made by the first process, removed as it ends.
+# (SPMD processes compile the same programs; behaviour files took 5 to 7 % less time, the demo,
+# multihost and generation tests 8 %). Made by the first process, removed as it ends (an entry
+# read as another process writes it is compiled again: pyproject.toml's filterwarnings).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_sdpa_tests_")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

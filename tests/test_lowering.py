@@ -158,6 +158,23 @@ def test_erf_erfc_and_round_which_triton_lowers_no_primitive_for_are_computed_in
     assert len(kernels) == 3
 
 
+def test_global_tokens_compared_with_each_key_lower_in_triton_where_they_are_a_power_of_two():
+    # jnp.any(kv_idx == tokens): a (keys, tokens) array, which the Mosaic GPU kernel refuses and
+    # sends here (tests/test_mosaic_gpu.py); Triton's blocks have sides that are powers of two.
+    tokens = jnp.array([0, 5, 17, 30])
+    q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        def mask_mod(b, h, i, j):
+            return jnp.any(j == tokens) | (j <= i)
+
+        out = js.dot_product_attention(q, k, v, mask_mod=mask_mod, implementation="pallas")
+        return out.astype(jnp.float32).sum()
+
+    program = jax.grad(loss, argnums=(0, 1, 2))
+    assert len(verified_kernels(program, q, q, q, platform="cuda", compile=False)) == 3
+
+
 def test_the_bessel_functions_which_triton_lowers_no_primitive_for_are_computed_in_its_kernels():
     # JAX's own decompositions, their equations rewritten (rewrites.REWRITES); before, each
     # failed to lower ("Unimplemented primitive in Pallas Triton lowering: bessel_i0e"). i0e

@@ -934,6 +934,10 @@ TOKENS = jnp.array([0, 5, 17])  # (global tokens: keys every query sees)
     [
         (dict(mask_mod=lambda b, h, i, j: jnp.any(j == TOKENS) | (j <= i)), r"\(\d+, 3\)"),
         (
+            dict(mask_mod=lambda b, h, i, j: jnp.any(j == 3 * jnp.arange(8)) | (j <= i)),
+            r"\(\d+, 8\)",
+        ),
+        (
             dict(
                 score_mod=lambda s, b, h, i, j: jnp.where(
                     jnp.any(s > TOKENS.astype(s.dtype)), 0.0, s
@@ -942,7 +946,7 @@ TOKENS = jnp.array([0, 5, 17])  # (global tokens: keys every query sees)
             r"\(64, \d+, 3\)",
         ),
     ],
-    ids=["positions against an array", "a tile against an array"],
+    ids=["positions against an array", "positions against 8 entries", "a tile against an array"],
 )
 def test_a_mod_that_makes_an_array_no_register_layout_holds_is_refused_by_name(mods, shape):
     # (Before, Mosaic GPU's own error as it lowered: "Cannot cast to layout TiledLayout(...)")

@@ -57,7 +57,7 @@ STAGES = 2  # shared-memory slots of the producer's ring
 def _tile(x):
     """A tile in ``wgmma``'s register layout (another array refused: the layout holds none)."""
     shape = jnp.shape(x)
-    if len(shape) != 2 or shape[0] % 64 or shape[1] % 8:
+    if len(shape) != 2 or shape[0] % 64 or shape[1] % 64:  # (every kernel's tiles: 64 × 64 k)
         raise _not_a_tile(shape)
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
@@ -72,7 +72,8 @@ def _not_a_tile(shape) -> NotImplementedError:
         f"this call's score_mod or mask_mod makes a {tuple(shape)} array (positions or a tile "
         "against each entry of an array, as `jnp.any(kv_idx == tokens)`): write it entry by "
         "entry (`(kv_idx == tokens[0]) | (kv_idx == tokens[1]) | …`), or use "
-        '`Pallas(backend="triton")` (an array whose length is a power of two) or "xla".'
+        '`Pallas(backend="triton")` (an array whose length is a power of two) or '
+        "`implementation='xla'`."
     )
 
 
