@@ -55,9 +55,13 @@ STAGES = 2  # shared-memory slots of the producer's ring
 
 
 def _tile(x):
-    """A tile in ``wgmma``'s register layout (another array refused: the layout holds none)."""
+    """A tile in ``wgmma``'s register layout.
+
+    Every kernel's tiles have sides that are multiples of 64 (``fitting``'s least block); any
+    other array, a mod's, is refused (:func:`_not_a_tile`).
+    """
     shape = jnp.shape(x)
-    if len(shape) != 2 or shape[0] % 64 or shape[1] % 64:  # (every kernel's tiles: 64 × 64 k)
+    if len(shape) != 2 or shape[0] % 64 or shape[1] % 64:
         raise _not_a_tile(shape)
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
