@@ -17,6 +17,7 @@ GPU would not add (:class:`GradientAtPoints`): any value but a scatter of tiles 
 """
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -147,29 +148,40 @@ def _one_tile(folded: list) -> bool:
     return all(x.tile is folded[0].tile and x.axis == folded[0].axis for x in folded)
 
 
-def _scatter_along(eqn, operands):
+def _scatter_along(eqn, operands, along):
     """A :class:`Folded`'s scatter at positions along the tile's other axis, made a tile's.
 
-    Its points, the positions over the whole tile (and one index along each other axis of the
-    array: a table's row, ``t[h, kv_idx]``); its updates, the sums in the tile's first row
-    (column), zeros elsewhere: added at each point once.
+    Its points, the positions over the whole tile, or values at them (``t[q_idx // 64]``, a
+    :class:`Window` read in ``along``'s layout and broadcast), and one index along each other
+    axis of the array (a table's row, ``t[h, kv_idx]``); its updates, the sums in the tile's
+    first row (column), zeros elsewhere: added at each point once.
     """
     operand, points, updates = operands
     columns = points.parts if isinstance(points, Joined) else [points]
-    runs = [x for x in columns if isinstance(x, Run)]
+    runs = [x for x in columns if isinstance(x, Run | Window)]
     if not isinstance(updates, Folded) or len(runs) != 1:
         return None
     rank = len(eqn.invars[0].aval.shape)
-    if len(columns) != rank or not all(isinstance(x, Run | Uniform) for x in columns):
+    if len(columns) != rank or not all(isinstance(x, Run | Window | Uniform) for x in columns):
         return None
     axis = updates.axis
-    shape, along = jnp.shape(updates.tile), 1 - axis
-    if runs[0].size != shape[along]:
+    shape, other = jnp.shape(updates.tile), 1 - axis
+    if (runs[0].run if isinstance(runs[0], Window) else runs[0]).size != shape[other]:
         return None
     iota = lambda axis: plgpu.broadcasted_iota(INDEX, shape, axis, layout=plgpu.Layout.WGMMA)  # noqa: E731
-    sums = lax.broadcast_in_dim(updates.sums(), shape, (along,))
+    sums = lax.broadcast_in_dim(updates.sums(), shape, (other,))
     first = jnp.where(iota(axis) == 0, sums, jnp.zeros_like(sums))
-    at = lambda x: x.at(iota(along)) if isinstance(x, Run) else jnp.full(shape, x.scalar, INDEX)  # noqa: E731
+
+    def at(x):
+        if isinstance(x, Run):
+            return x.at(iota(other))
+        if isinstance(x, Window):
+            vector = x.values(along(other)).astype(INDEX)
+            return plgpu.layout_cast(
+                lax.broadcast_in_dim(vector, shape, (other,)), plgpu.Layout.WGMMA
+            )
+        return jnp.full(shape, x.scalar, INDEX)
+
     indices = Joined([Expanded(at(x), 1) for x in columns])
     return scatter_add(eqn, [operand, indices, first])
 
@@ -293,5 +305,5 @@ def rules(simulated: bool, along) -> dict:
         "reshape": (_refolded,),
         "broadcast_in_dim": (_refolded,),
         "squeeze": (_refolded,),
-        "scatter-add": (_scatter_along,),
+        "scatter-add": (functools.partial(_scatter_along, along=along),),
     }

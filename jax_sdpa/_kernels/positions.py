@@ -5,11 +5,13 @@ the ``jnp`` negative-index wrap, so that a read at them (``documents[q_idx]``) i
 contiguous window, which is all a TPU loads (:mod:`jax_sdpa._kernels.reads`), kept as a
 :class:`Window` until read: a backend whose tiles' rows and columns have layouts of their own
 (Mosaic GPU) loads it where it meets a tile, in the layout of that axis (:func:`tile_positions`).
+There, positions an operation keeps no run (``q_idx // 64``) are a :class:`Window` of their own,
+and values read at a window's values (``bias[q_idx // 64]``, ``doc_bias[ids[kv_idx]]``) one more
+of its operations (:mod:`jax_sdpa._kernels.reads`).
 """
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,8 +19,7 @@ import jax.extend
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sdpa._indices import INDEX
-from jax_sdpa._jax_compat import as_computed, bind
+from jax_sdpa._jax_compat import bind
 from jax_sdpa._kernels import rewrites
 from jax_sdpa._kernels.values import (
     Expanded,
@@ -26,12 +27,10 @@ from jax_sdpa._kernels.values import (
     Pending,
     Unread,
     Zeros,
-    fill_value,
-    in_bounds,
     is_zero,
-    placed,
     value,
 )
+from jax_sdpa._kernels.windows import Vectors, read_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +99,7 @@ class Grid(Lazy):
 
     def read(self):
         iota = lax.broadcasted_iota(self.run.base.dtype, self.shape, self.axis)
-        return self.run.start + self.laid_out(iota)
+        return self.run.at(self.laid_out(iota))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,30 +163,19 @@ class Negative(Lazy):
 
 
 @dataclasses.dataclass(frozen=True)
-class Vectors:
-    """How a backend holds a vector along one axis of a tile, where it gives the axes layouts.
-
-    ``load(part)``: a window of memory (an :class:`Unread`) as such a vector; ``iota(count)``:
-    ``0 … count − 1`` as one.
-    """
-
-    load: Callable
-    iota: Callable
-
-
-@dataclasses.dataclass(frozen=True)
 class Window(Pending):
     """``part[run]`` of a 1-D part of a ref, not read yet, then ``ops`` on it: values at positions.
 
     ``params``: the gather's (its mode and fill). Read whole where the program needs it; a
     backend whose tiles' axes have their own layouts reads it where it meets a tile, along the
     axis it lies on (:func:`tile_positions`), the elementwise ``ops`` (with scalars, or other
-    windows at the same run) on the way kept until then.
+    windows at the same run) on the way kept until then. With no ``part``, the values are the
+    run's positions (``q_idx // 64``: a run that an operation keeps no run).
     """
 
-    part: Unread
+    part: Unread | None
     run: Run
-    params: Any
+    params: Any = None
     ops: tuple = ()
 
     @property
@@ -199,7 +187,11 @@ class Window(Pending):
 
         (Each op is ``op(values, vectors)``: an op that reads other windows reads them so.)
         """
-        return self.applied(read_run(self.part, self.run, self.params, vectors), vectors)
+        if self.part is not None:
+            return self.applied(read_run(self.part, self.run, self.params, vectors), vectors)
+        count = self.run.size
+        iota = lax.iota(self.run.base.dtype, count) if vectors is None else vectors.iota(count)
+        return self.applied(self.run.at(iota.astype(self.run.base.dtype)), vectors)
 
     def applied(self, values, vectors: Vectors | None = None):
         """``values`` with ``ops`` applied, each ``op(values, vectors)``."""
@@ -213,72 +205,6 @@ class Window(Pending):
     def reshaped(self, shape: tuple) -> "Window | None":
         run = self.run.reshaped(shape)
         return None if run is None else dataclasses.replace(self, run=run)
-
-
-def read_run(operand: Unread, run: Run, params, vectors: Vectors | None = None):
-    """``operand[run]`` of a 1-D part, as a vector: one load of a window where the run lies inside.
-
-    That is what a TPU loads (it has no load at a vector of indices) and the common case: the
-    positions of a tile. A run that leaves the part (a tile past the end of a sequence, or of a
-    part shorter than a tile) is read by :func:`_windowed`, or with ``vectors`` one entry at a
-    time (a tile's edge), equal to the gather's clamped or filled values.
-    """
-    (length,), count = operand.shape, run.size
-    start = run.start
-    if run.wrap is not None:  # (a run wholly below 0 wraps whole: a window too)
-        start = jnp.where(start + count <= 0, start + run.wrap, start)
-
-    def outside():
-        if vectors is None:
-            points = run.read().reshape(count)
-            value = _windowed(operand, jnp.clip(points, 0, length - 1))
-        else:
-            iota = vectors.iota(count)
-            points = run.at(iota)
-
-            def load(n):  # (its point clamped into the part, as the other reads are)
-                return operand.at_points([run.at(n.astype(run.base.dtype))])
-
-            value = placed(iota, (INDEX(0), INDEX(count)), load, operand.dtype)
-        if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
-            fill = fill_value(params["fill_value"], value.dtype)
-            value = jnp.where(in_bounds([points], operand.shape), value, fill)
-        return value
-
-    def window():  # (typed as computed values are, as the other branch's: a load keeps vma)
-        part = operand.narrowed([start], [count])
-        return part.read() if vectors is None else as_computed(vectors.load(part))
-
-    if count > length:  # (no window of the run fits in the part)
-        return outside()
-    within = (start >= 0) & (start <= length - count)
-    return lax.cond(within, window, outside)
-
-
-def _windowed(operand: Unread, points):
-    """``operand[points]`` of a 1-D part, points inside it: picked from windows of loads.
-
-    Each point lies in one window: its entry is picked by a max over the window (the others at
-    the dtype's least), which keeps every value as it is (−0, NaN, ∞).
-    """
-    (length,), count = operand.shape, points.size
-    size = min(count, length)  # a window's (one window of a part shorter than the points)
-    wide = jnp.int32 if operand.dtype == jnp.bool_ else operand.dtype
-    floating = jnp.issubdtype(wide, jnp.floating)
-    least = jnp.asarray(-jnp.inf if floating else jnp.iinfo(wide).min, wide)
-
-    def window(c, value):
-        lo = jnp.minimum(c * size, length - size)  # the last window overlaps the one before
-        entries = operand.narrowed([lo], [size]).read().astype(wide)
-        at = lo + lax.broadcasted_iota(points.dtype, (1, size), 1)
-        hits = (points[:, None] == at) & (at >= c * size)
-        picked = jnp.where(hits, entries[None, :], least).max(axis=1)
-        found = hits.astype(jnp.int32).max(axis=1) > 0  # (Triton reduces no booleans)
-        return jnp.where(found, picked, value)
-
-    windows = INDEX(-(-length // size))  # int32 under x64 too: Mosaic has no int64
-    value = lax.fori_loop(INDEX(0), windows, window, jnp.full(count, least))
-    return value.astype(operand.dtype)
 
 
 # Rules (:mod:`jax_sdpa._jaxpr`) for the equations that keep positions a :class:`Run`: an
@@ -404,16 +330,21 @@ def tile_positions(laid_out, along) -> dict:
             return None  # (axes of 1 added or dropped: still a run)
         if isinstance(x, Window):  # (its values read at the run's positions, wrapped or not)
             return laid_out(lax.broadcast_in_dim(x.values(along(axis)), shape, (axis,)))
-        return None if x.wrap is not None else Grid(x, shape, axis, laid_out)
+        return Grid(x, shape, axis, laid_out)
 
     def run_of(x):
         return x.run if isinstance(x, Compared | Window) else x
 
     def tiled(eqn, operands):
+        """Over a tile; with axes of 1 after it, an :class:`Expanded` tile (a gather's indices)."""
         first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
         if not isinstance(first, Run | Compared | Window):
             return None
-        return spread(first, shape, eqn.params["broadcast_dimensions"][run_of(first).axis])
+        axis = eqn.params["broadcast_dimensions"][run_of(first).axis]
+        if len(shape) > 2 and axis < 2 and set(shape[2:]) == {1}:
+            tile = spread(first, shape[:2], axis)
+            return None if tile is None else Expanded(value(tile), len(shape) - 2)
+        return spread(first, shape, axis)
 
     def elementwise(eqn, operands):
         shape = tuple(eqn.outvars[0].aval.shape)
@@ -442,8 +373,14 @@ def tile_positions(laid_out, along) -> dict:
         """Windows along one axis of a tile and scalars (``ids == 0``, ``a[kv_idx] * b[kv_idx]``).
 
         The operation kept for the first window, the others read each at its own run, in the
-        same layout (arrays of other lengths too: their runs differ by their wraps).
+        same layout (arrays of other lengths too: their runs differ by their wraps). A run that
+        the operation keeps no run (``q_idx // 64``) is a window of its own positions.
         """
+        if not any(isinstance(x, Window) for x in operands):
+            kept = _kept_a_run(eqn, operands)
+            if kept is not None:
+                return kept
+            operands = [Window(None, x) if isinstance(x, Run) else x for x in operands]
         window = next((x for x in operands if isinstance(x, Window)), None)
         along = lambda x: isinstance(x, Window) and x.shape == window.shape  # noqa: E731
         if window is None or not all(along(x) or is_scalar(x) for x in operands):
@@ -484,6 +421,12 @@ def tile_positions(laid_out, along) -> dict:
     for name in ("integer_pow", "rem", *rewrites.REWRITES):
         rules[name] = rules.get(name, (of_a_window,)) + (rewritten,)
     return rules
+
+
+def _kept_a_run(eqn, operands):
+    """What the first rule of :data:`POSITIONS` that answers makes of ``eqn`` (None if none)."""
+    answers = (rule(eqn, operands) for rule in POSITIONS.get(eqn.primitive.name, ()))
+    return next((x for x in answers if x is not None), None)
 
 
 def is_scalar(x) -> bool:

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import live
 from jax_sdpa._jaxpr import Rules, interpret, table
-from jax_sdpa._kernels.positions import POSITIONS, Run, Uniform, Window
+from jax_sdpa._kernels.positions import POSITIONS, Grid, Run, Uniform, Window
 from jax_sdpa._kernels.scatters import SCATTERS
 from jax_sdpa._kernels.values import (
     Expanded,
@@ -280,10 +280,15 @@ def _gathered(operand: Unread, indices, params, laid_out=None):
             window = Window(operand, run, params)
             return window if laid_out is not None else window.read()
         indices = indices.read()  # a run longer than the array
-    tile = isinstance(indices, Expanded) and indices.ones == 1 and jnp.ndim(indices.value) == 2
-    if laid_out is not None and rank == 1 and tile:
-        points = [indices.value]  # (a tile's points, as the program made them)
-        value = _looped(operand, points[0], laid_out)
+    if laid_out is not None and rank == 1 and isinstance(indices, Window):
+        window = indices.reshaped(indices.shape[:-1])
+        if window is not None:
+            return window.then(functools.partial(_looked_up, operand, params))
+    parts = indices.parts if isinstance(indices, Joined) else [indices]
+    tiles = all(isinstance(x, Expanded) and x.ones == 1 and jnp.ndim(x.value) == 2 for x in parts)
+    if laid_out is not None and len(parts) == rank and tiles:
+        points = [part.value for part in parts]  # (tiles of points, as the program made them)
+        value = _looped(operand, points, laid_out)
     else:
         points = index_arrays(indices, rank)
         if laid_out is not None and any(jnp.ndim(point) for point in points):
@@ -298,26 +303,45 @@ def _gathered(operand: Unread, indices, params, laid_out=None):
 def _refuse(operand: Unread):
     """The error of a read at points that a backend with no load at a vector of them cannot make."""
     raise NotImplementedError(
-        "`Pallas(backend='mosaic_gpu')` reads an array at one index, along a run of positions or "
-        "at a tile of points along one axis (`slopes[h]`, `documents[q_idx]`, "
-        f"`table[q_idx - kv_idx, h]`), and this call reads a {operand.shape} "
-        f"{jnp.dtype(operand.dtype).name} array at other points (along several axes, at a "
-        "vector of them, at values read from another array: `classes[i % 7, j % 5]`, "
-        "`bias[i // 64]`, `table[ids[i]]`), which it has no load for: use "
-        "`Pallas(backend='triton')`."
+        "`Pallas(backend='mosaic_gpu')` reads an array at one index, at positions, at values "
+        "computed from them or read at them, or at tiles of points (`slopes[h]`, "
+        "`documents[q_idx]`, `bias[q_idx // 64]`, `table[ids[q_idx]]`, "
+        "`blocks[q_idx // 64, kv_idx // 64]`), and this call reads a "
+        f"{operand.shape} {jnp.dtype(operand.dtype).name} array at other points (a vector of "
+        "them for each of several axes, `table[i // 64, i % 64]`, or a vector of values that "
+        "are not positions), which it has no load for: use `Pallas(backend='triton')`."
     )
 
 
-def _looped(operand: Unread, points, laid_out):
-    """``operand[points]`` of a 1-D part, each entry the points span loaded once and placed.
+def _looped(operand: Unread, points: list, laid_out):
+    """``operand[*points]``, a tile of points per axis, each entry they span loaded once and placed.
 
-    ``Σ_e part[e] [clip(point) = e]`` over ``e`` from the tile's least point to its greatest
-    (``block_q + block_kv − 1`` entries of a table at ``q_idx − kv_idx``), as selects;
-    ``laid_out`` places the tiles in registers.
+    ``Σ_e part[e] [clip(points) = e]`` over ``e`` in the box from the points' least to their
+    greatest along each axis (``block_q + block_kv − 1`` entries of a table at
+    ``q_idx − kv_idx``; one or two blocks of a table at ``q_idx // 64, kv_idx // 64``), as
+    selects; ``laid_out`` places the tiles in registers.
     """
-    points = laid_out(jnp.clip(points, 0, operand.shape[0] - 1).astype(INDEX))
-    bounds = points.min(axis=1).min(), points.max(axis=1).max() + 1
-    return placed(points, bounds, lambda e: operand.at_points([e]), operand.dtype, laid_out)
+    points = [
+        laid_out(jnp.clip(part, 0, n - 1).astype(INDEX))
+        for part, n in zip(points, operand.shape, strict=True)
+    ]
+    bounds = [(part.min(axis=1).min(), part.max(axis=1).max() + 1) for part in points]
+    return placed(points, bounds, lambda *e: operand.at_points(list(e)), operand.dtype, laid_out)
+
+
+def _looked_up(operand: Unread, params, points, vectors):
+    """``operand[points]`` of a 1-D part at a vector of points: a :class:`Window`'s op.
+
+    (``bias[q_idx // 64]``, ``doc_bias[ids[q_idx]]``: each entry from the least point to the
+    greatest loaded once and placed, in the points' layout.)
+    """
+    clipped = jnp.clip(points, 0, operand.shape[0] - 1).astype(INDEX)
+    bounds = clipped.min(), clipped.max() + 1
+    value = placed([clipped], [bounds], lambda e: operand.at_points([e]), operand.dtype)
+    if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        inside = in_bounds([points], operand.shape)
+        value = jnp.where(inside, value, fill_value(params["fill_value"], value.dtype))
+    return value
 
 
 def looped_gathers(laid_out) -> dict:
@@ -331,6 +355,8 @@ def looped_gathers(laid_out) -> dict:
 
     def trailing_ones(eqn, operands):
         first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
+        if isinstance(first, Grid):  # (a tile's positions, laid out)
+            first = first.read()
         if isinstance(first, Lazy):
             return None
         rank = jnp.ndim(first)

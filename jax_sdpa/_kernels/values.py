@@ -213,14 +213,22 @@ def _one_index(part) -> bool:
     return isinstance(part, Expanded) and part.ones == 1 and not jnp.ndim(part.value)
 
 
-def placed(selectors, bounds: tuple, load, dtype, laid_out=lambda x: x):
-    """``load(e)`` placed wherever ``selectors`` is ``e``, for each ``e`` in ``bounds``; else 0.
+def placed(selectors: list, bounds: list, load, dtype, laid_out=lambda x: x):
+    """``load(*e)`` placed wherever ``selectors`` (one per axis) are ``e``; elsewhere 0.
 
-    A loop of scalar loads, each placed by a select: a read at a vector or tile of points on a
-    backend that has no load at one (Mosaic GPU). ``laid_out`` places each step's tile.
+    For each ``e`` in the box ``bounds`` (a ``(lo, hi)`` per axis): loops of scalar loads, each
+    placed by a select, a read at a vector or tile of points on a backend that has no load at
+    one (Mosaic GPU). ``laid_out`` places each step's tile.
     """
 
-    def entry(e, x):
-        return laid_out(jnp.where(selectors == e, load(e), x))
+    def loop(axis: int, at: tuple, hit, x):
+        def entry(e, x):
+            here = selectors[axis] == e
+            here = here if hit is None else hit & here
+            if axis + 1 < len(selectors):
+                return loop(axis + 1, (*at, e), here, x)
+            return laid_out(jnp.where(here, load(*at, e), x))
 
-    return lax.fori_loop(*bounds, entry, laid_out(jnp.zeros(selectors.shape, dtype)))
+        return lax.fori_loop(*bounds[axis], entry, x)
+
+    return loop(0, (), None, laid_out(jnp.zeros(selectors[0].shape, dtype)))

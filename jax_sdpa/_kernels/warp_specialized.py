@@ -36,7 +36,7 @@ from jax_sdpa._kernels import atomics
 from jax_sdpa._kernels.atomics import GradientAtPoints
 from jax_sdpa._kernels.backend import Backend
 from jax_sdpa._kernels.pipeline import Ring, Turns
-from jax_sdpa._kernels.positions import Vectors, tile_positions
+from jax_sdpa._kernels.positions import tile_positions
 from jax_sdpa._kernels.programs import Plan, Shared
 from jax_sdpa._kernels.reads import looped_gathers
 from jax_sdpa._kernels.schedule import (
@@ -48,6 +48,7 @@ from jax_sdpa._kernels.schedule import (
     ranged,
 )
 from jax_sdpa._kernels.values import Lazy, for_mosaic_gpu
+from jax_sdpa._kernels.windows import Vectors
 from jax_sdpa._user_functions import float64_as_float32
 
 ROWS = 64  # a consumer's positions: one ``wgmma``'s rows
