@@ -89,13 +89,18 @@ def evaluate(eqns, env: dict, rules: Rules) -> None:
         env.update(zip(eqn.outvars, outs, strict=True))
 
 
+def answer(rules: tuple[Rule, ...], eqn, operands: list):
+    """What the first of ``rules`` that answers (anything but None) makes of ``eqn``, or None."""
+    answers = (rule(eqn, operands) for rule in rules)
+    return next((outs for outs in answers if outs is not None), None)
+
+
 def _equation(eqn, operands: list, rules: Rules) -> list:
     """One equation's outputs, as a list."""
     name = eqn.primitive.name
-    for rule in rules.table.get(name, ()):
-        outs = rule(eqn, operands)
-        if outs is not None:
-            return outs if eqn.primitive.multiple_results else [outs]
+    outs = answer(rules.table.get(name, ()), eqn, operands)
+    if outs is not None:
+        return outs if eqn.primitive.multiple_results else [outs]
     if rules.inline and name in CALLS:
         return interpret(*_program(eqn.params[CALLS[name]]), operands, rules, kept=True)
     if rules.inline and name in _CONTROL_FLOW:

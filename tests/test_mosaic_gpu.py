@@ -301,6 +301,8 @@ def _reversed(x):
 _reversed.defvjp(lambda x: (x, None), lambda _, g: (-g,))
 
 
+DOCUMENT_IDS = np.arange(256) // 70  # (four documents, the last of 46 keys)
+
 CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU keys' kernel's)
     "ALiBi's slopes": (
         jnp.array([0.1, 0.2, 0.05, 0.3], jnp.float32),
@@ -328,9 +330,13 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         jnp.array([0.5, 1.5, 1.0, 2.0], jnp.float32),
         lambda t, score, b, h, i, j: score * t[i // 64],
     ),
-    "a table of blocks": (  # (tiles of points along both axes)
-        jnp.linspace(-1.0, 1.0, 16, dtype=jnp.float32).reshape(4, 4),
-        lambda t, score, b, h, i, j: score + t[i // 64, j // 64],
+    "a table of blocks per head": (  # (tiles of points along both axes, at one head)
+        jnp.linspace(-1.0, 1.0, 64, dtype=jnp.float32).reshape(4, 4, 4),
+        lambda t, score, b, h, i, j: score + t[h, i // 64, j // 64],
+    ),
+    "a bias per document, read at its ids": (  # (added at the values read at the keys)
+        jnp.array([0.4, -0.3, 0.8, 0.1], jnp.float32),
+        lambda t, score, b, h, i, j: score + t[jnp.asarray(DOCUMENT_IDS)[j]],
     ),
     "a table per head at q_idx − kv_idx": (
         jnp.linspace(-1.0, 1.0, 1200, dtype=jnp.float32).reshape(4, 300),
@@ -462,7 +468,8 @@ AT_POINTS = {
     "a relative table where i >= j",
     "a table per head at q_idx − kv_idx",
     "a temperature per block of queries",
-    "a table of blocks",
+    "a table of blocks per head",
+    "a bias per document, read at its ids",
     "a small table at many points",
     "a temperature and a relative table",
     "slopes and a relative table",
@@ -504,13 +511,7 @@ def test_a_captured_arrays_gradient_with_the_mosaic_gpu_kernels(case):
         assert ref.rel_err(g, w) < 2e-2, "d_array"
 
 
-@pytest.mark.parametrize(  # (CI lowers the table of blocks's read in POSITIONAL's case)
-    "case",
-    [
-        pytest.param(case, marks=pytest.mark.slow) if case == "a table of blocks" else case
-        for case in CAPTURED
-    ],
-)
+@pytest.mark.parametrize("case", list(CAPTURED))
 def test_a_captured_arrays_gradient_lowers_for_cuda_in_the_keys_kernel(case):
     from tests.lowering import mosaic_gpu_kernels
 
@@ -658,10 +659,10 @@ TABLE = np.linspace(-1.0, 1.0, 400, dtype=np.float32)  # (a table at q_idx − k
 KEEP = np.cos(np.arange(256, dtype=np.float32))  # (key 0 kept: no row without a key)
 VALID = np.stack([KEEP > 0, KEEP < 0.5])  # (2, 256): a key padding mask per sequence
 DOCUMENT_BIAS = np.cos(np.arange(11, dtype=np.float32))  # (DOCUMENTS' ids: 0 to 10)
-TEMPERATURES = np.array([0.5, 1.5, 1.0, 2.0], np.float32)  # (one per 64 queries)
+TEMPERATURES = np.array([0.5, 1.5, 2.0], np.float32)  # (per 64 queries; the fourth's clamped)
 KEPT_BLOCKS = np.array([True, False, True, True])  # (keys 64 to 127 masked)
 BIAS_BY_BLOCK = np.cos(np.arange(4 * 256, dtype=np.float32)).reshape(4, 256)
-BLOCKS = np.arange(16).reshape(4, 4) % 3 == 0  # (blocks of 64 queries and 64 keys kept)
+BLOCKS = np.array([[1, 0, 0, 0], [1, 1, 0, 1], [0, 1, 1, 0], [1, 0, 0, 1]], bool)  # (of 64 × 64)
 T5 = mods.relative_position_bias(
     np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(32, 2), 32, 128
 )
@@ -701,7 +702,7 @@ POSITIONAL = {
     ),
     "a temperature per block of queries": (  # (positions divided: points looped, as vectors)
         dict(score_mod=lambda s, b, h, i, j: s * jnp.asarray(TEMPERATURES)[i // 64]),
-        dict(score_mod=lambda s, b, h, i, j: s * TEMPERATURES[i // 64]),
+        dict(score_mod=lambda s, b, h, i, j: s * TEMPERATURES[np.minimum(i // 64, 2)]),
     ),
     "a bias per document, read at its ids": (  # (values read at values read at positions)
         dict(
@@ -711,9 +712,13 @@ POSITIONAL = {
         ),
         dict(score_mod=lambda s, b, h, i, j: s + DOCUMENT_BIAS[DOCUMENTS[b, j]]),
     ),
-    "keys kept by their block": (
-        dict(mask_mod=lambda b, h, i, j: jnp.asarray(KEPT_BLOCKS)[j // 64] | (j == 0)),
+    "keys kept by their block, wrapped": (  # (the jnp wrap of −4 to −1, and a comparison)
+        dict(mask_mod=lambda b, h, i, j: jnp.asarray(KEPT_BLOCKS)[j // 64 - 4] | (j == 0)),
         dict(mask_mod=lambda b, h, i, j: KEPT_BLOCKS[j // 64] | (j == 0)),
+    ),
+    "chunks of 48, causal": (  # (positions divided on both axes, compared: mods.chunked_causal)
+        dict(mask_mod=mods.chunked_causal(48)),
+        dict(mask_mod=lambda b, h, i, j: (i // 48 == j // 48) & (j <= i)),
     ),
     "blocks kept by a table of them": (  # (tiles of points along both axes, looped)
         dict(mask_mod=lambda b, h, i, j: jnp.asarray(BLOCKS)[i // 64, j // 64] | (i == j)),
@@ -758,12 +763,14 @@ def test_gradients_with_arrays_read_along_positions_on_the_gpu_simulator(case):
 
 # (CI lowers these through siblings: T5's buckets read as the relative table does, document_mask
 # and causal as the segment ids do, a temperature per block of queries in CAPTURED's case, keys
-# kept by their block as the bias per document read at its ids is)
+# kept by their block as the bias per document read at its ids is, the chunks as the table of
+# blocks' positions are)
 LOWERED_AS_SIBLINGS = (
     "T5's buckets, causal",
     "document_mask and causal",
     "a temperature per block of queries",
-    "keys kept by their block",
+    "keys kept by their block, wrapped",
+    "chunks of 48, causal",
 )
 
 
@@ -1015,7 +1022,16 @@ def test_global_tokens_written_entry_by_entry_as_the_refusal_says_lower_for_cuda
 
 
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8])
-def test_an_8_bit_array_read_along_positions_is_refused_by_name(dtype):
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda ids, i, j: ids[j],
+        lambda ids, i, j: ids[j // 64],
+        lambda ids, i, j: ids.reshape(16, 16)[i // 64, j // 64],
+    ],
+    ids=["along positions", "at a vector of points", "at tiles of points"],
+)
+def test_an_8_bit_array_read_at_positions_or_points_is_refused_by_name(read, dtype):
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
     ids = jnp.arange(256).astype(dtype)
     pallas = js.Pallas(backend="mosaic_gpu")
@@ -1024,7 +1040,7 @@ def test_an_8_bit_array_read_along_positions_is_refused_by_name(dtype):
     ):
         jax.jit(
             lambda q: js.dot_product_attention(
-                q, q, q, mask_mod=lambda b, h, i, j: ids[j] > 3, implementation=pallas
+                q, q, q, mask_mod=lambda b, h, i, j: read(ids, i, j) > 3, implementation=pallas
             )
         ).trace(q)
 

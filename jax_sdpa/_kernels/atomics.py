@@ -31,9 +31,10 @@ from jaxlib.mlir.dialects import llvm, vector
 
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import bind
-from jax_sdpa._kernels.positions import Run, Uniform, Window
+from jax_sdpa._kernels.positions import Run, Uniform
 from jax_sdpa._kernels.scatters import Scatter, one_entry, scatter_add
 from jax_sdpa._kernels.values import Expanded, Joined, Lazy, Pending, Zeros, value
+from jax_sdpa._kernels.windows import Window
 
 
 def with_sums(kernel, shapes: list, parts: int, args) -> tuple:

@@ -20,17 +20,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_sdpa._jax_compat import bind
+from jax_sdpa._jaxpr import answer
 from jax_sdpa._kernels import rewrites
 from jax_sdpa._kernels.values import (
     Expanded,
     Lazy,
-    Pending,
     Unread,
     Zeros,
     is_zero,
     value,
 )
-from jax_sdpa._kernels.windows import Vectors, read_run
+from jax_sdpa._kernels.windows import Window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +88,9 @@ class Run(Lazy):
 class Grid(Lazy):
     """A :class:`Run` broadcast over a whole tile: one iota of the tile's shape, read as such.
 
-    ``laid_out`` places the iota in a backend's registers: Mosaic GPU's layout inference, left
-    to find the layout of positions across a kernel's loops, gives up (:func:`tile_positions`).
+    (The run's ``jnp`` wrap, if any, applied to it.) ``laid_out`` places the iota in a
+    backend's registers: Mosaic GPU's layout inference, left to find the layout of positions
+    across a kernel's loops, gives up (:func:`tile_positions`).
     """
 
     run: Run
@@ -160,51 +161,6 @@ class Negative(Lazy):
 
     def read(self):
         return self.run.read() < 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Window(Pending):
-    """``part[run]`` of a 1-D part of a ref, not read yet, then ``ops`` on it: values at positions.
-
-    ``params``: the gather's (its mode and fill). Read whole where the program needs it; a
-    backend whose tiles' axes have their own layouts reads it where it meets a tile, along the
-    axis it lies on (:func:`tile_positions`), the elementwise ``ops`` (with scalars, or other
-    windows at the same run) on the way kept until then. With no ``part``, the values are the
-    run's positions (``q_idx // 64``: a run that an operation keeps no run).
-    """
-
-    part: Unread | None
-    run: Run
-    params: Any = None
-    ops: tuple = ()
-
-    @property
-    def shape(self) -> tuple:
-        return self.run.shape
-
-    def values(self, vectors: Vectors | None = None):
-        """The values as a vector (in ``vectors``' layout if given), ``ops`` applied.
-
-        (Each op is ``op(values, vectors)``: an op that reads other windows reads them so.)
-        """
-        if self.part is not None:
-            return self.applied(read_run(self.part, self.run, self.params, vectors), vectors)
-        count = self.run.size
-        iota = lax.iota(self.run.base.dtype, count) if vectors is None else vectors.iota(count)
-        return self.applied(self.run.at(iota.astype(self.run.base.dtype)), vectors)
-
-    def applied(self, values, vectors: Vectors | None = None):
-        """``values`` with ``ops`` applied, each ``op(values, vectors)``."""
-        for op in self.ops:
-            values = op(values, vectors)
-        return values
-
-    def read(self):
-        return self.values().reshape(self.shape)
-
-    def reshaped(self, shape: tuple) -> "Window | None":
-        run = self.run.reshaped(shape)
-        return None if run is None else dataclasses.replace(self, run=run)
 
 
 # Rules (:mod:`jax_sdpa._jaxpr`) for the equations that keep positions a :class:`Run`: an
@@ -374,13 +330,15 @@ def tile_positions(laid_out, along) -> dict:
 
         The operation kept for the first window, the others read each at its own run, in the
         same layout (arrays of other lengths too: their runs differ by their wraps). A run that
-        the operation keeps no run (``q_idx // 64``) is a window of its own positions.
+        the operation keeps no run (``q_idx // 64``) is a window of its own positions, and a run
+        compared with a scalar one of the comparisons (``keep[kv_idx // 64] | (kv_idx == 0)``).
         """
-        if not any(isinstance(x, Window) for x in operands):
-            kept = _kept_a_run(eqn, operands)
+        kinds = {type(x) for x in operands}
+        if Run in kinds and Window not in kinds:  # (kept a run where POSITIONS keeps it one)
+            kept = answer(POSITIONS.get(eqn.primitive.name, ()), eqn, operands)
             if kept is not None:
                 return kept
-            operands = [Window(None, x) if isinstance(x, Run) else x for x in operands]
+        operands = [_as_window(x) for x in operands]
         window = next((x for x in operands if isinstance(x, Window)), None)
         along = lambda x: isinstance(x, Window) and x.shape == window.shape  # noqa: E731
         if window is None or not all(along(x) or is_scalar(x) for x in operands):
@@ -423,10 +381,11 @@ def tile_positions(laid_out, along) -> dict:
     return rules
 
 
-def _kept_a_run(eqn, operands):
-    """What the first rule of :data:`POSITIONS` that answers makes of ``eqn`` (None if none)."""
-    answers = (rule(eqn, operands) for rule in POSITIONS.get(eqn.primitive.name, ()))
-    return next((x for x in answers if x is not None), None)
+def _as_window(x):
+    """A run (or a run compared with a scalar) as a window of its positions; anything else as is."""
+    if isinstance(x, Compared):
+        return Window.positions(x.run).then(lambda positions, vectors: x.over(positions))
+    return Window.positions(x) if isinstance(x, Run) else x
 
 
 def is_scalar(x) -> bool:

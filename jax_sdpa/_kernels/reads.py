@@ -34,20 +34,21 @@ from jax.experimental import pallas as pl
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import live
 from jax_sdpa._jaxpr import Rules, interpret, table
-from jax_sdpa._kernels.positions import POSITIONS, Grid, Run, Uniform, Window
+from jax_sdpa._kernels.positions import POSITIONS, Grid, Run, Uniform
 from jax_sdpa._kernels.scatters import SCATTERS
 from jax_sdpa._kernels.values import (
     Expanded,
     Joined,
     Lazy,
     Unread,
-    fill_value,
+    filled,
     in_bounds,
     index_arrays,
     is_zero,
     placed,
     value,
 )
+from jax_sdpa._kernels.windows import Window
 from jax_sdpa._masks import all_of
 
 
@@ -226,50 +227,42 @@ def _gather(operand: Unread, indices, params, laid_out=None):
     (:func:`looped_gathers`): then a run's values stay a :class:`Window` until they meet a tile.
     """
     ones = 0 if params["dimension_numbers"].collapsed_slice_dims else len(operand.shape)
-    operand, indices, inside = _along_one_axis(operand, indices, any_points=laid_out is not None)
+    operand, indices, inside = _indices_taken(operand, indices, any_points=laid_out is not None)
     value = _gathered(operand, indices, params, laid_out)
-    if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP and inside is not None:
-
-        def filled(x):
-            return jnp.where(inside, x, fill_value(params["fill_value"], x.dtype))
-
+    if inside is not None:
         if isinstance(value, Window):
-            value = value.then(lambda x, vectors: filled(x))
+            value = value.then(lambda x, vectors: filled(x, inside, params))
         else:
-            value = filled(value)
+            value = filled(value, inside, params)
     if isinstance(value, Window):  # (kept unread: a backend may read it where it meets a tile)
         return value.reshaped(value.shape + (1,) * ones)
     return Expanded(value, ones)
 
 
-def _along_one_axis(operand: Unread, indices, *, any_points: bool = False):
-    """A gather at points along one axis and one index along the others, as a 1-D gather.
+def _indices_taken(operand: Unread, indices, *, any_points: bool = False):
+    """A gather at one index along some axes (``t[h, kv_idx]``): a gather of the part there.
 
-    The points are positions (a :class:`Run`), or with ``any_points`` any that are not one
-    index. ``(operand, indices, inside)``: the operand's row at the other indices (clamped),
-    the points, and whether the other indices lie inside (None if nothing was taken). Any other
-    gather is as given.
+    The points along the other axes are positions (one :class:`Run`), or with ``any_points``
+    any that are not one index (windows and tiles, on a backend that reads them so).
+    ``(operand, indices, inside)``: the operand's part at the indices (clamped), the points,
+    and whether the indices lie inside (None if nothing was taken). Any other gather is as given.
     """
     parts = indices.parts if isinstance(indices, Joined) else []
-    runs = [
-        n
-        for n, part in enumerate(parts)
-        if isinstance(part, Run) or (any_points and not isinstance(part, Uniform))
-    ]
-    if len(parts) != len(operand.shape) or len(runs) != 1:
-        return operand, indices, None
     scalars = {n: part.scalar for n, part in enumerate(parts) if isinstance(part, Uniform)}
-    if len(scalars) != len(parts) - 1:
+    points = [part for part in parts if not isinstance(part, Uniform)]
+    taken = any_points or (len(points) == 1 and isinstance(points[0], Run))
+    if len(parts) != len(operand.shape) or not (scalars and points and taken):
         return operand, indices, None
     inside = in_bounds(list(scalars.values()), [operand.shape[n] for n in scalars])
-    return operand.taken(scalars), parts[runs[0]], inside
+    return operand.taken(scalars), points[0] if len(points) == 1 else Joined(points), inside
 
 
 def _gathered(operand: Unread, indices, params, laid_out=None):
     """The values of a point gather, before axes of 1 are added.
 
-    ``laid_out``: as :func:`_gather` takes it; a 1-D part read at a tile of points is then read
-    one entry at a time (:func:`_looped`).
+    ``laid_out``: as :func:`_gather` takes it; a part read at a vector of points (a
+    :class:`Window`'s values) or at a tile of points along each axis is then read one entry at
+    a time (:func:`_looped`).
     """
     rank = len(operand.shape)
     if isinstance(indices, Run):
@@ -294,10 +287,7 @@ def _gathered(operand: Unread, indices, params, laid_out=None):
         if laid_out is not None and any(jnp.ndim(point) for point in points):
             _refuse(operand)
         value = operand.at_points(points)
-    if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:  # read clamped, then filled
-        inside = in_bounds(points, operand.shape)
-        value = jnp.where(inside, value, fill_value(params["fill_value"], value.dtype))
-    return value
+    return filled(value, in_bounds(points, operand.shape), params)  # (read clamped, then filled)
 
 
 def _refuse(operand: Unread):
@@ -308,49 +298,63 @@ def _refuse(operand: Unread):
         "`documents[q_idx]`, `bias[q_idx // 64]`, `table[ids[q_idx]]`, "
         "`blocks[q_idx // 64, kv_idx // 64]`), and this call reads a "
         f"{operand.shape} {jnp.dtype(operand.dtype).name} array at other points (a vector of "
-        "them for each of several axes, `table[i // 64, i % 64]`, or a vector of values that "
-        "are not positions), which it has no load for: use `Pallas(backend='triton')`."
+        "them for each of several axes, as `table[q_idx // 64, q_idx % 64]`), which it has no "
+        "load for: use `Pallas(backend='triton')`."
     )
 
 
-def _looped(operand: Unread, points: list, laid_out):
-    """``operand[*points]``, a tile of points per axis, each entry they span loaded once and placed.
+def refuse_eight_bits(part: Unread) -> None:
+    """Mosaic GPU's refusal of an 8-bit array read at a vector or a tile of points."""
+    if jnp.dtype(part.ref.dtype).itemsize == 1:  # (booleans are widened: values.widened)
+        raise NotImplementedError(
+            "`Pallas(backend='mosaic_gpu')` reads no 8-bit array at a vector or a tile of points "
+            "(Mosaic GPU computes nothing on a vector of 8-bit values, not even a conversion), "
+            f"and this call reads an array of {jnp.dtype(part.ref.dtype).name} so: pass it as "
+            "int32 (`ids.astype(jnp.int32)`, outside the function) or use "
+            "`Pallas(backend='triton')`."
+        )
+
+
+def _looped(operand: Unread, points: list, laid_out=lambda x: x):
+    """``operand[*points]``, a vector or tile of points per axis, each entry they span loaded once.
 
     ``Σ_e part[e] [clip(points) = e]`` over ``e`` in the box from the points' least to their
     greatest along each axis (``block_q + block_kv − 1`` entries of a table at
-    ``q_idx − kv_idx``; one or two blocks of a table at ``q_idx // 64, kv_idx // 64``), as
-    selects; ``laid_out`` places the tiles in registers.
+    ``q_idx − kv_idx``; one or two of a table at ``q_idx // 64``, or at ``q_idx // 64,
+    kv_idx // 64``), as selects; ``laid_out`` places tiles in registers. A loop as long as the
+    points' span: ids read from an array that spread widely cost a select per entry between.
     """
+    refuse_eight_bits(operand)
     points = [
         laid_out(jnp.clip(part, 0, n - 1).astype(INDEX))
         for part, n in zip(points, operand.shape, strict=True)
     ]
-    bounds = [(part.min(axis=1).min(), part.max(axis=1).max() + 1) for part in points]
+    bounds = [_span(part) for part in points]
     return placed(points, bounds, lambda *e: operand.at_points(list(e)), operand.dtype, laid_out)
 
 
-def _looked_up(operand: Unread, params, points, vectors):
-    """``operand[points]`` of a 1-D part at a vector of points: a :class:`Window`'s op.
+def _span(points) -> tuple:
+    """``(least, greatest + 1)`` of a vector or a tile of points (a tile's by rows first)."""
+    if points.ndim == 2:  # (Mosaic GPU reduces no whole tile)
+        return points.min(axis=1).min(), points.max(axis=1).max() + 1
+    return points.min(), points.max() + 1
 
-    (``bias[q_idx // 64]``, ``doc_bias[ids[q_idx]]``: each entry from the least point to the
-    greatest loaded once and placed, in the points' layout.)
+
+def _looked_up(operand: Unread, params, points, vectors):
+    """``operand[points]`` of a 1-D part at a vector of points, in its layout: a window's op.
+
+    (``bias[q_idx // 64]``, ``doc_bias[ids[kv_idx]]``: :func:`_looped`.)
     """
-    clipped = jnp.clip(points, 0, operand.shape[0] - 1).astype(INDEX)
-    bounds = clipped.min(), clipped.max() + 1
-    value = placed([clipped], [bounds], lambda e: operand.at_points([e]), operand.dtype)
-    if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
-        inside = in_bounds([points], operand.shape)
-        value = jnp.where(inside, value, fill_value(params["fill_value"], value.dtype))
-    return value
+    return filled(_looped(operand, [points]), in_bounds([points], operand.shape), params)
 
 
 def looped_gathers(laid_out) -> dict:
     """The rules of a backend that loads no vector of points (Mosaic GPU).
 
-    A 1-D part read at a tile of points one entry at a time (:func:`_looped`); a tile with
-    axes of 1 added after its own kept as it is (:class:`Expanded`): the points, given as the
-    gather's ``(..., 1)`` indices, and a scatter's updates at them (no 3-D tile in a register
-    layout on the way).
+    A part read at a tile of points along each axis, or at a window's values, one entry at a
+    time (:func:`_looped`); a tile (a tile's positions too) with axes of 1 added after its own
+    kept as it is (:class:`Expanded`): the points, given as the gather's ``(..., 1)`` indices,
+    and a scatter's updates at them (no 3-D tile in a register layout on the way).
     """
 
     def trailing_ones(eqn, operands):

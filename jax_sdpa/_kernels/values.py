@@ -180,6 +180,13 @@ def in_bounds(points: list, shape: tuple):
     return all_of((p >= 0) & (p < n) for p, n in zip(points, shape, strict=True))
 
 
+def filled(x, inside, params):
+    """``x`` where ``inside``; elsewhere a gather's fill, where the gather (``params``) fills."""
+    if params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
+        return x
+    return jnp.where(inside, x, fill_value(params["fill_value"], x.dtype))
+
+
 def fill_value(fill, dtype):
     """``lax.gather``'s fill for out-of-bounds points: given, or its default for ``dtype``."""
     if fill is not None:

@@ -38,7 +38,7 @@ from jax_sdpa._kernels.backend import Backend
 from jax_sdpa._kernels.pipeline import Ring, Turns
 from jax_sdpa._kernels.positions import tile_positions
 from jax_sdpa._kernels.programs import Plan, Shared
-from jax_sdpa._kernels.reads import looped_gathers
+from jax_sdpa._kernels.reads import looped_gathers, refuse_eight_bits
 from jax_sdpa._kernels.schedule import (
     CONSUMERS,
     RULE,
@@ -91,14 +91,7 @@ def _along(axis: int) -> Vectors:
     layout = plgpu.Layout.WGMMA.reduce(1 - axis)
 
     def load(part):
-        if jnp.dtype(part.ref.dtype).itemsize == 1:  # (booleans are widened: values.widened)
-            raise NotImplementedError(
-                "`Pallas(backend='mosaic_gpu')` reads no 8-bit array along positions (Mosaic "
-                "GPU computes nothing on a vector of 8-bit values, not even a conversion), and "
-                f"this call reads an array of {jnp.dtype(part.ref.dtype).name} so: pass it as "
-                "int32 (`ids.astype(jnp.int32)`, outside the function) or use "
-                "`Pallas(backend='triton')`."
-            )
+        refuse_eight_bits(part)
         return part.loaded(read_along(part.ref.at[part.index], axis))
 
     return Vectors(
@@ -139,7 +132,7 @@ def _reduced_beyond_a_tile(eqn, operands):
 
 
 # Its programs' own rules: a tile's positions, and values read at them, in the products'
-# (``wgmma``'s) register layouts; gathers at a tile of points looped, at other points refused;
+# (``wgmma``'s) register layouts; gathers at tiles or vectors of points looped, others refused;
 # a tile reduced to a scalar by rows, an array of more axes refused.
 _RULES = (
     tile_positions(_tile, _along),

@@ -1,19 +1,21 @@
-"""Values of a 1-D part of a ref at a run of positions: one window of it where the run lies inside.
+"""Values at a run of positions, kept as a :class:`Window` until read: a vector along one axis.
 
-:class:`~jax_sdpa._kernels.positions.Window` reads its values here: one load of a contiguous
-window (all a TPU loads), or at a run that leaves the part (a tile past the end of a
-sequence) windows picked from, or with a backend's vectors (Mosaic GPU) one entry at a time.
+A 1-D part of a ref read at a run (``documents[q_idx]``) is one load of a contiguous window
+(all a TPU loads), or at a run that leaves the part (a tile past the end of a sequence)
+windows picked from, or with a backend's vectors (Mosaic GPU) one entry at a time; the run's
+own positions are one too, where an operation keeps them no run (``q_idx // 64``).
 """
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
 
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import as_computed
-from jax_sdpa._kernels.values import Unread, fill_value, in_bounds, placed
+from jax_sdpa._kernels.values import Pending, Unread, filled, in_bounds, placed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +28,57 @@ class Vectors:
 
     load: Callable
     iota: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Window(Pending):
+    """``part[run]`` of a 1-D part of a ref, not read yet, then ``ops`` on it: values at positions.
+
+    ``params``: the gather's (its mode and fill). Read whole where the program needs it; a
+    backend whose tiles' axes have their own layouts reads it where it meets a tile, along the
+    axis it lies on (:func:`~jax_sdpa._kernels.positions.tile_positions`), the elementwise
+    ``ops`` (with scalars, or other windows at the same run) on the way kept until then.
+    ``run``: a :class:`~jax_sdpa._kernels.positions.Run`. With no ``part``
+    (:meth:`positions`), the values are the run's positions.
+    """
+
+    part: Unread | None
+    run: Any
+    params: Any = None
+    ops: tuple = ()
+
+    @classmethod
+    def positions(cls, run) -> "Window":
+        """A run's own positions as a window: a run an operation keeps no run (``q_idx // 64``)."""
+        return cls(None, run)
+
+    @property
+    def shape(self) -> tuple:
+        return self.run.shape
+
+    def values(self, vectors: Vectors | None = None):
+        """The values as a vector (in ``vectors``' layout if given), ``ops`` applied.
+
+        (Each op is ``op(values, vectors)``: an op that reads other windows reads them so.)
+        """
+        if self.part is not None:
+            return self.applied(read_run(self.part, self.run, self.params, vectors), vectors)
+        count = self.run.size
+        iota = lax.iota(self.run.base.dtype, count) if vectors is None else vectors.iota(count)
+        return self.applied(self.run.at(iota.astype(self.run.base.dtype)), vectors)
+
+    def applied(self, values, vectors: Vectors | None = None):
+        """``values`` with ``ops`` applied, each ``op(values, vectors)``."""
+        for op in self.ops:
+            values = op(values, vectors)
+        return values
+
+    def read(self):
+        return self.values().reshape(self.shape)
+
+    def reshaped(self, shape: tuple) -> "Window | None":
+        run = self.run.reshaped(shape)
+        return None if run is None else dataclasses.replace(self, run=run)
 
 
 def read_run(operand: Unread, run, params, vectors: Vectors | None = None):
@@ -54,10 +107,7 @@ def read_run(operand: Unread, run, params, vectors: Vectors | None = None):
                 return operand.at_points([run.at(n.astype(run.base.dtype))])
 
             value = placed([iota], [(INDEX(0), INDEX(count))], load, operand.dtype)
-        if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
-            fill = fill_value(params["fill_value"], value.dtype)
-            value = jnp.where(in_bounds([points], operand.shape), value, fill)
-        return value
+        return filled(value, in_bounds([points], operand.shape), params)
 
     def window():  # (typed as computed values are, as the other branch's: a load keeps vma)
         part = operand.narrowed([start], [count])
