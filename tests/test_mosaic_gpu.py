@@ -662,6 +662,7 @@ DOCUMENT_BIAS = np.cos(np.arange(11, dtype=np.float32))  # (DOCUMENTS' ids: 0 to
 TEMPERATURES = np.array([0.5, 1.5, 2.0], np.float32)  # (per 64 queries; the fourth's clamped)
 KEPT_BLOCKS = np.array([True, False, True, True])  # (keys 64 to 127 masked)
 BIAS_BY_BLOCK = np.cos(np.arange(4 * 256, dtype=np.float32)).reshape(4, 256)
+BY_BLOCK_AND_ROW = 1.5 + np.sin(np.arange(256, dtype=np.float32)).reshape(4, 64)
 BLOCKS = np.array([[1, 0, 0, 0], [1, 1, 0, 1], [0, 1, 1, 0], [1, 0, 0, 1]], bool)  # (of 64 × 64)
 T5 = mods.relative_position_bias(
     np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(32, 2), 32, 128
@@ -715,6 +716,14 @@ POSITIONAL = {
     "keys kept by their block, wrapped": (  # (the jnp wrap of −4 to −1, and a comparison)
         dict(mask_mod=lambda b, h, i, j: jnp.asarray(KEPT_BLOCKS)[j // 64 - 4] | (j == 0)),
         dict(mask_mod=lambda b, h, i, j: KEPT_BLOCKS[j // 64] | (j == 0)),
+    ),
+    "a temperature per query, from a table of blocks": (  # (two windows along one axis)
+        dict(score_mod=lambda s, b, h, i, j: s * jnp.asarray(BY_BLOCK_AND_ROW)[i // 64, i % 64]),
+        dict(score_mod=lambda s, b, h, i, j: s * BY_BLOCK_AND_ROW[i // 64, i % 64]),
+    ),
+    "a bias per key, shifted and clipped": (  # (shift_right_arithmetic, clamp of a window)
+        dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(BIAS)[jnp.clip((j >> 6) * 3 - 1, 0)]),
+        dict(score_mod=lambda s, b, h, i, j: s + BIAS[np.clip((j >> 6) * 3 - 1, 0, None)]),
     ),
     "chunks of 48, causal": (  # (positions divided on both axes, compared: mods.chunked_causal)
         dict(mask_mod=mods.chunked_causal(48)),
@@ -771,6 +780,7 @@ LOWERED_AS_SIBLINGS = (
     "a temperature per block of queries",
     "keys kept by their block, wrapped",
     "chunks of 48, causal",
+    "a bias per key, shifted and clipped",
 )
 
 
@@ -948,10 +958,10 @@ def test_arrays_read_at_the_same_positions_combine_as_vectors():
 
 def test_an_array_read_at_points_the_kernel_has_no_load_for_is_refused_by_name():
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
-    table = jnp.zeros((4, 64))
+    table = jnp.zeros(33)
 
-    def score_mod(score, b, h, i, j):  # (a vector of points for each of two axes)
-        return score + table[i // 64, i % 64].astype(score.dtype)
+    def score_mod(score, b, h, i, j):  # (points made by an operation windows do not follow)
+        return score + table[jax.lax.clz(i)].astype(score.dtype)
 
     pallas = js.Pallas(backend="mosaic_gpu")
     with pytest.raises(NotImplementedError, match=r"at other points.*backend=.triton."):

@@ -338,7 +338,7 @@ def tile_positions(laid_out, along) -> dict:
             kept = answer(POSITIONS.get(eqn.primitive.name, ()), eqn, operands)
             if kept is not None:
                 return kept
-        operands = [_as_window(x) for x in operands]
+        operands = [as_window(x) for x in operands]
         window = next((x for x in operands if isinstance(x, Window)), None)
         along = lambda x: isinstance(x, Window) and x.shape == window.shape  # noqa: E731
         if window is None or not all(along(x) or is_scalar(x) for x in operands):
@@ -366,6 +366,7 @@ def tile_positions(laid_out, along) -> dict:
 
     comparisons = ("eq", "ne", "lt", "le", "gt", "ge")
     binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor", "atan2", "pow")
+    binary += ("shift_left", "shift_right_arithmetic", "shift_right_logical", "clamp")
     unary = ("convert_element_type", "neg", "not", "abs", "sign", "round", "exp", "exp2", "log")
     unary += ("log2", "sqrt", "rsqrt", "square", "tanh", "logistic", "sin", "cos")
     unary += ("one_minus_square", "select_n", "bitcast_convert_type")  # (JAX 0.12's tanh, erf)
@@ -381,7 +382,7 @@ def tile_positions(laid_out, along) -> dict:
     return rules
 
 
-def _as_window(x):
+def as_window(x):
     """A run (or a run compared with a scalar) as a window of its positions; anything else as is."""
     if isinstance(x, Compared):
         return Window.positions(x.run).then(lambda positions, vectors: x.over(positions))

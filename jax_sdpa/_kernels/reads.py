@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import live
 from jax_sdpa._jaxpr import Rules, interpret, table
-from jax_sdpa._kernels.positions import POSITIONS, Grid, Run, Uniform
+from jax_sdpa._kernels.positions import POSITIONS, Grid, Run, Uniform, as_window
 from jax_sdpa._kernels.scatters import SCATTERS
 from jax_sdpa._kernels.values import (
     Expanded,
@@ -273,11 +273,12 @@ def _gathered(operand: Unread, indices, params, laid_out=None):
             window = Window(operand, run, params)
             return window if laid_out is not None else window.read()
         indices = indices.read()  # a run longer than the array
-    if laid_out is not None and rank == 1 and isinstance(indices, Window):
-        window = indices.reshaped(indices.shape[:-1])
-        if window is not None:
-            return window.then(functools.partial(_looked_up, operand, params))
     parts = indices.parts if isinstance(indices, Joined) else [indices]
+    windows = [as_window(x) for x in parts]  # (each a vector along one axis of a tile)
+    if laid_out is not None and len(parts) == rank and all(isinstance(x, Window) for x in windows):
+        first, *others = [x.reshaped(x.shape[:-1]) for x in windows]
+        if all(x is not None and x.shape == first.shape for x in others):
+            return first.then(functools.partial(_looked_up, operand, params, others))
     tiles = all(isinstance(x, Expanded) and x.ones == 1 and jnp.ndim(x.value) == 2 for x in parts)
     if laid_out is not None and len(parts) == rank and tiles:
         points = [part.value for part in parts]  # (tiles of points, as the program made them)
@@ -298,8 +299,8 @@ def _refuse(operand: Unread):
         "`documents[q_idx]`, `bias[q_idx // 64]`, `table[ids[q_idx]]`, "
         "`blocks[q_idx // 64, kv_idx // 64]`), and this call reads a "
         f"{operand.shape} {jnp.dtype(operand.dtype).name} array at other points (a vector of "
-        "them for each of several axes, as `table[q_idx // 64, q_idx % 64]`), which it has no "
-        "load for: use `Pallas(backend='triton')`."
+        "them made by an operation it does not follow, as `table[jax.lax.clz(q_idx)]`), "
+        "which it has no load for: use `Pallas(backend='triton')`."
     )
 
 
@@ -340,12 +341,14 @@ def _span(points) -> tuple:
     return points.min(), points.max() + 1
 
 
-def _looked_up(operand: Unread, params, points, vectors):
-    """``operand[points]`` of a 1-D part at a vector of points, in its layout: a window's op.
+def _looked_up(operand: Unread, params, others: list, points, vectors):
+    """``operand[points, *others]`` at vectors of points, in their layout: a window's op.
 
-    (``bias[q_idx // 64]``, ``doc_bias[ids[kv_idx]]``: :func:`_looped`.)
+    (``bias[q_idx // 64]``, ``doc_bias[ids[kv_idx]]``, ``table[q_idx // 64, q_idx % 64]``:
+    ``points`` the first window's values, ``others`` the other windows: :func:`_looped`.)
     """
-    return filled(_looped(operand, [points]), in_bounds([points], operand.shape), params)
+    points = [points, *(x.values(vectors) for x in others)]
+    return filled(_looped(operand, points), in_bounds(points, operand.shape), params)
 
 
 def looped_gathers(laid_out) -> dict:
