@@ -668,7 +668,6 @@ VALID = np.stack([KEEP > 0, KEEP < 0.5])  # (2, 256): a key padding mask per seq
 DOCUMENT_BIAS = np.cos(np.arange(11, dtype=np.float32))  # (DOCUMENTS' ids: 0 to 10)
 TEMPERATURES = np.array([0.5, 1.5, 2.0], np.float32)  # (per 64 queries; the fourth's clamped)
 KEPT_BLOCKS = np.array([True, False, True, True])  # (keys 64 to 127 masked)
-BIAS_BY_BLOCK = np.cos(np.arange(4 * 256, dtype=np.float32)).reshape(4, 256)
 BY_BLOCK_AND_ROW = 1.5 + np.sin(np.arange(256, dtype=np.float32)).reshape(4, 64)
 BLOCKS = np.array([[1, 0, 0, 0], [1, 1, 0, 1], [0, 1, 1, 0], [1, 0, 0, 1]], bool)  # (of 64 × 64)
 T5 = mods.relative_position_bias(
@@ -728,7 +727,7 @@ POSITIONAL = {
         dict(score_mod=lambda s, b, h, i, j: s * jnp.asarray(BY_BLOCK_AND_ROW)[i // 64, i % 64]),
         dict(score_mod=lambda s, b, h, i, j: s * BY_BLOCK_AND_ROW[i // 64, i % 64]),
     ),
-    "a bias per key, shifted and clipped": (  # (shift_right_arithmetic, clamp of a window)
+    "a bias per key, shifted and clipped": (  # (shift_right_arithmetic; jnp.clip's max)
         dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(BIAS)[jnp.clip((j >> 6) * 3 - 1, 0)]),
         dict(score_mod=lambda s, b, h, i, j: s + BIAS[np.clip((j >> 6) * 3 - 1, 0, None)]),
     ),
@@ -739,10 +738,6 @@ POSITIONAL = {
     "blocks kept by a table of them": (  # (tiles of points along both axes, looped)
         dict(mask_mod=lambda b, h, i, j: jnp.asarray(BLOCKS)[i // 64, j // 64] | (i == j)),
         dict(mask_mod=lambda b, h, i, j: BLOCKS[i // 64, j // 64] | (i == j)),
-    ),
-    "a bias per block of queries and key": (
-        dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(BIAS_BY_BLOCK)[i // 64, j]),
-        dict(score_mod=lambda s, b, h, i, j: s + BIAS_BY_BLOCK[i // 64, j]),
     ),
 }
 
@@ -964,12 +959,20 @@ def test_arrays_read_at_the_same_positions_combine_as_vectors():
     assert len(mosaic_gpu_kernels(loss, q, k, v)) == 1  # (gradients: CAPTURED's squared bias)
 
 
-def test_an_array_read_at_points_the_kernel_has_no_load_for_is_refused_by_name():
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda i, j: jnp.zeros(33)[jax.lax.clz(i)],
+        lambda i, j: jnp.zeros((256, 256))[i, j],
+        lambda i, j: jnp.zeros((4, 256))[i // 64, j],
+    ],
+    ids=["made by an operation windows do not follow", "a bias matrix", "a tile's own keys"],
+)
+def test_an_array_read_at_points_the_kernel_has_no_load_for_is_refused_by_name(read):
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
-    table = jnp.zeros(33)
 
-    def score_mod(score, b, h, i, j):  # (points made by an operation windows do not follow)
-        return score + table[jax.lax.clz(i)].astype(score.dtype)
+    def score_mod(score, b, h, i, j):
+        return score + read(i, j).astype(score.dtype)
 
     pallas = js.Pallas(backend="mosaic_gpu")
     with pytest.raises(NotImplementedError, match=r"at other points.*backend=.triton."):

@@ -299,7 +299,8 @@ def tile_positions(laid_out, along) -> dict:
         axis = eqn.params["broadcast_dimensions"][run_of(first).axis]
         if len(shape) > 2 and axis < 2 and set(shape[2:]) == {1}:
             tile = spread(first, shape[:2], axis)
-            return None if tile is None else Expanded(value(tile), len(shape) - 2)
+            ones = len(shape) - 2
+            return None if tile is None else Expanded(value(tile), ones, isinstance(tile, Grid))
         return spread(first, shape, axis)
 
     def elementwise(eqn, operands):
@@ -333,8 +334,7 @@ def tile_positions(laid_out, along) -> dict:
         the operation keeps no run (``q_idx // 64``) is a window of its own positions, and a run
         compared with a scalar one of the comparisons (``keep[kv_idx // 64] | (kv_idx == 0)``).
         """
-        kinds = {type(x) for x in operands}
-        if Run in kinds and Window not in kinds:  # (kept a run where POSITIONS keeps it one)
+        if any(isinstance(x, Run) for x in operands):  # (kept a run where POSITIONS keeps one)
             kept = answer(POSITIONS.get(eqn.primitive.name, ()), eqn, operands)
             if kept is not None:
                 return kept
@@ -366,7 +366,7 @@ def tile_positions(laid_out, along) -> dict:
 
     comparisons = ("eq", "ne", "lt", "le", "gt", "ge")
     binary = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor", "atan2", "pow")
-    binary += ("shift_left", "shift_right_arithmetic", "shift_right_logical", "clamp")
+    binary += ("shift_left", "shift_right_arithmetic", "shift_right_logical")
     unary = ("convert_element_type", "neg", "not", "abs", "sign", "round", "exp", "exp2", "log")
     unary += ("log2", "sqrt", "rsqrt", "square", "tanh", "logistic", "sin", "cos")
     unary += ("one_minus_square", "select_n", "bitcast_convert_type")  # (JAX 0.12's tanh, erf)

@@ -277,10 +277,12 @@ def _gathered(operand: Unread, indices, params, laid_out=None):
     windows = [as_window(x) for x in parts]  # (each a vector along one axis of a tile)
     if laid_out is not None and len(parts) == rank and all(isinstance(x, Window) for x in windows):
         first, *others = [x.reshaped(x.shape[:-1]) for x in windows]
-        if all(x is not None and x.shape == first.shape for x in others):
+        if first is not None and all(x is not None and x.shape == first.shape for x in others):
             return first.then(functools.partial(_looked_up, operand, params, others))
     tiles = all(isinstance(x, Expanded) and x.ones == 1 and jnp.ndim(x.value) == 2 for x in parts)
     if laid_out is not None and len(parts) == rank and tiles:
+        if any(part.positions for part in parts):  # (a loop over a whole tile's entries)
+            _refuse(operand)
         points = [part.value for part in parts]  # (tiles of points, as the program made them)
         value = _looped(operand, points, laid_out)
     else:
@@ -298,8 +300,10 @@ def _refuse(operand: Unread):
         "computed from them or read at them, or at tiles of points (`slopes[h]`, "
         "`documents[q_idx]`, `bias[q_idx // 64]`, `table[ids[q_idx]]`, "
         "`blocks[q_idx // 64, kv_idx // 64]`), and this call reads a "
-        f"{operand.shape} {jnp.dtype(operand.dtype).name} array at other points (a vector of "
-        "them made by an operation it does not follow, as `table[jax.lax.clz(q_idx)]`), "
+        f"{operand.shape} {jnp.dtype(operand.dtype).name} array at other points (at a tile's "
+        "own positions along one of several axes, as `bias[q_idx, kv_idx]` or "
+        "`table[q_idx // 64, kv_idx]`, which would loop over every entry of the tile; at a "
+        "vector made by an operation it does not follow, as `table[jax.lax.clz(q_idx)]`), "
         "which it has no load for: use `Pallas(backend='triton')`."
     )
 
@@ -362,15 +366,15 @@ def looped_gathers(laid_out) -> dict:
 
     def trailing_ones(eqn, operands):
         first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
-        if isinstance(first, Grid):  # (a tile's positions, laid out)
-            first = first.read()
+        positions = isinstance(first, Grid)  # (a tile's positions, laid out)
+        first = first.read() if positions else first
         if isinstance(first, Lazy):
             return None
         rank = jnp.ndim(first)
         ones = len(shape) - rank
         kept = tuple(eqn.params["broadcast_dimensions"]) == tuple(range(rank))
         tile = rank >= 2 and kept and ones and shape == jnp.shape(first) + (1,) * ones
-        return Expanded(first, ones) if tile else None
+        return Expanded(first, ones, positions) if tile else None
 
     return {
         "broadcast_in_dim": (_one_entry, trailing_ones),

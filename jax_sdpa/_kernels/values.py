@@ -45,10 +45,12 @@ class Expanded(Lazy):
 
     A point gather's result, a tile of points made a gather's indices, a scatter's one update
     (:func:`~jax_sdpa._kernels.reads.looped_gathers`: Mosaic GPU has no array of one entry).
+    ``positions``: the value is a tile's own positions along one axis, as they are.
     """
 
     value: Any
     ones: int
+    positions: bool = False
 
     def read(self):  # (``jnp``'s: a NumPy scalar's would be a constant the kernel captures)
         if not self.ones:

@@ -37,7 +37,8 @@ class Window(Pending):
     ``params``: the gather's (its mode and fill). Read whole where the program needs it; a
     backend whose tiles' axes have their own layouts reads it where it meets a tile, along the
     axis it lies on (:func:`~jax_sdpa._kernels.positions.tile_positions`), the elementwise
-    ``ops`` (with scalars, or other windows at the same run) on the way kept until then.
+    ``ops`` (with scalars, or other windows of the same shape, each read at its own run, or an
+    array read at the values: :mod:`~jax_sdpa._kernels.reads`) on the way kept until then.
     ``run``: a :class:`~jax_sdpa._kernels.positions.Run`. With no ``part``
     (:meth:`positions`), the values are the run's positions.
     """
