@@ -177,10 +177,8 @@ def _scatter_along(eqn, operands, along):
         if isinstance(x, Run):
             return x.at(iota(other))
         if isinstance(x, Window):
-            vector = x.values(along(other)).astype(INDEX)
-            return plgpu.layout_cast(
-                lax.broadcast_in_dim(vector, shape, (other,)), plgpu.Layout.WGMMA
-            )
+            points = x.broadcast(shape, other, along(other)).astype(INDEX)
+            return plgpu.layout_cast(points, plgpu.Layout.WGMMA)
         return jnp.full(shape, x.scalar, INDEX)
 
     indices = Joined([Expanded(at(x), 1) for x in columns])

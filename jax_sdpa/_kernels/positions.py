@@ -285,7 +285,7 @@ def tile_positions(laid_out, along) -> dict:
         if not isinstance(run, Run) or math.prod(shape) == run.size or shape[axis] != run.size:
             return None  # (axes of 1 added or dropped: still a run)
         if isinstance(x, Window):  # (its values read at the run's positions, wrapped or not)
-            return laid_out(lax.broadcast_in_dim(x.values(along(axis)), shape, (axis,)))
+            return laid_out(x.broadcast(shape, axis, along(axis)))
         return Grid(x, shape, axis, laid_out)
 
     def run_of(x):

@@ -274,8 +274,8 @@ def _gathered(operand: Unread, indices, params, laid_out=None):
             return window if laid_out is not None else window.read()
         indices = indices.read()  # a run longer than the array
     parts = indices.parts if isinstance(indices, Joined) else [indices]
-    windows = [as_window(x) for x in parts]  # (each a vector along one axis of a tile)
-    if laid_out is not None and len(parts) == rank and all(isinstance(x, Window) for x in windows):
+    windows = [as_window(x) for x in parts] if laid_out is not None else []  # (vectors)
+    if len(windows) == rank and all(isinstance(x, Window) for x in windows):
         first, *others = [x.reshaped(x.shape[:-1]) for x in windows]
         if first is not None and all(x is not None and x.shape == first.shape for x in others):
             return first.then(functools.partial(_looked_up, operand, params, others))

@@ -77,6 +77,10 @@ class Window(Pending):
     def read(self):
         return self.values().reshape(self.shape)
 
+    def broadcast(self, shape: tuple, axis: int, vectors: Vectors):
+        """The values (in ``vectors``' layout) along ``axis`` of ``shape``: over a whole tile."""
+        return lax.broadcast_in_dim(self.values(vectors), shape, (axis,))
+
     def reshaped(self, shape: tuple) -> "Window | None":
         run = self.run.reshaped(shape)
         return None if run is None else dataclasses.replace(self, run=run)
