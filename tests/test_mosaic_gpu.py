@@ -1047,10 +1047,11 @@ def test_global_tokens_written_entry_by_entry_as_the_refusal_says_lower_for_cuda
     "read",
     [
         lambda ids, i, j: ids[j],
+        lambda ids, i, j: ids[:48][j],  # (read entry by entry: no window of a tile fits)
         lambda ids, i, j: ids[j // 64],
         lambda ids, i, j: ids.reshape(16, 16)[i // 64, j // 64],
     ],
-    ids=["along positions", "at a vector of points", "at tiles of points"],
+    ids=["along positions", "shorter than a tile", "at a vector of points", "at tiles of points"],
 )
 def test_an_8_bit_array_read_at_positions_or_points_is_refused_by_name(read, dtype):
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)

@@ -91,11 +91,12 @@ def _along(axis: int) -> Vectors:
     layout = plgpu.Layout.WGMMA.reduce(1 - axis)
 
     def load(part):
-        refuse_eight_bits(part)
         return part.loaded(read_along(part.ref.at[part.index], axis))
 
     return Vectors(
-        load=load, iota=lambda count: plgpu.broadcasted_iota(INDEX, (count,), 0, layout=layout)
+        load=load,
+        iota=lambda count: plgpu.broadcasted_iota(INDEX, (count,), 0, layout=layout),
+        refuse=refuse_eight_bits,
     )
 
 

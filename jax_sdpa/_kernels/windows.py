@@ -23,11 +23,13 @@ class Vectors:
     """How a backend holds a vector along one axis of a tile, where it gives the axes layouts.
 
     ``load(part)``: a window of memory (an :class:`Unread`) as such a vector; ``iota(count)``:
-    ``0 … count − 1`` as one.
+    ``0 … count − 1`` as one; ``refuse(part)`` raises where the backend reads no vector of the
+    part's dtype (asked of every part read so, one read entry by entry too).
     """
 
     load: Callable
     iota: Callable
+    refuse: Callable = lambda part: None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,8 @@ def read_run(operand: Unread, run, params, vectors: Vectors | None = None):
     gather's clamped or filled values.
     """
     (length,), count = operand.shape, run.size
+    if vectors is not None:
+        vectors.refuse(operand)
     start = run.start
     if run.wrap is not None:  # (a run wholly below 0 wraps whole: a window too)
         start = jnp.where(start + count <= 0, start + run.wrap, start)
