@@ -436,6 +436,10 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
         jnp.linspace(0.5, 2.0, 128, dtype=jnp.float32),
         lambda t, score, b, h, i, j: score + jnp.sqrt(t[j]),
     ),
+    "a bias matrix": (  # (a 2-D window a tile: its gradient added into memory at the tile)
+        jnp.sin(0.37 * jnp.arange(256 * 256, dtype=jnp.float32)).reshape(256, 256),
+        lambda t, score, b, h, i, j: score + t[i, j],
+    ),
     "slopes and a relative table": (  # (one point and many, all added into memory)
         (jnp.array([0.1, 0.2, 0.05, 0.3]), jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32)),
         lambda t, score, b, h, i, j: (
@@ -447,6 +451,7 @@ CAPTURED = {  # (arrays read at one index: their gradients are the Mosaic GPU ke
 
 AT_POINTS = {
     "a relative table",
+    "a bias matrix",
     "a bias per key",
     "a bias per key through tanh",
     "a bias per key squared",
@@ -673,6 +678,8 @@ BLOCKS = np.array([[1, 0, 0, 0], [1, 1, 0, 1], [0, 1, 1, 0], [1, 0, 0, 1]], bool
 T5 = mods.relative_position_bias(
     np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(32, 2), 32, 128
 )
+MATRIX = np.sin(0.37 * np.arange(200 * 200, dtype=np.float32)).reshape(200, 200)  # (not symmetric)
+MATRICES = np.cos(0.11 * np.arange(2 * 4 * 200 * 200, dtype=np.float32)).reshape(2, 4, 200, 200)
 
 POSITIONAL = {
     "segment ids": (
@@ -739,6 +746,14 @@ POSITIONAL = {
         dict(mask_mod=lambda b, h, i, j: jnp.asarray(BLOCKS)[i // 64, j // 64] | (i == j)),
         dict(mask_mod=lambda b, h, i, j: BLOCKS[i // 64, j // 64] | (i == j)),
     ),
+    "a bias matrix": (  # (a 2-D window a tile; the last rows' and keys' tiles row by row)
+        dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(MATRIX)[i, j].astype(s.dtype)),
+        dict(score_mod=lambda s, b, h, i, j: s + MATRIX[i, j]),
+    ),
+    "a bias matrix per sequence and head": (  # (at one index along two axes first)
+        dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(MATRICES)[b, h, i, j].astype(s.dtype)),
+        dict(score_mod=lambda s, b, h, i, j: s + MATRICES[b, h, i, j]),
+    ),
 }
 
 
@@ -775,7 +790,8 @@ def test_gradients_with_arrays_read_along_positions_on_the_gpu_simulator(case):
 # (CI lowers these through siblings: T5's buckets read as the relative table does, document_mask
 # and causal as the segment ids do, a temperature per block of queries in CAPTURED's case, keys
 # kept by their block as the bias per document read at its ids is, the chunks as the table of
-# blocks' positions are, the table of blocks in CAPTURED's table of blocks per head)
+# blocks' positions are, the table of blocks in CAPTURED's table of blocks per head, the bias
+# matrix as the one per sequence and head is)
 LOWERED_AS_SIBLINGS = (
     "T5's buckets, causal",
     "document_mask and causal",
@@ -784,6 +800,7 @@ LOWERED_AS_SIBLINGS = (
     "chunks of 48, causal",
     "a bias per key, shifted and clipped",
     "blocks kept by a table of them",
+    "a bias matrix",
 )
 
 
@@ -963,10 +980,14 @@ def test_arrays_read_at_the_same_positions_combine_as_vectors():
     "read",
     [
         lambda i, j: jnp.zeros(33)[jax.lax.clz(i)],
-        lambda i, j: jnp.zeros((256, 256))[i, j],
+        lambda i, j: jnp.zeros((256, 256))[j, i],
         lambda i, j: jnp.zeros((4, 256))[i // 64, j],
     ],
-    ids=["made by an operation windows do not follow", "a bias matrix", "a tile's own keys"],
+    ids=[
+        "made by an operation windows do not follow",
+        "a matrix at keys, queries",
+        "a tile's own keys",
+    ],
 )
 def test_an_array_read_at_points_the_kernel_has_no_load_for_is_refused_by_name(read):
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
@@ -1050,8 +1071,15 @@ def test_global_tokens_written_entry_by_entry_as_the_refusal_says_lower_for_cuda
         lambda ids, i, j: ids[:48][j],  # (read entry by entry: no window of a tile fits)
         lambda ids, i, j: ids[j // 64],
         lambda ids, i, j: ids.reshape(16, 16)[i // 64, j // 64],
+        lambda ids, i, j: jnp.tile(ids, (256, 1))[i, j],
     ],
-    ids=["along positions", "shorter than a tile", "at a vector of points", "at tiles of points"],
+    ids=[
+        "along positions",
+        "shorter than a tile",
+        "at a vector of points",
+        "at tiles of points",
+        "a matrix at the tile",
+    ],
 )
 def test_an_8_bit_array_read_at_positions_or_points_is_refused_by_name(read, dtype):
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)

@@ -6,8 +6,8 @@ of points and updates. The Mosaic GPU keys' kernel adds each tile's into a float
 the array's entries that all its programs share, ``plgpu.atomic_add(ref, scatter)``;
 :func:`rules` spell that add. On a GPU each entry of the tile is added at its point by an
 atomic reduction (PTX ``red``), as the Triton programs' atomic adds do. The GPU simulator runs
-no inline Mosaic GPU: there each consumer reads, adds to and writes back a vector of its own
-(``ref`` the consumer's row), so no two of its threads add into one place.
+no inline Mosaic GPU: there each consumer scatter-adds the parts into a vector of its own
+(``ref`` the consumer's row, read and written back), so no two of its threads add into one place.
 
 An array read along one axis of a tile (``bias[kv_idx]``) has for gradient its tile's sums
 along the other axis, a vector whose register layout holds each entry in several threads.
@@ -33,7 +33,7 @@ from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import bind
 from jax_sdpa._kernels.positions import Run, Uniform
 from jax_sdpa._kernels.scatters import Scatter, one_entry, scatter_add
-from jax_sdpa._kernels.values import Expanded, Joined, Lazy, Pending, Zeros, value
+from jax_sdpa._kernels.values import Expanded, Joined, Lazy, Pending, Zeros
 from jax_sdpa._kernels.windows import Window
 
 
@@ -242,11 +242,11 @@ _ELEMENTWISE = ("mul", "div", "neg", "convert_element_type", "add_any", "select_
 def rules(simulated: bool, along) -> dict:
     """The rule of ``plgpu.atomic_add(ref, value)``: ``value``'s parts added at their points.
 
-    On a GPU (``simulated`` False) by :func:`add_at`; on the simulator read, added and written
-    back (``ref`` is the adding consumer's own). Both refuse what :func:`_parts` refuses. With
-    them the rules that keep a tile's sums along one axis :class:`Folded` to their scatter;
-    ``along(axis)``: the backend's vectors along a tile's axis, in which a window that
-    multiplies, divides or chooses the sums is read.
+    On a GPU (``simulated`` False) by :func:`add_at`; on the simulator by a scatter-add, read
+    and written back (``ref`` is the adding consumer's own). Both refuse what :func:`_parts`
+    refuses. With them the rules that keep a tile's sums along one axis :class:`Folded` to
+    their scatter; ``along(axis)``: the backend's vectors along a tile's axis, in which a window
+    that multiplies, divides or chooses the sums is read.
     """
 
     def folded_elementwise(eqn, operands):
@@ -290,10 +290,11 @@ def rules(simulated: bool, along) -> dict:
         for transform in transforms:
             ref = ref.at[transform.indices]
         parts = _parts(added, tree.unflatten(eqn.invars)[2].aval.size)
-        if simulated:
-            ref[...] += value(added).astype(jnp.float32).reshape(ref.shape)
-        else:
-            for points, updates in parts:
+        for points, updates in parts:
+            if simulated:  # (the simulator's scatter-add: its sum of a point's updates)
+                points = jnp.broadcast_to(points, jnp.shape(updates))  # (as add_at's)
+                ref[...] = ref[...].at[jnp.ravel(points)].add(jnp.ravel(updates))
+            else:
                 add_at(ref, points, updates)
         return []
 

@@ -299,8 +299,8 @@ def tile_positions(laid_out, along) -> dict:
         axis = eqn.params["broadcast_dimensions"][run_of(first).axis]
         if len(shape) > 2 and axis < 2 and set(shape[2:]) == {1}:
             tile = spread(first, shape[:2], axis)
-            ones = len(shape) - 2
-            return None if tile is None else Expanded(value(tile), ones, isinstance(tile, Grid))
+            grid = tile if isinstance(tile, Grid) else None  # (a tile's own positions)
+            return None if tile is None else Expanded(value(tile), len(shape) - 2, grid)
         return spread(first, shape, axis)
 
     def elementwise(eqn, operands):

@@ -48,7 +48,7 @@ from jax_sdpa._kernels.values import (
     placed,
     value,
 )
-from jax_sdpa._kernels.windows import Window
+from jax_sdpa._kernels.windows import Window, read_tile
 from jax_sdpa._masks import all_of
 
 
@@ -135,10 +135,10 @@ def _one_slice(eqn, operands):
     return None
 
 
-def _point_gather_rule(eqn, operands, laid_out=None):
+def _point_gather_rule(eqn, operands, laid_out=None, tile_read=None):
     first = operands[0]
     if isinstance(first, Unread) and _point_gather(eqn, first):
-        return _gather(first, operands[1], eqn.params, laid_out)
+        return _gather(first, operands[1], eqn.params, laid_out, tile_read)
     return None
 
 
@@ -220,15 +220,16 @@ def _point_gather(eqn, operand: Unread) -> bool:
     )
 
 
-def _gather(operand: Unread, indices, params, laid_out=None):
+def _gather(operand: Unread, indices, params, laid_out=None, tile_read=None):
     """A point gather: loads at the points (one contiguous load for a run of positions).
 
     ``laid_out``: a backend's placing of tiles, where it loads no vector of points
-    (:func:`looped_gathers`): then a run's values stay a :class:`Window` until they meet a tile.
+    (:func:`looped_gathers`): then a run's values stay a :class:`Window` until they meet a tile;
+    ``tile_read``: its read of a 2-D part at a tile's own positions (:func:`_gathered`).
     """
     ones = 0 if params["dimension_numbers"].collapsed_slice_dims else len(operand.shape)
     operand, indices, inside = _indices_taken(operand, indices, any_points=laid_out is not None)
-    value = _gathered(operand, indices, params, laid_out)
+    value = _gathered(operand, indices, params, laid_out, tile_read)
     if inside is not None:
         if isinstance(value, Window):
             value = value.then(lambda x, vectors: filled(x, inside, params))
@@ -257,12 +258,13 @@ def _indices_taken(operand: Unread, indices, *, any_points: bool = False):
     return operand.taken(scalars), points[0] if len(points) == 1 else Joined(points), inside
 
 
-def _gathered(operand: Unread, indices, params, laid_out=None):
+def _gathered(operand: Unread, indices, params, laid_out=None, tile_read=None):
     """The values of a point gather, before axes of 1 are added.
 
     ``laid_out``: as :func:`_gather` takes it; a part read at a vector of points (a
     :class:`Window`'s values) or at a tile of points along each axis is then read one entry at
-    a time (:func:`_looped`).
+    a time (:func:`_looped`), a 2-D part at the tile's own rows and columns (a bias matrix) by
+    ``tile_read(part, runs, params)`` (:func:`~jax_sdpa._kernels.windows.read_tile`).
     """
     rank = len(operand.shape)
     if isinstance(indices, Run):
@@ -281,7 +283,11 @@ def _gathered(operand: Unread, indices, params, laid_out=None):
             return first.then(functools.partial(_looked_up, operand, params, others))
     tiles = all(isinstance(x, Expanded) and x.ones == 1 and jnp.ndim(x.value) == 2 for x in parts)
     if laid_out is not None and len(parts) == rank and tiles:
-        if any(part.positions for part in parts):  # (a loop over a whole tile's entries)
+        grids = [part.positions for part in parts]  # (a tile's own positions, where they are)
+        if tile_read is not None and all(grids) and [grid.axis for grid in grids] == [0, 1]:
+            value = tile_read(operand, [grid.run for grid in grids], params)
+            return filled(value, in_bounds([grid.read() for grid in grids], operand.shape), params)
+        if any(grids):  # (a loop over a whole tile's entries)
             _refuse(operand)
         points = [part.value for part in parts]  # (tiles of points, as the program made them)
         value = _looped(operand, points, laid_out)
@@ -299,12 +305,15 @@ def _refuse(operand: Unread):
         "`Pallas(backend='mosaic_gpu')` reads an array at one index, at positions, at values "
         "computed from them or read at them, or at tiles of points (`slopes[h]`, "
         "`documents[q_idx]`, `bias[q_idx // 64]`, `table[ids[q_idx]]`, "
-        "`blocks[q_idx // 64, kv_idx // 64]`), and this call reads a "
+        "`blocks[q_idx // 64, kv_idx // 64]`, a matrix at the tile's own rows and columns, "
+        "`bias[q_idx, kv_idx]`), and this call reads a "
         f"{operand.shape} {jnp.dtype(operand.dtype).name} array at other points (at a tile's "
-        "own positions along one of several axes, as `bias[q_idx, kv_idx]` or "
-        "`table[q_idx // 64, kv_idx]`, which would loop over every entry of the tile; at a "
-        "vector made by an operation it does not follow, as `table[jax.lax.clz(q_idx)]`), "
-        "which it has no load for: use `Pallas(backend='triton')`."
+        "own positions along one axis and at other points along another, as "
+        "`table[q_idx // 64, kv_idx]`, or transposed, as `bias[kv_idx, q_idx]`, which would "
+        "loop over every entry of the tile; at a vector made by an operation it does not "
+        "follow, as "
+        "`table[jax.lax.clz(q_idx)]`), which it has no load for: use "
+        "`Pallas(backend='triton')`."
     )
 
 
@@ -355,18 +364,22 @@ def _looked_up(operand: Unread, params, others: list, points, vectors):
     return filled(_looped(operand, points), in_bounds(points, operand.shape), params)
 
 
-def looped_gathers(laid_out) -> dict:
+def looped_gathers(laid_out, along, load_tile) -> dict:
     """The rules of a backend that loads no vector of points (Mosaic GPU).
 
     A part read at a tile of points along each axis, or at a window's values, one entry at a
-    time (:func:`_looped`); a tile (a tile's positions too) with axes of 1 added after its own
-    kept as it is (:class:`Expanded`): the points, given as the gather's ``(..., 1)`` indices,
-    and a scatter's updates at them (no 3-D tile in a register layout on the way).
+    time (:func:`_looped`), a 2-D part at a tile's own rows and columns as one window
+    (``load_tile`` a 2-D ref's load, ``along(axis)`` the backend's vectors along a tile's axis:
+    :func:`~jax_sdpa._kernels.windows.read_tile`); a tile (a tile's positions too) with axes of
+    1 added after its own kept as it is (:class:`Expanded`): the points, given as the gather's
+    ``(..., 1)`` indices, and a scatter's updates at them (no 3-D tile in a register layout on
+    the way).
     """
+    tile_read = functools.partial(read_tile, along=along, load=load_tile, laid_out=laid_out)
 
     def trailing_ones(eqn, operands):
         first, shape = operands[0], tuple(eqn.outvars[0].aval.shape)
-        positions = isinstance(first, Grid)  # (a tile's positions, laid out)
+        positions = first if isinstance(first, Grid) else None  # (a tile's positions)
         first = first.read() if positions else first
         if isinstance(first, Lazy):
             return None
@@ -379,7 +392,7 @@ def looped_gathers(laid_out) -> dict:
     return {
         "broadcast_in_dim": (_one_entry, trailing_ones),
         "reshape": (_one_entry,),
-        "gather": (functools.partial(_point_gather_rule, laid_out=laid_out),),
+        "gather": (functools.partial(_point_gather_rule, laid_out=laid_out, tile_read=tile_read),),
     }
 
 

@@ -45,12 +45,13 @@ class Expanded(Lazy):
 
     A point gather's result, a tile of points made a gather's indices, a scatter's one update
     (:func:`~jax_sdpa._kernels.reads.looped_gathers`: Mosaic GPU has no array of one entry).
-    ``positions``: the value is a tile's own positions along one axis, as they are.
+    ``positions``: the value is a tile's own positions along one axis, as they are: their
+    :class:`~jax_sdpa._kernels.positions.Grid`.
     """
 
     value: Any
     ones: int
-    positions: bool = False
+    positions: Any = None
 
     def read(self):  # (``jnp``'s: a NumPy scalar's would be a constant the kernel captures)
         if not self.ones:

@@ -105,6 +105,11 @@ def read_along(ref, axis: int = 1):
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1 - axis), optimized=False)
 
 
+def _read_tile(ref):
+    """A 2-D ref in registers, a tile in ``wgmma``'s layout (a matrix a mod reads)."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
+
+
 def _one_point(eqn, operands):
     """A scatter-add (a read's gradient) at more than one point: an error (None at one).
 
@@ -137,7 +142,7 @@ def _reduced_beyond_a_tile(eqn, operands):
 # a tile reduced to a scalar by rows, an array of more axes refused.
 _RULES = (
     tile_positions(_tile, _along),
-    looped_gathers(_tile),
+    looped_gathers(_tile, _along, _read_tile),
     dict.fromkeys(("reduce_sum", "reduce_max", "reduce_min"), (_reduced_beyond_a_tile, _by_rows)),
     dict.fromkeys(("reduce_and", "reduce_or"), (_reduced_beyond_a_tile,)),
 )

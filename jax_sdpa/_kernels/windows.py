@@ -16,6 +16,7 @@ from jax import lax
 from jax_sdpa._indices import INDEX
 from jax_sdpa._jax_compat import as_computed
 from jax_sdpa._kernels.values import Pending, Unread, filled, in_bounds, placed
+from jax_sdpa._masks import all_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +101,7 @@ def read_run(operand: Unread, run, params, vectors: Vectors | None = None):
     (length,), count = operand.shape, run.size
     if vectors is not None:
         vectors.refuse(operand)
-    start = run.start
-    if run.wrap is not None:  # (a run wholly below 0 wraps whole: a window too)
-        start = jnp.where(start + count <= 0, start + run.wrap, start)
+    start = _start(run)
 
     def outside():
         if vectors is None:
@@ -124,8 +123,58 @@ def read_run(operand: Unread, run, params, vectors: Vectors | None = None):
 
     if count > length:  # (no window of the run fits in the part)
         return outside()
-    within = (start >= 0) & (start <= length - count)
-    return lax.cond(within, window, outside)
+    return lax.cond(_inside([start], [count], [length]), window, outside)
+
+
+def read_tile(operand: Unread, runs: list, params, along: Callable, load: Callable, laid_out):
+    """``operand[rows, columns]`` of a 2-D part at a tile's own positions (``bias[q_idx, kv_idx]``).
+
+    (``runs``: the rows' and the columns' :class:`~jax_sdpa._kernels.positions.Run`.) One load
+    of a 2-D window where both runs lie inside (``load``: a backend's, of a 2-D ref in its
+    tiles' layout); a tile at an edge (past the end of a sequence, or of a part shorter than a
+    tile) row by row, each row's values a vector along the columns (``along(1)``'s,
+    :func:`read_run`) placed by a select (``laid_out``: the backend's placing of a tile), the
+    rows clamped into the part, as the gather's. A part whose axes are not the ref's last two
+    (``bias[q_idx, kv_idx, h]``: a window strided along its rows) is read row by row too.
+    """
+    along(1).refuse(operand)
+    shape = tuple(run.size for run in runs)
+    starts = [_start(run) for run in runs]
+
+    def window():
+        part = operand.narrowed(starts, shape)
+        return as_computed(part.loaded(load(part.ref.at[part.index])))
+
+    def by_rows():
+        rows, columns = runs
+        at_row = laid_out(lax.broadcasted_iota(INDEX, shape, 0))
+
+        def row(r, tile):
+            values = Window(operand.taken({0: rows.at(r.astype(rows.base.dtype))}), columns, params)
+            return laid_out(jnp.where(at_row == r, values.broadcast(shape, 1, along(1)), tile))
+
+        empty = laid_out(jnp.zeros(shape, operand.dtype))
+        return lax.fori_loop(INDEX(0), INDEX(shape[0]), row, empty)
+
+    last_two = operand.kept() == [len(operand.ref.shape) - 2, len(operand.ref.shape) - 1]
+    if not last_two or any(n > length for n, length in zip(shape, operand.shape, strict=True)):
+        return by_rows()
+    return lax.cond(_inside(starts, shape, operand.shape), window, by_rows)
+
+
+def _start(run):
+    """Where a run's window starts: a run wholly below 0 wraps whole, a window too."""
+    if run.wrap is None:
+        return run.start
+    return jnp.where(run.start + run.size <= 0, run.start + run.wrap, run.start)
+
+
+def _inside(starts: list, counts: list, lengths: list):
+    """Whether windows of ``counts`` at ``starts`` lie inside ``lengths``, along each axis."""
+    return all_of(
+        (start >= 0) & (start <= length - count)
+        for start, count, length in zip(starts, counts, lengths, strict=True)
+    )
 
 
 def _windowed(operand: Unread, points):
