@@ -15,8 +15,9 @@ causal sigmoid call with its max scores; the causal call in float32 too, and the
 forward+backward time beside the chunked and dense paths' in both dtypes. Then the time of B2
 H16 T4096 d128 bfloat16, forward and forward+backward, medians of ``--reps`` calls: our kernel
 (causal, ALiBi, 16 documents, no mask; sigmoid causal and not, and causal with the max scores
-out), its Mosaic GPU port (``Pallas(backend="mosaic_gpu")``: causal, no mask, ALiBi, 16
-documents as segment ids; every
+out), its Mosaic GPU port (``Pallas(backend="mosaic_gpu")``: causal, no mask, ALiBi, a
+relative table, a bias per key and a bias matrix with their gradients, 16 documents as segment
+ids; every
 correctness case is run with it too),
 ``jax.nn.dot_product_attention`` with ``implementation="cudnn"`` and ``"xla"``, our chunked XLA
 path, and upstream ``jax.experimental.pallas.ops.gpu.attention.mha``, each as TFLOP/s (the
@@ -104,6 +105,10 @@ def correctness_cases(seq: int, heads: int) -> dict:
         "bias per key": (  # (its gradient summed over each tile's rows)
             lambda bias: dict(is_causal=True, score_mod=lambda s, b, h, i, j: s + bias[j]),
             (jnp.asarray(gen.normal(size=(seq,)), jnp.float32),),
+        ),
+        "bias matrix": (  # (a 2-D window a tile; its gradient added into memory at the tile)
+            lambda bias: dict(is_causal=True, score_mod=lambda s, b, h, i, j: s + bias[i, j]),
+            (jnp.asarray(gen.normal(size=(seq, seq)), jnp.float32),),
         ),
         "sigmoid causal + max scores": (
             lambda: dict(is_causal=True, normalizer="sigmoid", return_max_scores=True),
@@ -208,6 +213,12 @@ def timed_calls(kernel) -> dict:
     def per_key(s, b, h, i, j):
         return s + key_bias[j].astype(s.dtype)
 
+    # A learned bias matrix (a 2-D window a tile; its gradient added into memory at the tile).
+    matrix = jnp.linspace(-1.0, 1.0, T * T, dtype=jnp.float32).reshape(T, T)
+
+    def bias_matrix(s, b, h, i, j):
+        return s + matrix[i, j].astype(s.dtype)
+
     nn = functools.partial(jax.nn.dot_product_attention, is_causal=True)
     # In the order they matter, should the deadline stop the run: the kernel against cuDNN and
     # our own chunked path first.
@@ -239,6 +250,10 @@ def timed_calls(kernel) -> dict:
         ),
         "mosaic_gpu causal bias per key": (
             functools.partial(mosaic, is_causal=True, score_mod=per_key),
+            True,
+        ),
+        "mosaic_gpu causal bias matrix": (
+            functools.partial(mosaic, is_causal=True, score_mod=bias_matrix),
             True,
         ),
         "mosaic_gpu 16 documents (segment ids)": (
