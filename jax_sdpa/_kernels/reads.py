@@ -286,7 +286,8 @@ def _gathered(operand: Unread, indices, params, laid_out=None, tile_read=None):
         grids = [part.positions for part in parts]  # (a tile's own positions, where they are)
         if tile_read is not None and all(grids) and [grid.axis for grid in grids] == [0, 1]:
             value = tile_read(operand, [grid.run for grid in grids], params)
-            return filled(value, in_bounds([grid.read() for grid in grids], operand.shape), params)
+            points = [part.value for part in parts]  # (the grids as read: the gather's indices)
+            return filled(value, in_bounds(points, operand.shape), params)
         if any(grids):  # (a loop over a whole tile's entries)
             _refuse(operand)
         points = [part.value for part in parts]  # (tiles of points, as the program made them)
