@@ -312,8 +312,7 @@ def _refuse(operand: Unread):
         "own positions along one axis and at other points along another, as "
         "`table[q_idx // 64, kv_idx]`, or transposed, as `bias[kv_idx, q_idx]`, which would "
         "loop over every entry of the tile; at a vector made by an operation it does not "
-        "follow, as "
-        "`table[jax.lax.clz(q_idx)]`), which it has no load for: use "
+        "follow, as `table[jax.lax.clz(q_idx)]`), which it has no load for: use "
         "`Pallas(backend='triton')`."
     )
 
