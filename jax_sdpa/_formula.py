@@ -14,6 +14,7 @@ is mapped over batch and heads and cut into tiles whole.
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -123,13 +124,28 @@ class Formula:
         scores = scale_scores(raw, self.scale)
         if self.soft_cap is not None:
             scores = soft_cap_scores(scores, self.soft_cap)
+        q_idx = positions(q_offset, raw.shape[0])
+        kv_idx = kv_offset if jnp.ndim(kv_offset) else positions(kv_offset, raw.shape[1])
+        scores, mask = self.biased(scores, arrays, q_idx, kv_idx)
+        if arrays.rule is not None:
+            batch, head = arrays.indices()
+            allowed = arrays.rule.at(q_idx[:, None], kv_idx[None, :], batch, head)
+            mask = allowed if mask is None else mask & allowed
+        return scores, mask
+
+    def biased(
+        self, scores: Array, arrays: "CallArrays", q_idx: Array, kv_idx: Array
+    ) -> tuple[Array, Array | None]:
+        """The capped scores with the bias added and ``score_mod`` applied, and their mask.
+
+        The mask is the mask array AND, with a bias or a ``score_mod``, "the score is not −∞"
+        (``None`` when nothing is masked).
+        """
         mask = arrays.mask
         if arrays.bias is not None:
             scores = scores + arrays.bias.astype(scores.dtype)
             finite = scores != -jnp.inf  # a −∞ bias masks its key exactly
             mask = finite if mask is None else mask & finite
-        q_idx = positions(q_offset, raw.shape[0])
-        kv_idx = kv_offset if jnp.ndim(kv_offset) else positions(kv_offset, raw.shape[1])
         if self.score_mod is not None:
             # The mod sees 0, not −∞, where the bias masked (no NaN in its gradient there), and
             # a −∞ it returns masks too.
@@ -137,10 +153,6 @@ class Formula:
             scores = self._modified(safe, arrays, q_idx, kv_idx)
             finite = scores != -jnp.inf
             mask = finite if mask is None else mask & finite
-        if arrays.rule is not None:
-            batch, head = arrays.indices()
-            allowed = arrays.rule.at(q_idx[:, None], kv_idx[None, :], batch, head)
-            mask = allowed if mask is None else mask & allowed
         return scores, mask
 
     def scaled_queries(self, query: Array) -> tuple[Array, "Formula"]:
@@ -171,6 +183,8 @@ class Formula:
         def entry(score, q, kv):
             return self.score_mod(score, batch, head, q, kv, *arrays.score_consts)
 
+        if jnp.ndim(scores) == 0:  # one entry (a bias or mask array a kernel reads: read_by_mod)
+            return entry(scores, q_idx, kv_idx)
         grid = jax.vmap(jax.vmap(entry, in_axes=(0, None, 0)), in_axes=(0, 0, None))
         return grid(scores, q_idx, kv_idx).astype(scores.dtype)
 
@@ -276,3 +290,49 @@ class CallArrays:
             )
 
         return dataclasses.replace(self, bias=cut(self.bias), mask=cut(self.mask))
+
+
+def read_by_mod(
+    formula: Formula, arrays: CallArrays, batch: tuple[int, ...]
+) -> tuple[Formula, CallArrays]:
+    """A batched call's bias and mask arrays read by a ``score_mod``, as a kernel reads a mod's.
+
+    The mod reads each array at ``[b, h, q_idx, kv_idx]`` (its broadcast axes left out, ``b``
+    the sequence's index along each of the ``batch`` axes) and computes :meth:`Formula.biased`
+    entry by entry with the user's ``score_mod`` after them, as every path does, returning −∞
+    where that masks. The arrays join the mod's, shared by the batch; the bias's gradient
+    is theirs.
+    """
+    dense = [x for x in (arrays.bias, arrays.mask) if x is not None]
+    if not dense:
+        return formula, arrays
+    readers = [None if x is None else _reader(x.shape, batch) for x in (arrays.bias, arrays.mask)]
+    squeezed = [x.reshape((1,) * len(batch) + tuple(n for n in x.shape if n > 1)) for x in dense]
+
+    def score_mod(score, b, h, q_idx, kv_idx, *consts):
+        own = iter(consts[: len(dense)])
+        bias, mask = (
+            None if read is None else read(next(own), b, h, q_idx, kv_idx) for read in readers
+        )
+        entry = CallArrays(bias, mask, batch=b, head=h, score_consts=consts[len(dense) :])
+        scores, allowed = formula.biased(score, entry, q_idx, kv_idx)
+        return scores if allowed is None else jnp.where(allowed, scores, -jnp.inf)
+
+    fixed = arrays.fixed_consts and (False,) * len(dense) + arrays.fixed_consts
+    return dataclasses.replace(formula, score_mod=score_mod), dataclasses.replace(
+        arrays,
+        bias=None,
+        mask=None,
+        score_consts=(*squeezed, *arrays.score_consts),
+        fixed_consts=fixed,
+    )
+
+
+def _reader(shape: tuple[int, ...], batch: tuple[int, ...]) -> Callable:
+    """``read(x, b, h, q_idx, kv_idx)``: the entry of an array of ``shape`` with its 1s left out."""
+
+    def read(x, b, h, q_idx, kv_idx):
+        at = [b // math.prod(batch[i + 1 :]) % n for i, n in enumerate(batch)] + [h, q_idx, kv_idx]
+        return x[tuple(i for i, n in zip(at, shape, strict=True) if n > 1)]
+
+    return read

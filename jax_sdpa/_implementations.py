@@ -37,6 +37,7 @@ from jax_sdpa._decode import (
     paged_sequence,
     selected_sequence,
 )
+from jax_sdpa._formula import read_by_mod
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._jax_compat import PALLAS_UNDER_SHARD_MAP, differentiated_twice, under_jvp_of
 from jax_sdpa._latent import LatentValues
@@ -198,13 +199,15 @@ def _run_ring(inputs: Inputs, config: Config) -> Result:
     return inputs.over_batch(sequence, sequential=_classified(inputs))
 
 
-def _kernel_lacks(inputs: Inputs, asked: str, instead: str) -> str | None:
-    """The message of a call the fused kernel cannot take (``asked``: how it was asked for)."""
-    arrays = inputs.arrays
+def _kernel_lacks(inputs: Inputs, asked: str, instead: str, arrays: bool = True) -> str | None:
+    """The message of a call the fused kernel cannot take (``asked``: how it was asked for).
+
+    ``arrays``: whether the bias and mask arrays are refused too (a ring's kernel).
+    """
     lacks = {
-        "bias": arrays.bias is not None,
-        "mask": arrays.mask is not None,
-        "dropout_rate": arrays.dropout_rng is not None,
+        "bias": arrays and inputs.arrays.bias is not None,
+        "mask": arrays and inputs.arrays.mask is not None,
+        "dropout_rate": inputs.arrays.dropout_rng is not None,
     }
     used = [name for name, on in lacks.items() if on]
     if used:
@@ -215,8 +218,16 @@ def _kernel_lacks(inputs: Inputs, asked: str, instead: str) -> str | None:
     return None
 
 
+def _run_pallas(inputs: Inputs, config: Config) -> Result:
+    """The kernel's call, its bias and mask arrays read as a ``score_mod``'s."""
+    batch = inputs.query.shape[:-3]
+    formula, arrays = read_by_mod(config.formula, inputs.arrays, batch)
+    inputs = dataclasses.replace(inputs, arrays=arrays)
+    return _tiled(pallas_sequence)(inputs, dataclasses.replace(config, formula=formula))
+
+
 def _pallas_unsupported(inputs: Inputs, config: Config) -> str | None:
-    lacks = _kernel_lacks(inputs, "`implementation='pallas'`", "'chunked'")
+    lacks = _kernel_lacks(inputs, "`implementation='pallas'`", "'chunked'", arrays=False)
     return lacks or _no_weights("pallas", config)
 
 
@@ -259,7 +270,7 @@ IMPLEMENTATIONS: dict[str, Entry] = {
         tunables=Ring,
     ),
     "pallas": Entry(
-        _tiled(pallas_sequence),
+        _run_pallas,
         _pallas_unsupported,
         second_order=lambda pallas: False,
         tunables=Pallas,

@@ -93,11 +93,6 @@ def _dropped(implementation):
     return functools.partial(js.dot_product_attention, *_tiny(), **options)
 
 
-def _pallas_with(**keywords):
-    options = dict(implementation=_PALLAS, **keywords)
-    return functools.partial(js.dot_product_attention, *_tiny(), **options)
-
-
 def _paged_with(query=None, **keywords):
     pages, table, lengths = jnp.ones((1, 2, 1, 4)), jnp.zeros((1, 1), jnp.int32), jnp.array([2])
     query = _tiny()[0] if query is None else query
@@ -140,8 +135,6 @@ ROWS = (
         _PALLAS,
         {
             "dropout": _refusal(_dropped(_PALLAS)),
-            "bias": _refusal(_pallas_with(bias=jnp.zeros((1, 1, 2, 2)))),
-            "mask": _refusal(_pallas_with(mask=jnp.ones((1, 1, 2, 2), bool))),
             "small intermediates": _PER_QUERY_HEAD,
         },
     ),

@@ -149,6 +149,11 @@ def _sinks(case, sinks):
     return dict(is_causal=True, sinks=sinks)
 
 
+def _bias_and_mask(case, bias):  # jax.nn's arrays: a bias per sequence and head, a mask
+    i, j = jnp.arange(case.t)[:, None], jnp.arange(case.kv_length)[None, :]
+    return dict(bias=bias, mask=((i + j) % 5 != 4)[None, None])
+
+
 HEADS = lambda case: ((case.heads[0],),)  # noqa: E731
 
 CASES = {
@@ -213,12 +218,17 @@ CASES = {
     "ALiBi, documents and sinks": Case(
         keywords=_alibi_documents_sinks, arrays_of=lambda c: ((c.heads[0],),) * 2
     ),
+    "a bias (B, N, T, S) and a mask (1, 1, T, S) array": Case(
+        keywords=_bias_and_mask,
+        arrays_of=lambda c: ((c.batch, c.heads[0], c.t, c.kv_length),),
+        tpu=False,
+    ),
     "a band": Case(keywords=_band),
     "block mask of documents": Case(t=1000, keywords=lambda c: _block_mask(c, band=False)),
     "block mask of a band": Case(t=1000, keywords=lambda c: _block_mask(c, band=True)),
 }
-# Mosaic has no load at a vector of indices, which a table read at ``q_idx − kv_idx`` is: the
-# call says so (tests/test_pallas.py), the GPU's kernel takes it.
+# Mosaic has no load at a vector of indices, which a table read at ``q_idx − kv_idx`` is, nor
+# lowers a matrix read at a tile's rows and columns: the GPU's kernels take them.
 TPU_CANNOT = {name for name, case in CASES.items() if not case.tpu}
 
 

@@ -152,8 +152,7 @@ def draw_structure(implementation: str, seed: int, x64: bool | None = None) -> S
     )
     mask_mod = base["mask_mod"]
     blocks = (int(gen.integers(8, 65)), int(gen.integers(8, 65)))
-    arrays = implementation != "pallas"  # the kernel takes no mask or bias array
-    if not arrays:
+    if implementation == "pallas":
         blocks = (pick(16, 32), pick(16, 32))  # Triton's tiles: powers of two ≥ 16
     structure = Structure(
         **base,
@@ -166,8 +165,8 @@ def draw_structure(implementation: str, seed: int, x64: bool | None = None) -> S
         q_lengths=chance(0.3),
         kv_lengths=chance(0.3),
         segments=implementation != "ring" and chance(0.25),
-        mask=_broadcast_shape(gen, full) if chance(0.3) and arrays else None,
-        bias=_broadcast_shape(gen, full) if chance(0.4) and arrays else None,
+        mask=_broadcast_shape(gen, full) if chance(0.3) else None,
+        bias=_broadcast_shape(gen, full) if chance(0.4) else None,
         block_mask=(int(gen.integers(4, 40)), int(gen.integers(4, 40)))
         if mask_mod and chance(0.4)
         else None,

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.x64_sampled  # lowering is the same program under x64
 
 # Summed by atomic adds into memory (Triton's), a table's gradient: more entries than one-hot
 # sums take.
-ATOMICS = {name for name in CASES if name.startswith("relative positions")}
+ATOMICS = {name for name in CASES if name.startswith(("relative positions", "a bias"))}
 # Every case's kernels are verified; these (and in the thorough profile all) are also compiled
 # for sm_90 (3 s a kernel on this CPU): lengths that no tile divides and query lengths (which
 # failed on an H200 before), the largest shared memory (d = 256), an array's gradient as

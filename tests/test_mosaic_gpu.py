@@ -754,6 +754,10 @@ POSITIONAL = {
         dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(MATRICES)[b, h, i, j].astype(s.dtype)),
         dict(score_mod=lambda s, b, h, i, j: s + MATRICES[b, h, i, j]),
     ),
+    "jax.nn's bias and mask arrays": (  # (read as the matrices are)
+        dict(bias=jnp.asarray(MATRICES[:, :1]), mask=jnp.asarray(MATRIX[None, None] > -0.9)),
+        dict(bias=MATRICES[:, :1], mask=MATRIX[None, None] > -0.9),
+    ),
 }
 
 
@@ -826,6 +830,24 @@ def test_arrays_read_along_positions_lower_for_cuda(case):
     assert len(kernels) == 3
     # (no derivative asks for the arrays': none added into memory; CAPTURED's add theirs)
     assert not any("red.relaxed.gpu.global.add.f" in kernel for kernel in kernels)
+
+
+def test_a_bias_arrays_gradient_lowers_for_cuda_in_the_keys_kernel():
+    from tests.lowering import mosaic_gpu_kernels
+
+    q = jnp.zeros((2, 200, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((2, 200, 2, 64), jnp.bfloat16)
+    mask = jnp.asarray(MATRIX > -0.9)
+    pallas = js.Pallas(backend="mosaic_gpu")
+
+    def loss(q, k, v, bias):
+        out = js.dot_product_attention(q, k, v, bias, mask, implementation=pallas)
+        return out.astype(jnp.float32).sum()
+
+    bias = jnp.zeros((2, 1, 200, 200), jnp.bfloat16)  # (per sequence; a bfloat16 gradient)
+    kernels = mosaic_gpu_kernels(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, k, bias)
+    assert len(kernels) == 3
+    assert sum("red.relaxed.gpu.global.add.f" in kernel for kernel in kernels) == 1
 
 
 def _rounded_and_more(x):  # (floor, ceil, log1p, expm1: rewritten; round, sin, log2: lowered)

@@ -51,23 +51,66 @@ def test_the_mosaic_gpu_kernel_says_which_jax_it_needs():
             js.Pallas(backend="mosaic_gpu")
 
 
-@pytest.mark.parametrize(
-    "keywords, named",
-    [
-        (dict(bias=jnp.zeros((1, 1, 2, 2))), "bias"),
-        (dict(mask=jnp.ones((1, 1, 2, 2), bool)), "mask"),
-        (dict(dropout_rate=0.5, dropout_rng=jax.random.key(0)), "dropout_rate"),
-    ],
-)
-def test_what_the_kernel_does_not_take_is_refused_and_none_falls_back(keywords, named):
+def test_what_the_kernel_does_not_take_is_refused_and_none_falls_back():
     x = jnp.ones((1, 2, 1, 16))
-    with pytest.raises(ValueError, match=f"`implementation='pallas'` takes no {named}"):
+    keywords = dict(dropout_rate=0.5, dropout_rng=jax.random.key(0))
+    with pytest.raises(ValueError, match="`implementation='pallas'` takes no dropout_rate"):
         js.dot_product_attention(x, x, x, implementation=INTERPRET, **keywords)
     # implementation=None never picks the kernel: it takes the call, as the XLA paths do.
     chosen = js.dot_product_attention(x, x, x, **keywords)
     np.testing.assert_allclose(
         chosen, js.dot_product_attention(x, x, x, implementation="xla", **keywords)
     )
+
+
+@pytest.mark.parametrize(
+    "bias_shape, mask_shape",
+    [((2, 1, 1, 7, 19), (1, 3, 4, 1, 19)), ((1, 3, 4, 1, 19), None), (None, (2, 1, 4, 7, 19))],
+)
+def test_bias_and_mask_arrays_over_two_batch_axes_are_read_in_the_kernel(
+    rng, bias_shape, mask_shape
+):
+    # Each array read at its own sequence (of the batch (2, 3)), head and positions, its
+    # broadcast axes left out; the user's score_mod after the bias; a −∞ bias masks (a row).
+    q, k, v = qkv(rng, 6, 7, 19, 4, 2, 16)  # (the batch flattened, for the reference)
+    bias = mask = None
+    if bias_shape is not None:
+        bias = jnp.asarray(rng.normal(size=bias_shape), jnp.float32)
+        bias = (
+            bias.at[..., 2, :].set(-jnp.inf)
+            if bias_shape[-2] > 1
+            else bias.at[..., 3].set(-jnp.inf)
+        )
+    if mask_shape is not None:
+        mask = jnp.asarray(rng.random(mask_shape) > 0.3)
+
+    def mod(s, b, h, i, j):
+        return s * (1 + h.astype(s.dtype) / 4) + (b - i + j).astype(s.dtype) / 8
+
+    def split(x):
+        return x.reshape((2, 3, *x.shape[1:]))
+
+    def ours(q, k, v, bias):
+        out = js.dot_product_attention(
+            *map(split, (q, k, v)), bias, mask, score_mod=mod, implementation=INTERPRET
+        )
+        return out.reshape(q.shape)
+
+    def full(x):
+        return None if x is None else np.broadcast_to(x, (2, 3, 4, 7, 19)).reshape(6, 4, 7, 19)
+
+    d_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    want = ref.attention(q, k, v, full(bias), mask=full(mask), score_mod=mod, d_out=d_out)
+    out, pull = jax.vjp(ours, q, k, v, bias)
+    assert ref.rel_err(out, want["out"]) < 2e-6
+    assert bias_shape is None or bias_shape[-2] == 1 or np.all(np.asarray(out)[:, 2] == 0)
+    grads = pull(d_out)
+    for got, name in zip(grads, ("dq", "dk", "dv"), strict=False):
+        assert ref.rel_err(got, want[name]) < 2e-5, name
+    if bias is not None:
+        summed = want["dbias"].reshape(2, 3, 4, 7, 19)
+        axes = tuple(i for i, n in enumerate(bias_shape) if n == 1)
+        assert ref.rel_err(grads[3], summed.sum(axes, keepdims=True)) < 2e-5
 
 
 def test_a_plain_pallas_call_on_a_cpu_runs_the_interpreter(rng):
