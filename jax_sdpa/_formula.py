@@ -184,7 +184,7 @@ class Formula:
             return self.score_mod(score, batch, head, q, kv, *arrays.score_consts)
 
         if jnp.ndim(scores) == 0:  # one entry (a bias or mask array a kernel reads: read_by_mod)
-            return entry(scores, q_idx, kv_idx)
+            return entry(scores, q_idx, kv_idx).astype(scores.dtype)
         grid = jax.vmap(jax.vmap(entry, in_axes=(0, None, 0)), in_axes=(0, 0, None))
         return grid(scores, q_idx, kv_idx).astype(scores.dtype)
 
@@ -307,24 +307,23 @@ def read_by_mod(
     if not dense:
         return formula, arrays
     readers = [None if x is None else _reader(x.shape, batch) for x in (arrays.bias, arrays.mask)]
-    squeezed = [x.reshape((1,) * len(batch) + tuple(n for n in x.shape if n > 1)) for x in dense]
+    squeezed = tuple(
+        x.reshape((1,) * len(batch) + tuple(n for n in x.shape if n > 1)) for x in dense
+    )
+    count = len(squeezed)  # (the mod closes over no array: it would keep this trace's)
 
     def score_mod(score, b, h, q_idx, kv_idx, *consts):
-        own = iter(consts[: len(dense)])
+        own = iter(consts[:count])
         bias, mask = (
             None if read is None else read(next(own), b, h, q_idx, kv_idx) for read in readers
         )
-        entry = CallArrays(bias, mask, batch=b, head=h, score_consts=consts[len(dense) :])
+        entry = CallArrays(bias, mask, batch=b, head=h, score_consts=consts[count:])
         scores, allowed = formula.biased(score, entry, q_idx, kv_idx)
         return scores if allowed is None else jnp.where(allowed, scores, -jnp.inf)
 
-    fixed = arrays.fixed_consts and (False,) * len(dense) + arrays.fixed_consts
+    consts = squeezed + arrays.score_consts  # (none is known fixed yet: fixed_consts is empty)
     return dataclasses.replace(formula, score_mod=score_mod), dataclasses.replace(
-        arrays,
-        bias=None,
-        mask=None,
-        score_consts=(*squeezed, *arrays.score_consts),
-        fixed_consts=fixed,
+        arrays, bias=None, mask=None, score_consts=consts
     )
 
 

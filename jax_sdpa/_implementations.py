@@ -204,17 +204,18 @@ def _kernel_lacks(inputs: Inputs, asked: str, instead: str, arrays: bool = True)
 
     ``arrays``: whether the bias and mask arrays are refused too (a ring's kernel).
     """
-    lacks = {
-        "bias": arrays and inputs.arrays.bias is not None,
-        "mask": arrays and inputs.arrays.mask is not None,
-        "dropout_rate": inputs.arrays.dropout_rng is not None,
-    }
-    used = [name for name, on in lacks.items() if on]
-    if used:
+    dense = [
+        name
+        for name, x in (("bias", inputs.arrays.bias), ("mask", inputs.arrays.mask))
+        if arrays and x is not None
+    ]
+    if dense:
         return (
-            f"{asked} takes no {', '.join(used)} (a dense array per call, or random bits per "
-            f"tile): use a mask rule or mask_mod, a score_mod, or {instead}."
+            f"{asked} takes no {' or '.join(dense)} array (a dense array of all the keys): use "
+            f"a mask rule or mask_mod, a score_mod, or {instead}."
         )
+    if inputs.arrays.dropout_rng is not None:
+        return f"{asked} takes no dropout_rate (random bits per tile): use {instead}."
     return None
 
 

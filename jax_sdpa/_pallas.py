@@ -227,17 +227,17 @@ def packed(formula: Formula, arrays: CallArrays, seq_q: int, group: int) -> bool
 
     Where ``T·G`` rows fit in :data:`PACKED_ROWS` and nothing differs from one query head to
     another but its queries (and its sink, met after the rows are unpacked, the rows' output
-    then rounded once more to the values' dtype): no ``score_mod``,
-    bias, mask array, dropout, sigmoid bias, or rule per head; nor an opaque rule, a block
-    mask's included (it would read its arrays at ``row // G``, not at a run of positions, which
-    is all a TPU or the Mosaic GPU kernel loads).
+    then rounded once more to the values' dtype): no ``score_mod`` (the call's bias and mask
+    arrays are one: :func:`~jax_sdpa._formula.read_by_mod`), sigmoid bias, or rule per head;
+    nor an opaque rule, a block mask's included (it would read its arrays at ``row // G``, not
+    at a run of positions, which is all a TPU or the Mosaic GPU kernel loads).
     """
     rule = arrays.rule
-    per_head = (formula.score_mod, arrays.bias, arrays.mask, arrays.dropout_rng)
     return (
         1 < group
         and seq_q * group <= PACKED_ROWS
-        and all(x is None for x in (*per_head, arrays.sigmoid_bias))
+        and formula.score_mod is None
+        and arrays.sigmoid_bias is None
         and not (rule is not None and (rule.per_head or rule.opaque))
     )
 
@@ -249,8 +249,8 @@ def _split(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) 
     too, so that a few sequences still fill the GPU), and their results merged as
     :func:`~jax_sdpa.merge_attention` merges two. Each chunk's output is rounded to the
     values' dtype before the merge; the sinks (one logit a row, not a chunk) are met once, in
-    it. A chunk of pages is whole pages. Not split: a bias or mask array (of all the keys), an
-    opaque rule, a block mask's included (classified and listed from position 0).
+    it. A chunk of pages is whole pages. Not split: an opaque rule, a block mask's included
+    (classified and listed from position 0).
     """
     paged, rule = isinstance(keys, Pages), arrays.rule
     seq_kv = keys.length if paged else keys[0].shape[0]
@@ -258,10 +258,7 @@ def _split(formula: Formula, tunables: Pallas, query, keys, arrays: CallArrays) 
     size = -(-seq_kv // -(-seq_kv // SPLIT_KEYS))  # (chunks of about equal lengths, then whole)
     size = -(-size // multiple) * multiple
     count = -(-seq_kv // size)
-    whole = any(x is not None for x in (arrays.bias, arrays.mask)) or (
-        rule is not None and rule.opaque
-    )
-    if count == 1 or whole:
+    if count == 1 or (rule is not None and rule.opaque):
         return _sequence(formula, tunables, query, keys, arrays)
     if paged:  # (the last page repeated, past the length: masked)
         chunks = keys.padded(count * size)

@@ -754,6 +754,22 @@ POSITIONAL = {
         dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(MATRICES)[b, h, i, j].astype(s.dtype)),
         dict(score_mod=lambda s, b, h, i, j: s + MATRICES[b, h, i, j]),
     ),
+    "a matrix smaller than the positions": (  # (its edge tiles by rows: clamped as jnp's)
+        dict(score_mod=lambda s, b, h, i, j: s + jnp.asarray(MATRIX[:100, :150])[i, j]),
+        dict(score_mod=lambda s, b, h, i, j: s + MATRIX[np.minimum(i, 99), np.minimum(j, 149)]),
+    ),
+    "a matrix read wrapped and filled": (  # (rows −200…−1: wrapped whole; keys past it filled)
+        dict(
+            score_mod=lambda s, b, h, i, j: (
+                s + jnp.asarray(MATRIX).at[i - 200, j + 50].get(mode="fill", fill_value=0.5)
+            )
+        ),
+        dict(
+            score_mod=lambda s, b, h, i, j: (
+                s + np.where(j < 150, MATRIX[i, np.minimum(j + 50, 199)], 0.5)
+            )
+        ),
+    ),
     "jax.nn's bias and mask arrays": (  # (read as the matrices are)
         dict(bias=jnp.asarray(MATRICES[:, :1]), mask=jnp.asarray(MATRIX[None, None] > -0.9)),
         dict(bias=MATRICES[:, :1], mask=MATRIX[None, None] > -0.9),
@@ -805,6 +821,8 @@ LOWERED_AS_SIBLINGS = (
     "a bias per key, shifted and clipped",
     "blocks kept by a table of them",
     "a bias matrix",
+    "a matrix smaller than the positions",
+    "a matrix read wrapped and filled",
 )
 
 

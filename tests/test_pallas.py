@@ -65,7 +65,11 @@ def test_what_the_kernel_does_not_take_is_refused_and_none_falls_back():
 
 @pytest.mark.parametrize(
     "bias_shape, mask_shape",
-    [((2, 1, 1, 7, 19), (1, 3, 4, 1, 19)), ((1, 3, 4, 1, 19), None), (None, (2, 1, 4, 7, 19))],
+    [
+        ((2, 1, 1, 7, 19), (1, 3, 4, 1, 19)),
+        ((2, 3, 4, 1, 19), (2, 3, 1, 7, 1)),  # (both batch axes full; rows masked whole)
+        (None, (2, 1, 4, 7, 19)),
+    ],
 )
 def test_bias_and_mask_arrays_over_two_batch_axes_are_read_in_the_kernel(
     rng, bias_shape, mask_shape
@@ -111,6 +115,18 @@ def test_bias_and_mask_arrays_over_two_batch_axes_are_read_in_the_kernel(
         summed = want["dbias"].reshape(2, 3, 4, 7, 19)
         axes = tuple(i for i, n in enumerate(bias_shape) if n == 1)
         assert ref.rel_err(grads[3], summed.sum(axes, keepdims=True)) < 2e-5
+
+
+def test_the_arrays_read_by_the_kernel_leak_no_tracer(rng):
+    # (the mod the call writes for them closes over none of the call's arrays)
+    q, k, v = qkv(rng, 2, 5, 9, 2, 1, 16)
+    bias, mask = jnp.zeros((2, 1, 5, 9)), jnp.ones((1, 1, 5, 9), bool)
+
+    def loss(q, bias):
+        return js.dot_product_attention(q, k, v, bias, mask, implementation=INTERPRET).sum()
+
+    with jax.checking_leaks():
+        jax.grad(loss, argnums=(0, 1))(q, bias)
 
 
 def test_a_plain_pallas_call_on_a_cpu_runs_the_interpreter(rng):

@@ -23,6 +23,8 @@ INTERPRET = js.Pallas(block_q=16, block_kv=16, interpret=True)
 S = 300  # keys: five chunks of 64 (the last padded)
 LENGTHS = np.array([300, 77])
 DOCUMENTS = jnp.arange(S) // 100  # (the one query sits at position 0)
+BIAS = np.sin(np.arange(2 * 2 * S)).reshape(2, 1, 2, S)  # (per sequence and query, by key)
+KEPT = np.arange(8 * S).reshape(1, 8, 1, S) % 7 != 3  # (per head, by key)
 
 
 def _ends_causal(t):
@@ -74,6 +76,15 @@ CASES = {
         2,
         dict(score_mod=lambda s, b, h, i, j: s - 0.1 * h.astype(s.dtype)),
         dict(score_mod=lambda s, b, h, i, j: s - 0.1 * h),
+        False,
+        True,
+    ),
+    "a bias and a mask array (a score_mod's): split, not packed": (
+        2,
+        8,
+        2,
+        dict(bias=jnp.asarray(BIAS, jnp.float32), mask=jnp.asarray(KEPT)),
+        dict(bias=BIAS, mask=KEPT),
         False,
         True,
     ),
