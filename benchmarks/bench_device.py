@@ -16,9 +16,8 @@ forward+backward time beside the chunked and dense paths' in both dtypes. Then t
 H16 T4096 d128 bfloat16, forward and forward+backward, medians of ``--reps`` calls: our kernel
 (causal, ALiBi, 16 documents, no mask; sigmoid causal and not, and causal with the max scores
 out), its Mosaic GPU port (``Pallas(backend="mosaic_gpu")``: causal, no mask, ALiBi, a
-relative table, a bias per key and a bias matrix with their gradients, 16 documents as segment
-ids; every
-correctness case is run with it too),
+relative table, a bias per key and a bias matrix, the matrix as ``bias=`` too, beside cuDNN's
+with it, 16 documents as segment ids; every correctness case is run with it too),
 ``jax.nn.dot_product_attention`` with ``implementation="cudnn"`` and ``"xla"``, our chunked XLA
 path, and upstream ``jax.experimental.pallas.ops.gpu.attention.mha``, each as TFLOP/s (the
 products a causal call needs: half the scores) and as a ratio to cuDNN, beside the machine's own
@@ -254,6 +253,17 @@ def timed_calls(kernel) -> dict:
         ),
         "mosaic_gpu causal bias matrix": (
             functools.partial(mosaic, is_causal=True, score_mod=bias_matrix),
+            True,
+        ),
+        # jax.nn's own bias argument, the same matrix (read as the score_mod's is), and cuDNN's.
+        "mosaic_gpu causal bias= array": (
+            functools.partial(mosaic, is_causal=True, bias=matrix[None, None].astype(jnp.bfloat16)),
+            True,
+        ),
+        "jax.nn cudnn causal bias= array": (
+            functools.partial(
+                nn, implementation="cudnn", bias=matrix[None, None].astype(jnp.bfloat16)
+            ),
             True,
         ),
         "mosaic_gpu 16 documents (segment ids)": (
