@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_sdpa._jax_compat import DECOMPOSITIONS, bind
@@ -359,18 +360,22 @@ def nextafter_of(x, y):
     """``lax.nextafter(x, y)``: the number after ``x`` toward ``y``, by its bits (as XLA's).
 
     ``y`` where ``x == y``, the least subnormal of ``y``'s sign after ±0, NaN where either is.
+    Every comparison and choice is of the bits: XLA's on a CPU with AVX-512 BF16 flushes
+    bfloat16 subnormals in float comparisons and choices.
     """
     x, y = jnp.broadcast_arrays(x, y)  # (Mosaic GPU bit-casts no scalar)
     bits = jnp.dtype(f"int{8 * x.dtype.itemsize}")
     x_bits, y_bits = (lax.bitcast_convert_type(z, bits) for z in (x, y))
     sign = bits.type(jnp.iinfo(bits).min)  # (the sign bit alone)
+    infinity = bits.type(np.array(np.inf, x.dtype).view(bits))  # (above it: NaN)
     x_abs, y_abs = x_bits & ~sign, y_bits & ~sign
     away = jnp.where((x_bits & sign) == (y_bits & sign), bits.type(1), bits.type(-1))
     after = x_bits + jnp.where(x_abs > y_abs, bits.type(-1), away)  # (toward 0: one less)
     after = jnp.where(x_abs == 0, (y_bits & sign) | bits.type(1), after)
-    after = lax.bitcast_convert_type(after, x.dtype)
-    after = jnp.where(x != x, x, jnp.where(y != y, y, after))  # (NaN where either is)
-    return jnp.where(x == y, y, after)
+    equal = (x_bits == y_bits) | ((x_abs == 0) & (y_abs == 0))  # (±0 equal)
+    after = jnp.where(equal | (y_abs > infinity), y_bits, after)
+    after = jnp.where(x_abs > infinity, x_bits, after)  # (NaN where either is)
+    return lax.bitcast_convert_type(after, x.dtype)
 
 
 def _of_booleans(eqn):
