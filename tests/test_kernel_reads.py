@@ -467,9 +467,7 @@ def test_nextafter_as_mosaic_gpu_computes_it_is_ieees_bit_for_bit():
         got = np.asarray(jax.jit(nextafter_of)(x, y))
         x, y = np.asarray(x), np.asarray(y)
         with np.errstate(over="ignore", under="ignore"):  # (to ±∞, to subnormals: as they are)
-            want = np.where(
-                x == y, y, np.nextafter(x, y)
-            )  # (y at ±0, as C's; NumPy 2.4: x)
+            want = np.where(x == y, y, np.nextafter(x, y))  # (y at ±0, as C's; NumPy 2.4: x)
         bits = np.dtype(f"int{8 * got.itemsize}")
         nan = np.isnan(want.astype(np.float32))
         assert np.array_equal(np.isnan(got.astype(np.float32)), nan)
