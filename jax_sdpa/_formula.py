@@ -292,6 +292,10 @@ class CallArrays:
         return dataclasses.replace(self, bias=cut(self.bias), mask=cut(self.mask))
 
 
+#: The positions a kernel's tiles come in whole multiples of (a Mosaic GPU program's 128 rows).
+WHOLE_TILES = 128
+
+
 def read_by_mod(
     formula: Formula, arrays: CallArrays, batch: tuple[int, ...]
 ) -> tuple[Formula, CallArrays]:
@@ -303,10 +307,11 @@ def read_by_mod(
     where that masks. The arrays join the mod's, shared by the batch; the bias's gradient
     is theirs.
     """
-    dense = [x for x in (arrays.bias, arrays.mask) if x is not None]
+    given = [None if x is None else _whole_tiles(x) for x in (arrays.bias, arrays.mask)]
+    dense = [x for x in given if x is not None]
     if not dense:
         return formula, arrays
-    readers = [None if x is None else _reader(x.shape, batch) for x in (arrays.bias, arrays.mask)]
+    readers = [None if x is None else _reader(x.shape, batch) for x in given]
     squeezed = tuple(
         x.reshape((1,) * len(batch) + tuple(n for n in x.shape if n > 1)) for x in dense
     )
@@ -325,6 +330,17 @@ def read_by_mod(
     return dataclasses.replace(formula, score_mod=score_mod), dataclasses.replace(
         arrays, bias=None, mask=None, score_consts=consts
     )
+
+
+def _whole_tiles(x: Array) -> Array:
+    """``x`` with its positions' axes (but an axis of 1) padded to whole :data:`WHOLE_TILES`.
+
+    So that no kernel tile reads past its end: Mosaic GPU reads a tile inside a matrix in one
+    load, one past its end entry by entry. What the padding holds is never used: the positions
+    past the call's lengths are masked.
+    """
+    pad = [(0, -n % WHOLE_TILES if n > 1 else 0) for n in x.shape[-2:]]
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + pad) if any(after for _, after in pad) else x
 
 
 def _reader(shape: tuple[int, ...], batch: tuple[int, ...]) -> Callable:
