@@ -292,12 +292,8 @@ class CallArrays:
         return dataclasses.replace(self, bias=cut(self.bias), mask=cut(self.mask))
 
 
-#: The positions a kernel's tiles come in whole multiples of (a Mosaic GPU program's 128 rows).
-WHOLE_TILES = 128
-
-
 def read_by_mod(
-    formula: Formula, arrays: CallArrays, batch: tuple[int, ...]
+    formula: Formula, arrays: CallArrays, batch: tuple[int, ...], whole: int | None = None
 ) -> tuple[Formula, CallArrays]:
     """A batched call's bias and mask arrays read by a ``score_mod``, as a kernel reads a mod's.
 
@@ -305,9 +301,10 @@ def read_by_mod(
     the sequence's index along each of the ``batch`` axes) and computes :meth:`Formula.biased`
     entry by entry with the user's ``score_mod`` after them, as every path does, returning −∞
     where that masks. The arrays join the mod's, shared by the batch; the bias's gradient
-    is theirs.
+    is theirs. With ``whole``, their positions' axes of at least ``whole`` are padded to whole
+    multiples of it (:func:`_whole_tiles`).
     """
-    given = [None if x is None else _whole_tiles(x) for x in (arrays.bias, arrays.mask)]
+    given = [None if x is None else _whole_tiles(x, whole) for x in (arrays.bias, arrays.mask)]
     dense = [x for x in given if x is not None]
     if not dense:
         return formula, arrays
@@ -332,14 +329,18 @@ def read_by_mod(
     )
 
 
-def _whole_tiles(x: Array) -> Array:
-    """``x`` with its positions' axes (but an axis of 1) padded to whole :data:`WHOLE_TILES`.
+def _whole_tiles(x: Array, whole: int | None) -> Array:
+    """``x`` with its positions' axes of at least ``whole`` padded to whole multiples of it.
 
-    So that no kernel tile reads past its end: Mosaic GPU reads a tile inside a matrix in one
-    load, one past its end entry by entry. What the padding holds is never used: the positions
-    past the call's lengths are masked.
+    So that a kernel's tiles of ``whole`` positions lie inside the array: Mosaic GPU reads a
+    tile inside a matrix in one load, one past its end row by row, entry by entry where the keys
+    leave it. A shorter axis (a decoding call's few queries) stays: padded, it would grow more
+    than twice. What the padding holds is never used: the positions past the call's lengths
+    are masked.
     """
-    pad = [(0, -n % WHOLE_TILES if n > 1 else 0) for n in x.shape[-2:]]
+    if whole is None:
+        return x
+    pad = [(0, -n % whole if n >= whole else 0) for n in x.shape[-2:]]
     return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + pad) if any(after for _, after in pad) else x
 
 

@@ -41,7 +41,12 @@ from jax_sdpa._formula import read_by_mod
 from jax_sdpa._heads import Result, over_batch
 from jax_sdpa._jax_compat import PALLAS_UNDER_SHARD_MAP, differentiated_twice, under_jvp_of
 from jax_sdpa._latent import LatentValues
-from jax_sdpa._pallas import pallas_paged_sequence, pallas_sequence, reads_latent_pools
+from jax_sdpa._pallas import (
+    pallas_paged_sequence,
+    pallas_sequence,
+    reads_latent_pools,
+    whole_tiles,
+)
 from jax_sdpa._ring import ring_sequence
 from jax_sdpa._steps import accumulation_dtype
 from jax_sdpa._tunables import Chunked, Decode, Paged, Pallas, Ring, Selected
@@ -222,7 +227,8 @@ def _kernel_lacks(inputs: Inputs, asked: str, instead: str, arrays: bool = True)
 def _run_pallas(inputs: Inputs, config: Config) -> Result:
     """The kernel's call, its bias and mask arrays read as a ``score_mod``'s."""
     batch = inputs.query.shape[:-3]
-    formula, arrays = read_by_mod(config.formula, inputs.arrays, batch)
+    whole = whole_tiles(config.tunables)
+    formula, arrays = read_by_mod(config.formula, inputs.arrays, batch, whole)
     inputs = dataclasses.replace(inputs, arrays=arrays)
     return _tiled(pallas_sequence)(inputs, dataclasses.replace(config, formula=formula))
 

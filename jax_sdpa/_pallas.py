@@ -26,6 +26,7 @@ from jax_sdpa._kernels.fitting import (
     fitted,
     for_inputs,
     heads_padded,
+    on_mosaic_gpu,
     padded,
     padded_queries,
     reads_latent,
@@ -169,6 +170,16 @@ def pallas_paged_sequence(
     if not _pages_fit(tunables, query, pages):
         return pallas_sequence(formula, tunables, query, *pages.gathered(), arrays)
     return _decoding(formula, tunables, query, pages, arrays)
+
+
+def whole_tiles(tunables: Pallas) -> int | None:
+    """The positions whose whole multiples a call's bias and mask arrays are padded to, if any.
+
+    A Mosaic GPU program's rows (and its keys', at tiles of up to as many): the kernel reads a
+    tile inside a matrix in one load (:func:`~jax_sdpa._formula.read_by_mod`). The other
+    kernels read any tile so: no copy.
+    """
+    return PROGRAM_ROWS if on_mosaic_gpu(tunables) else None
 
 
 def _pages_fit(tunables: Pallas, query, pages: Pages) -> bool:
