@@ -929,6 +929,9 @@ POWERS = {  # (what Mosaic GPU lowers no primitive for, rewritten: rewrites.REWR
     "signs and nextafter of a tile": lambda s, b, h, i, j: (
         s + _signs_and_more((i - j).astype(s.dtype) * 0.01)
     ),
+    "nextafter of a bfloat16 tile": lambda s, b, h, i, j: (  # (by its bits, as int16)
+        s + jnp.nextafter((i - j).astype(jnp.bfloat16) * 0.01, jnp.bfloat16(0)).astype(s.dtype)
+    ),
     "ndtri of a tile": lambda s, b, h, i, j: (  # (conversions of booleans, a choice of five)
         s + jax.scipy.special.ndtri(jax.nn.sigmoid((i - j).astype(s.dtype) * 0.01))
     ),
@@ -981,6 +984,7 @@ def test_powers_lower_for_cuda(case):
     _cases(
         "erf, atan and more of a tile",
         "signs and nextafter of a tile",
+        "nextafter of a bfloat16 tile",
         "ndtri of a tile",
         "i0e of a tile's positions",
         "the Bessel functions of a tile",
