@@ -304,14 +304,14 @@ def read_by_mod(
     is theirs. With ``whole``, their positions' axes of at least ``whole`` are padded to whole
     multiples of it (:func:`_whole_tiles`).
     """
-    given = [None if x is None else _whole_tiles(x, whole) for x in (arrays.bias, arrays.mask)]
-    dense = [x for x in given if x is not None]
-    if not dense:
+    given = [
+        None if x is None else _kept(_whole_tiles(x, whole), batch)
+        for x in (arrays.bias, arrays.mask)
+    ]
+    squeezed = tuple(kept for kept, _ in filter(None, given))
+    if not squeezed:
         return formula, arrays
-    readers = [None if x is None else _reader(x.shape, batch) for x in given]
-    squeezed = tuple(
-        x.reshape((1,) * len(batch) + tuple(n for n in x.shape if n > 1)) for x in dense
-    )
+    readers = [None if x is None else x[1] for x in given]
     count = len(squeezed)  # (the mod closes over no array: it would keep this trace's)
 
     def score_mod(score, b, h, q_idx, kv_idx, *consts):
@@ -344,11 +344,17 @@ def _whole_tiles(x: Array, whole: int | None) -> Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + pad) if any(after for _, after in pad) else x
 
 
-def _reader(shape: tuple[int, ...], batch: tuple[int, ...]) -> Callable:
-    """``read(x, b, h, q_idx, kv_idx)``: the entry of an array of ``shape`` with its 1s left out."""
+def _kept(x: Array, batch: tuple[int, ...]) -> tuple[Array, Callable]:
+    """``x`` with its axes of 1 left out, shared by the batch, and ``read(kept, b, h, q, kv)``.
 
-    def read(x, b, h, q_idx, kv_idx):
+    ``read`` takes the entry at the sequence's index ``b`` along each of the ``batch`` axes, at
+    head ``h`` and at positions ``q``, ``kv``, along the axes kept.
+    """
+    kept = [axis for axis, n in enumerate(x.shape) if n > 1]
+
+    def read(array, b, h, q_idx, kv_idx):
         at = [b // math.prod(batch[i + 1 :]) % n for i, n in enumerate(batch)] + [h, q_idx, kv_idx]
-        return x[tuple(i for i, n in zip(at, shape, strict=True) if n > 1)]
+        return array[tuple(at[axis] for axis in kept)]
 
-    return read
+    shape = tuple(x.shape[axis] for axis in kept)
+    return x.reshape((1,) * len(batch) + shape), read

@@ -284,13 +284,12 @@ def _gathered(operand: Unread, indices, params, laid_out=None, tile_read=None):
     tiles = all(isinstance(x, Expanded) and x.ones == 1 and jnp.ndim(x.value) == 2 for x in parts)
     if laid_out is not None and len(parts) == rank and tiles:
         grids = [part.positions for part in parts]  # (a tile's own positions, where they are)
+        points = [part.value for part in parts]  # (tiles of points, as the program made them)
         if tile_read is not None and all(grids) and [grid.axis for grid in grids] == [0, 1]:
             value = tile_read(operand, [grid.run for grid in grids], params)
-            points = [part.value for part in parts]  # (the grids as read: the gather's indices)
             return filled(value, in_bounds(points, operand.shape), params)
         if any(grids):  # (a loop over a whole tile's entries)
             _refuse(operand)
-        points = [part.value for part in parts]  # (tiles of points, as the program made them)
         value = _looped(operand, points, laid_out)
     else:
         points = index_arrays(indices, rank)
